@@ -1,0 +1,15 @@
+//! The trace IR: element types, ops, traces, the builder, the text form and the verifier.
+
+mod builder;
+mod dtype;
+mod op;
+mod text;
+mod trace;
+mod verify;
+
+pub use builder::{Graph, Tensor};
+pub use dtype::{DType, Shape, TensorType};
+pub use op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+pub use text::{op_attrs, parse};
+pub use trace::{Def, InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
+pub use verify::verify;

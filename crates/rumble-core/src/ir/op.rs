@@ -1,0 +1,590 @@
+//! The one enum of ops, with each op's name, attributes and type rule.
+//!
+//! Adding an op means adding a variant here; rustc then lists every `match` that must learn
+//! about it (type rule, text form, VJP, CPU kernel, CUDA kernel).
+//!
+//! Rules shared by all ops: no implicit broadcasting (use `broadcast`), no implicit type
+//! promotion (use `cast`), static shapes only. Composite ops that need their own kernels for
+//! speed or memory (RMSNorm, RoPE, softmax, cross-entropy, SwiGLU, attention) stay whole, and
+//! their backward passes are ops too.
+
+use super::dtype::{DType, Shape, TensorType};
+
+/// Elementwise functions of one float tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Sigmoid,
+    Silu,
+    Tanh,
+    Abs,
+    Recip,
+    Square,
+}
+
+/// Elementwise functions of two tensors of the same type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+}
+
+/// Elementwise comparisons; the result is `bool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// Reductions along axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Mean,
+}
+
+/// One operation of a trace. Attributes are part of the op; operands are value ids held by the
+/// node (see `trace::Node`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// `() -> ty`: every element equals `value`.
+    Full { value: f64, ty: TensorType },
+    /// `(x) -> x`, float only.
+    Unary(UnaryOp),
+    /// `x ** exponent`, float only.
+    PowScalar { exponent: f64 },
+    /// `x + value`, float only.
+    AddScalar { value: f64 },
+    /// `x * value`, float only.
+    MulScalar { value: f64 },
+    /// `(x) -> x as to`. Float to int truncates toward zero.
+    Cast { to: DType },
+    /// `(a, b) -> a`, same dtype and shape.
+    Binary(BinaryOp),
+    /// `(a, b) -> bool`, same dtype and shape.
+    Compare(CmpOp),
+    /// `(cond: bool, a, b) -> a`, all the same shape.
+    Where,
+    /// Reduce along `axes` (sorted, unique); `keepdim` keeps them as size 1.
+    Reduce { op: ReduceOp, axes: Vec<usize>, keepdim: bool },
+    /// Same elements in row-major order, another shape.
+    Reshape { shape: Shape },
+    /// `out.dims[i] = x.dims[perm[i]]`.
+    Permute { perm: Vec<usize> },
+    /// Numpy-style expansion, explicit: dims align on the right; each input dim equals the
+    /// output's or is 1.
+    Broadcast { shape: Shape },
+    /// `x[.., start..end, ..]` along `axis`.
+    Slice { axis: usize, start: usize, end: usize },
+    /// Join along `axis`; every operand has the same dtype and the same other dims.
+    Concat { axis: usize },
+    /// Embedding lookup: `(table [V, D], ids int [...]) -> [..., D]`.
+    Gather,
+    /// The adjoint of `gather`: `(ids int [...], src [..., D]) -> [rows, D]`, rows summed.
+    ScatterAdd { rows: usize },
+    /// Batched matmul: `a [.., M, K]` (`[.., K, M]` if `ta`) times `b [.., K, N]`
+    /// (`[.., N, K]` if `tb`) gives `[.., M, N]`; batch dims must be equal.
+    Matmul { ta: bool, tb: bool },
+    /// `(x [..., D], w [D]) -> x * rsqrt(mean(x^2) + eps) * w`, statistics in f32.
+    RmsNorm { eps: f64 },
+    /// `(x, w, dy) -> (dx, dw)`.
+    RmsNormBackward { eps: f64 },
+    /// Rotary position embedding of `x [B, H, T, D]` at positions `0..T`, rotate-half form
+    /// (Hugging Face LLaMA, litgpt). `inverse` rotates by minus the angle (its VJP).
+    Rope { theta: f64, inverse: bool },
+    /// Softmax along the last axis.
+    Softmax,
+    /// `(y, dy) -> dx` for `y = softmax(x)`.
+    SoftmaxBackward,
+    /// Log-softmax along the last axis.
+    LogSoftmax,
+    /// `(y, dy) -> dx` for `y = log_softmax(x)`.
+    LogSoftmaxBackward,
+    /// `(logits [N, V], targets int [N]) -> f32[]`: mean over targets != ignore_index of
+    /// `logsumexp(logits) - logits[target]`, in f32. All targets ignored gives 0.
+    CrossEntropy { ignore_index: i64 },
+    /// `(logits, targets, dloss f32[]) -> dlogits`.
+    CrossEntropyBackward { ignore_index: i64 },
+    /// `(gate, up) -> silu(gate) * up`.
+    Swiglu,
+    /// `(gate, up, dy) -> (dgate, dup)`.
+    SwigluBackward,
+    /// Scaled dot-product attention with grouped-query heads:
+    /// `(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> (o [B, Hq, T, D], lse f32[B, Hq, T])`.
+    /// Query head `h` reads key/value head `h / (Hq / Hkv)`. `causal` needs `T == S`.
+    /// Only `o` and the log-sum-exp `lse` are kept for the backward (flash style).
+    Attention { scale: f64, causal: bool },
+    /// `(q, k, v, o, lse, do) -> (dq, dk, dv)`.
+    AttentionBackward { scale: f64, causal: bool },
+}
+
+impl UnaryOp {
+    pub const ALL: [UnaryOp; 11] = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Sigmoid,
+        UnaryOp::Silu,
+        UnaryOp::Tanh,
+        UnaryOp::Abs,
+        UnaryOp::Recip,
+        UnaryOp::Square,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Square => "square",
+        }
+    }
+}
+
+impl BinaryOp {
+    pub const ALL: [BinaryOp; 6] =
+        [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Maximum, BinaryOp::Minimum];
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+        }
+    }
+}
+
+impl CmpOp {
+    pub const ALL: [CmpOp; 6] = [CmpOp::Eq, CmpOp::Ne, CmpOp::Lt, CmpOp::Le, CmpOp::Gt, CmpOp::Ge];
+    pub fn name(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "eq",
+            CmpOp::Ne => "ne",
+            CmpOp::Lt => "lt",
+            CmpOp::Le => "le",
+            CmpOp::Gt => "gt",
+            CmpOp::Ge => "ge",
+        }
+    }
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "amax",
+            ReduceOp::Mean => "mean",
+        }
+    }
+}
+
+impl Op {
+    /// The op's name: used by the text form, error messages, and kernel names.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Full { .. } => "full",
+            Op::Unary(u) => u.name(),
+            Op::PowScalar { .. } => "pow_scalar",
+            Op::AddScalar { .. } => "add_scalar",
+            Op::MulScalar { .. } => "mul_scalar",
+            Op::Cast { .. } => "cast",
+            Op::Binary(b) => b.name(),
+            Op::Compare(c) => c.name(),
+            Op::Where => "where",
+            Op::Reduce { op, .. } => op.name(),
+            Op::Reshape { .. } => "reshape",
+            Op::Permute { .. } => "permute",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::Gather => "gather",
+            Op::ScatterAdd { .. } => "scatter_add",
+            Op::Matmul { .. } => "matmul",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::RmsNormBackward { .. } => "rms_norm_backward",
+            Op::Rope { .. } => "rope",
+            Op::Softmax => "softmax",
+            Op::SoftmaxBackward => "softmax_backward",
+            Op::LogSoftmax => "log_softmax",
+            Op::LogSoftmaxBackward => "log_softmax_backward",
+            Op::CrossEntropy { .. } => "cross_entropy",
+            Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::Swiglu => "swiglu",
+            Op::SwigluBackward => "swiglu_backward",
+            Op::Attention { .. } => "attention",
+            Op::AttentionBackward { .. } => "attention_backward",
+        }
+    }
+
+    /// Number of operands, or `None` for variadic ops (`concat`, one or more).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Full { .. } => 0,
+            Op::Unary(_)
+            | Op::PowScalar { .. }
+            | Op::AddScalar { .. }
+            | Op::MulScalar { .. }
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Rope { .. }
+            | Op::Softmax
+            | Op::LogSoftmax => 1,
+            Op::Binary(_)
+            | Op::Compare(_)
+            | Op::Gather
+            | Op::ScatterAdd { .. }
+            | Op::Matmul { .. }
+            | Op::RmsNorm { .. }
+            | Op::SoftmaxBackward
+            | Op::LogSoftmaxBackward
+            | Op::CrossEntropy { .. }
+            | Op::Swiglu => 2,
+            Op::Where
+            | Op::RmsNormBackward { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::SwigluBackward
+            | Op::Attention { .. } => 3,
+            Op::AttentionBackward { .. } => 6,
+            Op::Concat { .. } => return None,
+        })
+    }
+
+    /// True for ops that map each output element to the same-index elements of their
+    /// operands (candidates for elementwise fusion and for writing in place).
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_)
+                | Op::PowScalar { .. }
+                | Op::AddScalar { .. }
+                | Op::MulScalar { .. }
+                | Op::Cast { .. }
+                | Op::Binary(_)
+                | Op::Compare(_)
+                | Op::Where
+        )
+    }
+
+    /// The output types for operands of types `args`, or a message saying why they don't fit.
+    /// Callers wrap the message with the op name and operand types (`Error::Op`).
+    pub fn infer(&self, args: &[&TensorType]) -> Result<Vec<TensorType>, String> {
+        match self.arity() {
+            Some(n) if n != args.len() => return Err(format!("takes {n} operands, got {}", args.len())),
+            None if args.is_empty() => return Err("takes at least one operand".into()),
+            _ => {}
+        }
+        let one = |t: TensorType| Ok(vec![t]);
+        match self {
+            Op::Full { ty, .. } => one(ty.clone()),
+            Op::Unary(_) | Op::PowScalar { .. } | Op::AddScalar { .. } | Op::MulScalar { .. } => {
+                float(args[0])?;
+                one(args[0].clone())
+            }
+            Op::Cast { to } => one(args[0].with_dtype(*to)),
+            Op::Binary(_) => {
+                same_type(args[0], args[1])?;
+                if args[0].dtype == DType::Bool {
+                    return Err("arithmetic on bool; cast first".into());
+                }
+                one(args[0].clone())
+            }
+            Op::Compare(_) => {
+                same_type(args[0], args[1])?;
+                one(args[0].with_dtype(DType::Bool))
+            }
+            Op::Where => {
+                if args[0].dtype != DType::Bool {
+                    return Err(format!("condition must be bool, got {}", args[0].dtype));
+                }
+                same_type(args[1], args[2])?;
+                if args[0].shape != args[1].shape {
+                    return Err(format!("condition shape {} differs from {}", args[0].shape, args[1].shape));
+                }
+                one(args[1].clone())
+            }
+            Op::Reduce { op, axes, keepdim } => {
+                let x = args[0];
+                if axes.is_empty() {
+                    return Err("no axes to reduce".into());
+                }
+                if axes.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(format!("axes {axes:?} must be sorted and unique"));
+                }
+                if let Some(&a) = axes.iter().find(|&&a| a >= x.rank()) {
+                    return Err(format!("axis {a} out of range for rank {}", x.rank()));
+                }
+                match op {
+                    ReduceOp::Sum | ReduceOp::Mean => float(x)?,
+                    ReduceOp::Max if x.dtype == DType::Bool => return Err("amax of bool".into()),
+                    ReduceOp::Max => {}
+                }
+                let dims: Vec<usize> = x
+                    .dims()
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, &d)| match (axes.contains(&i), keepdim) {
+                        (false, _) => Some(d),
+                        (true, true) => Some(1),
+                        (true, false) => None,
+                    })
+                    .collect();
+                one(x.with_shape(dims))
+            }
+            Op::Reshape { shape } => {
+                if shape.numel() != args[0].numel() {
+                    return Err(format!(
+                        "cannot reshape {} ({} elements) to {} ({} elements)",
+                        args[0].shape,
+                        args[0].numel(),
+                        shape,
+                        shape.numel()
+                    ));
+                }
+                one(args[0].with_shape(shape.clone()))
+            }
+            Op::Permute { perm } => {
+                let x = args[0];
+                let mut seen = vec![false; x.rank()];
+                if perm.len() != x.rank()
+                    || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true))
+                {
+                    return Err(format!("{perm:?} is not a permutation of the {} axes", x.rank()));
+                }
+                one(x.with_shape(perm.iter().map(|&p| x.dims()[p]).collect::<Vec<_>>()))
+            }
+            Op::Broadcast { shape } => {
+                let x = args[0];
+                if x.rank() > shape.rank() {
+                    return Err(format!("cannot broadcast {} to lower rank {}", x.shape, shape));
+                }
+                let off = shape.rank() - x.rank();
+                for (i, &d) in x.dims().iter().enumerate() {
+                    if d != 1 && d != shape.dims()[off + i] {
+                        return Err(format!("cannot broadcast {} to {}: dim {i} is {d}", x.shape, shape));
+                    }
+                }
+                one(x.with_shape(shape.clone()))
+            }
+            Op::Slice { axis, start, end } => {
+                let x = args[0];
+                if *axis >= x.rank() {
+                    return Err(format!("axis {axis} out of range for rank {}", x.rank()));
+                }
+                let d = x.dims()[*axis];
+                if start >= end || *end > d {
+                    return Err(format!("range {start}..{end} is empty or outside 0..{d} on axis {axis}"));
+                }
+                let mut dims = x.dims().to_vec();
+                dims[*axis] = end - start;
+                one(x.with_shape(dims))
+            }
+            Op::Concat { axis } => {
+                let x = args[0];
+                if *axis >= x.rank() {
+                    return Err(format!("axis {axis} out of range for rank {}", x.rank()));
+                }
+                let mut total = 0;
+                for a in args {
+                    if a.dtype != x.dtype || a.rank() != x.rank() {
+                        return Err(format!("operands differ: {x} vs {a}"));
+                    }
+                    for i in 0..x.rank() {
+                        if i != *axis && a.dims()[i] != x.dims()[i] {
+                            return Err(format!("operands differ off axis {axis}: {x} vs {a}"));
+                        }
+                    }
+                    total += a.dims()[*axis];
+                }
+                let mut dims = x.dims().to_vec();
+                dims[*axis] = total;
+                one(x.with_shape(dims))
+            }
+            Op::Gather => {
+                let (table, ids) = (args[0], args[1]);
+                float(table)?;
+                if table.rank() != 2 {
+                    return Err(format!("table must be [V, D], got {}", table.shape));
+                }
+                int(ids)?;
+                let mut dims = ids.dims().to_vec();
+                dims.push(table.dims()[1]);
+                one(table.with_shape(dims))
+            }
+            Op::ScatterAdd { rows } => {
+                let (ids, src) = (args[0], args[1]);
+                int(ids)?;
+                float(src)?;
+                if src.rank() != ids.rank() + 1 || src.dims()[..ids.rank()] != *ids.dims() {
+                    return Err(format!("src {} must be ids' shape {} plus one trailing dim", src.shape, ids.shape));
+                }
+                one(src.with_shape([*rows, src.shape.last()]))
+            }
+            Op::Matmul { ta, tb } => {
+                let (a, b) = (args[0], args[1]);
+                float(a)?;
+                if a.dtype != b.dtype {
+                    return Err(format!("dtypes differ: {} vs {}", a.dtype, b.dtype));
+                }
+                if a.rank() < 2 || a.rank() != b.rank() {
+                    return Err("operands must have the same rank, at least 2".into());
+                }
+                let r = a.rank();
+                if a.dims()[..r - 2] != b.dims()[..r - 2] {
+                    return Err("batch dims differ".into());
+                }
+                let (m, ka) = if *ta { (a.dims()[r - 1], a.dims()[r - 2]) } else { (a.dims()[r - 2], a.dims()[r - 1]) };
+                let (kb, n) = if *tb { (b.dims()[r - 1], b.dims()[r - 2]) } else { (b.dims()[r - 2], b.dims()[r - 1]) };
+                if ka != kb {
+                    return Err(format!("inner dims differ: {ka} vs {kb}"));
+                }
+                let mut dims = a.dims()[..r - 2].to_vec();
+                dims.extend([m, n]);
+                one(a.with_shape(dims))
+            }
+            Op::RmsNorm { .. } => {
+                let (x, w) = (args[0], args[1]);
+                norm_operands(x, w)?;
+                one(x.clone())
+            }
+            Op::RmsNormBackward { .. } => {
+                let (x, w, dy) = (args[0], args[1], args[2]);
+                norm_operands(x, w)?;
+                same_type(x, dy)?;
+                Ok(vec![x.clone(), w.clone()])
+            }
+            Op::Rope { .. } => {
+                let x = args[0];
+                float(x)?;
+                if x.rank() != 4 || x.dims()[3] % 2 != 0 {
+                    return Err(format!("needs [B, H, T, D] with D even, got {}", x.shape));
+                }
+                one(x.clone())
+            }
+            Op::Softmax | Op::LogSoftmax => {
+                float(args[0])?;
+                if args[0].rank() == 0 {
+                    return Err("needs at least one axis".into());
+                }
+                one(args[0].clone())
+            }
+            Op::SoftmaxBackward | Op::LogSoftmaxBackward | Op::Swiglu => {
+                float(args[0])?;
+                same_type(args[0], args[1])?;
+                one(args[0].clone())
+            }
+            Op::SwigluBackward => {
+                float(args[0])?;
+                same_type(args[0], args[1])?;
+                same_type(args[0], args[2])?;
+                Ok(vec![args[0].clone(), args[1].clone()])
+            }
+            Op::CrossEntropy { .. } => {
+                ce_operands(args[0], args[1])?;
+                one(TensorType::scalar(DType::F32))
+            }
+            Op::CrossEntropyBackward { .. } => {
+                ce_operands(args[0], args[1])?;
+                if *args[2] != TensorType::scalar(DType::F32) {
+                    return Err(format!("dloss must be f32[], got {}", args[2]));
+                }
+                one(args[0].clone())
+            }
+            Op::Attention { causal, .. } => {
+                attention_operands(args[0], args[1], args[2], *causal)?;
+                let d = args[0].dims();
+                Ok(vec![args[0].clone(), TensorType::new(DType::F32, [d[0], d[1], d[2]])])
+            }
+            Op::AttentionBackward { causal, .. } => {
+                let (q, k, v, o, lse, dout) = (args[0], args[1], args[2], args[3], args[4], args[5]);
+                attention_operands(q, k, v, *causal)?;
+                same_type(q, o)?;
+                same_type(q, dout)?;
+                let d = q.dims();
+                if *lse != TensorType::new(DType::F32, [d[0], d[1], d[2]]) {
+                    return Err(format!("lse must be f32[{},{},{}], got {lse}", d[0], d[1], d[2]));
+                }
+                Ok(vec![q.clone(), k.clone(), v.clone()])
+            }
+        }
+    }
+}
+
+fn float(t: &TensorType) -> Result<(), String> {
+    if t.dtype.is_float() { Ok(()) } else { Err(format!("needs a float dtype, got {}", t.dtype)) }
+}
+
+fn int(t: &TensorType) -> Result<(), String> {
+    if t.dtype.is_int() { Ok(()) } else { Err(format!("indices must be i32 or i64, got {}", t.dtype)) }
+}
+
+fn same_type(a: &TensorType, b: &TensorType) -> Result<(), String> {
+    if a == b { Ok(()) } else { Err(format!("operand types differ: {a} vs {b}")) }
+}
+
+fn norm_operands(x: &TensorType, w: &TensorType) -> Result<(), String> {
+    float(x)?;
+    if x.rank() == 0 || w.dtype != x.dtype || w.dims() != [x.shape.last()] {
+        return Err(format!("weight must be {}[{}], got {w}", x.dtype, x.shape.last()));
+    }
+    Ok(())
+}
+
+fn ce_operands(logits: &TensorType, targets: &TensorType) -> Result<(), String> {
+    float(logits)?;
+    int(targets)?;
+    if logits.rank() != 2 || targets.dims() != [logits.dims()[0]] {
+        return Err(format!("needs logits [N, V] and targets [N], got {} and {}", logits.shape, targets.shape));
+    }
+    Ok(())
+}
+
+fn attention_operands(q: &TensorType, k: &TensorType, v: &TensorType, causal: bool) -> Result<(), String> {
+    float(q)?;
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        return Err("q, k, v must be [B, H, T, D]".into());
+    }
+    if q.dtype != k.dtype || q.dtype != v.dtype {
+        return Err("q, k, v dtypes differ".into());
+    }
+    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+    if kd != vd {
+        return Err(format!("k {} and v {} differ", k.shape, v.shape));
+    }
+    if qd[0] != kd[0] || qd[3] != kd[3] {
+        return Err(format!("batch or head size differ: q {} vs k {}", q.shape, k.shape));
+    }
+    if kd[1] == 0 || qd[1] % kd[1] != 0 {
+        return Err(format!("{} query heads are not a multiple of {} key/value heads", qd[1], kd[1]));
+    }
+    if causal && qd[2] != kd[2] {
+        return Err(format!("causal attention needs equal lengths, got {} and {}", qd[2], kd[2]));
+    }
+    Ok(())
+}

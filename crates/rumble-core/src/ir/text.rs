@@ -1,0 +1,414 @@
+//! The one text form of a trace: `Display` prints it, `parse` reads it back.
+//!
+//! ```text
+//! trace block {
+//!   input %0: f32[2,16,64] "x" input
+//!   input %1: f32[64] "norm.weight" param
+//!   %2: f32[2,16,64] = rms_norm(%0, %1) eps=1e-6
+//!   -- backward
+//!   %4: f32[2,16,64], %5: f32[64] = rms_norm_backward(%0, %1, %3) eps=1e-6
+//!   output %2 "y"
+//!   output %5 "grad.norm.weight" grad_of=%1
+//! }
+//! ```
+//! One op a line with its output types; attributes follow as `key=value` with no spaces inside a
+//! value; `-- backward` / `-- optimizer` / `-- forward` lines switch the phase of the nodes that
+//! follow. Floats print in Rust's shortest round-trip form, so print-then-parse is exact.
+
+use std::collections::HashMap;
+use std::fmt::{self, Write as _};
+
+use super::dtype::{DType, Shape, TensorType};
+use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
+use crate::{Error, Result};
+
+/// The attributes of an op as `(key, value text)` pairs, in print order.
+pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
+    let f = |x: f64| format!("{x:?}");
+    let list = |l: &[usize]| Shape::new(l.to_vec()).to_string();
+    match op {
+        Op::Full { value, ty } => vec![("value", f(*value)), ("type", ty.to_string())],
+        Op::PowScalar { exponent } => vec![("exponent", f(*exponent))],
+        Op::AddScalar { value } | Op::MulScalar { value } => vec![("value", f(*value))],
+        Op::Cast { to } => vec![("to", to.to_string())],
+        Op::Reduce { axes, keepdim, .. } => vec![("axes", list(axes)), ("keepdim", keepdim.to_string())],
+        Op::Reshape { shape } | Op::Broadcast { shape } => vec![("shape", shape.to_string())],
+        Op::Permute { perm } => vec![("perm", list(perm))],
+        Op::Slice { axis, start, end } => {
+            vec![("axis", axis.to_string()), ("start", start.to_string()), ("end", end.to_string())]
+        }
+        Op::Concat { axis } => vec![("axis", axis.to_string())],
+        Op::ScatterAdd { rows } => vec![("rows", rows.to_string())],
+        Op::Matmul { ta, tb } => vec![("ta", ta.to_string()), ("tb", tb.to_string())],
+        Op::RmsNorm { eps } | Op::RmsNormBackward { eps } => vec![("eps", f(*eps))],
+        Op::Rope { theta, inverse } => vec![("theta", f(*theta)), ("inverse", inverse.to_string())],
+        Op::CrossEntropy { ignore_index } | Op::CrossEntropyBackward { ignore_index } => {
+            vec![("ignore_index", ignore_index.to_string())]
+        }
+        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
+            vec![("scale", f(*scale)), ("causal", causal.to_string())]
+        }
+        Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Where
+        | Op::Gather
+        | Op::Softmax
+        | Op::SoftmaxBackward
+        | Op::LogSoftmax
+        | Op::LogSoftmaxBackward
+        | Op::Swiglu
+        | Op::SwigluBackward => vec![],
+    }
+}
+
+/// The attributes of one parsed line, read on demand by key and type.
+struct Attrs<'a> {
+    map: HashMap<&'a str, &'a str>,
+}
+
+impl<'a> Attrs<'a> {
+    fn get(&self, key: &str) -> Result<&'a str, String> {
+        self.map.get(key).copied().ok_or_else(|| format!("missing attribute `{key}`"))
+    }
+    fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<T, String> {
+        let v = self.get(key)?;
+        v.parse().map_err(|_| format!("bad value `{v}` for attribute `{key}`"))
+    }
+    fn f64(&self, key: &str) -> Result<f64, String> {
+        self.parse(key)
+    }
+    fn usize(&self, key: &str) -> Result<usize, String> {
+        self.parse(key)
+    }
+    fn bool(&self, key: &str) -> Result<bool, String> {
+        self.parse(key)
+    }
+    fn list(&self, key: &str) -> Result<Vec<usize>, String> {
+        let v = self.get(key)?;
+        parse_list(v).ok_or_else(|| format!("bad list `{v}` for attribute `{key}`"))
+    }
+    fn ty(&self, key: &str) -> Result<TensorType, String> {
+        self.get(key)?.parse()
+    }
+}
+
+fn parse_list(v: &str) -> Option<Vec<usize>> {
+    let inner = v.strip_prefix('[')?.strip_suffix(']')?;
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    inner.split(',').map(|d| d.parse().ok()).collect()
+}
+
+/// Builds the op called `name` from its attributes (the inverse of `op_attrs`).
+fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
+    if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == name) {
+        return Ok(Op::Unary(u));
+    }
+    if let Some(b) = BinaryOp::ALL.into_iter().find(|b| b.name() == name) {
+        return Ok(Op::Binary(b));
+    }
+    if let Some(c) = CmpOp::ALL.into_iter().find(|c| c.name() == name) {
+        return Ok(Op::Compare(c));
+    }
+    let reduce =
+        |op| -> Result<Op, String> { Ok(Op::Reduce { op, axes: a.list("axes")?, keepdim: a.bool("keepdim")? }) };
+    Ok(match name {
+        "full" => Op::Full { value: a.f64("value")?, ty: a.ty("type")? },
+        "pow_scalar" => Op::PowScalar { exponent: a.f64("exponent")? },
+        "add_scalar" => Op::AddScalar { value: a.f64("value")? },
+        "mul_scalar" => Op::MulScalar { value: a.f64("value")? },
+        "cast" => Op::Cast { to: a.get("to")?.parse::<DType>()? },
+        "where" => Op::Where,
+        "sum" => reduce(ReduceOp::Sum)?,
+        "amax" => reduce(ReduceOp::Max)?,
+        "mean" => reduce(ReduceOp::Mean)?,
+        "reshape" => Op::Reshape { shape: Shape::new(a.list("shape")?) },
+        "broadcast" => Op::Broadcast { shape: Shape::new(a.list("shape")?) },
+        "permute" => Op::Permute { perm: a.list("perm")? },
+        "slice" => Op::Slice { axis: a.usize("axis")?, start: a.usize("start")?, end: a.usize("end")? },
+        "concat" => Op::Concat { axis: a.usize("axis")? },
+        "gather" => Op::Gather,
+        "scatter_add" => Op::ScatterAdd { rows: a.usize("rows")? },
+        "matmul" => Op::Matmul { ta: a.bool("ta")?, tb: a.bool("tb")? },
+        "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
+        "rms_norm_backward" => Op::RmsNormBackward { eps: a.f64("eps")? },
+        "rope" => Op::Rope { theta: a.f64("theta")?, inverse: a.bool("inverse")? },
+        "softmax" => Op::Softmax,
+        "softmax_backward" => Op::SoftmaxBackward,
+        "log_softmax" => Op::LogSoftmax,
+        "log_softmax_backward" => Op::LogSoftmaxBackward,
+        "cross_entropy" => Op::CrossEntropy { ignore_index: a.parse("ignore_index")? },
+        "cross_entropy_backward" => Op::CrossEntropyBackward { ignore_index: a.parse("ignore_index")? },
+        "swiglu" => Op::Swiglu,
+        "swiglu_backward" => Op::SwigluBackward,
+        "attention" => Op::Attention { scale: a.f64("scale")?, causal: a.bool("causal")? },
+        "attention_backward" => Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")? },
+        _ => return Err(format!("unknown op `{name}`")),
+    })
+}
+
+fn quote(s: &str) -> String {
+    let mut q = String::with_capacity(s.len() + 2);
+    q.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => q.push_str("\\\""),
+            '\\' => q.push_str("\\\\"),
+            '\n' => q.push_str("\\n"),
+            c => q.push(c),
+        }
+    }
+    q.push('"');
+    q
+}
+
+impl Trace {
+    /// One node in the text form, with its output types.
+    pub fn node_text(&self, node: &Node) -> String {
+        let mut s = String::new();
+        for (i, o) in node.outs.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            let _ = write!(s, "{o}: {}", self.ty(*o));
+        }
+        let args: Vec<String> = node.args.iter().map(|a| a.to_string()).collect();
+        let _ = write!(s, " = {}({})", node.op.name(), args.join(", "));
+        for (k, v) in op_attrs(&node.op) {
+            let _ = write!(s, " {k}={v}");
+        }
+        s
+    }
+}
+
+impl fmt::Display for Trace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "trace {} {{", quote(&self.name))?;
+        for inp in &self.inputs {
+            writeln!(f, "  input {}: {} {} {}", inp.value, self.ty(inp.value), quote(&inp.name), inp.role.name())?;
+        }
+        let mut phase = Phase::Forward;
+        for node in &self.nodes {
+            if node.phase != phase {
+                phase = node.phase;
+                writeln!(f, "  -- {}", phase.name())?;
+            }
+            writeln!(f, "  {}", self.node_text(node))?;
+        }
+        for out in &self.outputs {
+            write!(f, "  output {} {}", out.value, quote(&out.name))?;
+            match out.role {
+                OutputRole::Output => {}
+                OutputRole::Grad { of } => write!(f, " grad_of={of}")?,
+                OutputRole::Update { of } => write!(f, " update_of={of}")?,
+                OutputRole::Saved => write!(f, " saved")?,
+            }
+            writeln!(f)?;
+        }
+        writeln!(f, "}}")
+    }
+}
+
+/// Reads a trace from its text form, verifies it and numbers its values compactly.
+pub fn parse(text: &str) -> Result<Trace> {
+    let mut p = Parser { trace: Trace::default(), ids: HashMap::new(), phase: Phase::Forward, saw_header: false };
+    let mut closed = false;
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with("//") {
+            continue;
+        }
+        let err = |msg: String| Error::Parse { line: i + 1, text: raw.to_string(), msg };
+        if closed {
+            return Err(err("text after the closing `}`".into()));
+        }
+        if line == "}" {
+            closed = true;
+            continue;
+        }
+        p.line(line).map_err(err)?;
+    }
+    if !p.saw_header {
+        return Err(Error::Parse { line: 1, text: String::new(), msg: "no `trace NAME {` header".into() });
+    }
+    if !closed {
+        return Err(Error::Parse {
+            line: text.lines().count(),
+            text: String::new(),
+            msg: "missing closing `}`".into(),
+        });
+    }
+    let mut trace = p.trace;
+    crate::ir::verify(&trace)?;
+    trace.compact()?;
+    Ok(trace)
+}
+
+struct Parser {
+    trace: Trace,
+    ids: HashMap<u32, ValueId>,
+    phase: Phase,
+    saw_header: bool,
+}
+
+impl Parser {
+    fn line(&mut self, line: &str) -> Result<(), String> {
+        if !self.saw_header {
+            let rest = line.strip_prefix("trace ").ok_or("expected `trace NAME {`")?;
+            let rest = rest.strip_suffix('{').ok_or("expected `{` at the end of the header")?.trim();
+            let (name, tail) = read_string(rest)?;
+            if !tail.trim().is_empty() {
+                return Err(format!("unexpected `{tail}` after the trace name"));
+            }
+            self.trace.name = name;
+            self.saw_header = true;
+            return Ok(());
+        }
+        if let Some(p) = line.strip_prefix("-- ") {
+            self.phase = match p.trim() {
+                "forward" => Phase::Forward,
+                "backward" => Phase::Backward,
+                "optimizer" => Phase::Optimizer,
+                other => return Err(format!("unknown phase `{other}`")),
+            };
+            return Ok(());
+        }
+        if let Some(rest) = line.strip_prefix("input ") {
+            // %0: f32[2,3] "name" role
+            let (decl, rest) = rest.split_once(' ').ok_or("expected `input %N: TYPE \"name\" role`")?;
+            let (id, ty) = self.decl(decl, rest)?;
+            let ty_len = ty.len();
+            let ty: TensorType = ty.parse()?;
+            let rest = rest[ty_len..].trim();
+            let (name, role) = read_string(rest)?;
+            let role = role.trim();
+            let role = InputRole::ALL
+                .into_iter()
+                .find(|r| r.name() == role)
+                .ok_or_else(|| format!("unknown input role `{role}`"))?;
+            let value = self.define(id, ty)?;
+            self.trace.inputs.push(TraceInput { value, name, role });
+            return Ok(());
+        }
+        if let Some(rest) = line.strip_prefix("output ") {
+            let (v, rest) = rest.split_once(' ').ok_or("expected `output %N \"name\"`")?;
+            let value = self.use_(v)?;
+            let (name, tail) = read_string(rest.trim())?;
+            let tail = tail.trim();
+            let role = if tail.is_empty() {
+                OutputRole::Output
+            } else if tail == "saved" {
+                OutputRole::Saved
+            } else if let Some(of) = tail.strip_prefix("grad_of=") {
+                OutputRole::Grad { of: self.use_(of)? }
+            } else if let Some(of) = tail.strip_prefix("update_of=") {
+                OutputRole::Update { of: self.use_(of)? }
+            } else {
+                return Err(format!("unknown output role `{tail}`"));
+            };
+            self.trace.outputs.push(TraceOutput { value, name, role });
+            return Ok(());
+        }
+        // %4: f32[2,3], %5: f32[3] = op(%1, %2) key=value ...
+        let (lhs, rhs) = line.split_once(" = ").ok_or("expected `%N: TYPE = op(...)`")?;
+        let open = rhs.find('(').ok_or("expected `op(`")?;
+        let close = rhs.find(')').ok_or("expected `)` after the operands")?;
+        let name = rhs[..open].trim();
+        let args_text = rhs[open + 1..close].trim();
+        let args = if args_text.is_empty() {
+            Vec::new()
+        } else {
+            args_text.split(',').map(|a| self.use_(a.trim())).collect::<Result<Vec<_>, _>>()?
+        };
+        let mut map = HashMap::new();
+        for kv in rhs[close + 1..].split_whitespace() {
+            let (k, v) = kv.split_once('=').ok_or_else(|| format!("attribute `{kv}` is not key=value"))?;
+            if map.insert(k, v).is_some() {
+                return Err(format!("attribute `{k}` given twice"));
+            }
+        }
+        let op = op_from_text(name, &Attrs { map })?;
+        let mut outs = Vec::new();
+        for decl in split_top_level(lhs) {
+            let decl = decl.trim();
+            let (id, ty) = decl.split_once(':').ok_or_else(|| format!("output `{decl}` lacks `: TYPE`"))?;
+            let ty: TensorType = ty.trim().parse()?;
+            outs.push(self.define(id.trim(), ty)?);
+        }
+        self.trace.nodes.push(Node { op, args, outs, phase: self.phase });
+        Ok(())
+    }
+
+    /// Splits `%3: f32[2,3]` from an `input` line into the id and the type text.
+    fn decl<'b>(&self, decl: &'b str, rest: &'b str) -> Result<(&'b str, &'b str), String> {
+        let id = decl.strip_suffix(':').ok_or_else(|| format!("expected `%N:`, got `{decl}`"))?;
+        let ty = rest.split_whitespace().next().ok_or("missing type")?;
+        Ok((id, ty))
+    }
+
+    fn number(v: &str) -> Result<u32, String> {
+        v.strip_prefix('%').and_then(|n| n.parse().ok()).ok_or_else(|| format!("expected a value like `%3`, got `{v}`"))
+    }
+
+    fn define(&mut self, v: &str, ty: TensorType) -> Result<ValueId, String> {
+        let n = Self::number(v)?;
+        if self.ids.contains_key(&n) {
+            return Err(format!("{v} is defined twice"));
+        }
+        let id = self.trace.new_value(ty);
+        self.ids.insert(n, id);
+        Ok(id)
+    }
+
+    fn use_(&self, v: &str) -> Result<ValueId, String> {
+        let n = Self::number(v)?;
+        self.ids.get(&n).copied().ok_or_else(|| format!("{v} is used before it is defined"))
+    }
+}
+
+/// Reads a leading `"..."` string; returns it and the rest of the line.
+fn read_string(s: &str) -> Result<(String, &str), String> {
+    let mut chars = s.char_indices();
+    if chars.next().map(|c| c.1) != Some('"') {
+        return Err(format!("expected a quoted name, got `{s}`"));
+    }
+    let mut out = String::new();
+    let mut escaped = false;
+    for (i, c) in chars {
+        match (escaped, c) {
+            (true, 'n') => {
+                out.push('\n');
+                escaped = false
+            }
+            (true, c) => {
+                out.push(c);
+                escaped = false
+            }
+            (false, '\\') => escaped = true,
+            (false, '"') => return Ok((out, &s[i + 1..])),
+            (false, c) => out.push(c),
+        }
+    }
+    Err(format!("unterminated string `{s}`"))
+}
+
+/// Splits on commas that are not inside `[...]`.
+fn split_top_level(s: &str) -> Vec<&str> {
+    let (mut depth, mut start, mut parts) = (0i32, 0, Vec::new());
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&s[start..]);
+    parts
+}

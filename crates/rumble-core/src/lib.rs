@@ -1,0 +1,11 @@
+//! rumble's core: everything that needs no GPU.
+//!
+//! In pipeline order: [`ir`] (traces, the builder, the text form, the verifier) ->
+//! [`autodiff`] (VJP rules, joint and split traces) -> [`passes`] (trace-to-trace rewrites) ->
+//! [`plan`] (lifetimes, one arena, LOAD) -> [`cpu`] (the reference backend and CPU executors).
+
+pub mod error;
+pub mod ir;
+
+pub use error::{Error, Result};
+pub use ir::{DType, Graph, Shape, Tensor, TensorType, Trace, ValueId};
