@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod ir;
+pub mod plan;
 
 pub use error::{Error, Result};
 pub use ir::{DType, Graph, Shape, Tensor, TensorType, Trace, ValueId};
