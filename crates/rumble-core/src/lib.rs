@@ -7,6 +7,7 @@
 pub mod error;
 pub mod ir;
 pub mod plan;
+pub mod testing;
 
 pub use error::{Error, Result};
 pub use ir::{DType, Graph, Shape, Tensor, TensorType, Trace, ValueId};

@@ -52,11 +52,7 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub fn slot(&self, v: crate::ir::ValueId) -> Result<Slot> {
-        self.slots
-            .get(v.index())
-            .copied()
-            .flatten()
-            .ok_or_else(|| Error::Plan(format!("{v} has no slot")))
+        self.slots.get(v.index()).copied().flatten().ok_or_else(|| Error::Plan(format!("{v} has no slot")))
     }
     /// Offset of the library workspace inside the arena.
     pub fn workspace_offset(&self) -> usize {
