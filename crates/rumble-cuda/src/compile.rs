@@ -1,0 +1,173 @@
+//! NVRTC: CUDA C source -> machine code (CUBIN) for the device's own architecture
+//! (`--gpu-architecture=sm_90` on an H200), loaded as a module. Each distinct source is compiled
+//! once per process (kept in [`Device`]'s module cache) and once per machine (CUBINs cached on
+//! disk under `$RUMBLE_CUDA_CACHE`, else `$XDG_CACHE_HOME/rumble/cuda` or
+//! `~/.cache/rumble/cuda`; set `RUMBLE_CUDA_CACHE=off` to skip the disk).
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result as drv, sys};
+use cudarc::nvrtc::{result as nv, sys as nvsys};
+
+use crate::device::Device;
+use crate::error::{CudaError, DriverContext, Result};
+
+/// A loaded module and the functions looked up in it so far.
+pub struct Module {
+    pub(crate) module: sys::CUmodule,
+    functions: Mutex<HashMap<String, Func>>,
+    pub name: String,
+}
+
+/// A kernel ready to launch (a plain handle: valid while its device lives).
+#[derive(Clone, Copy, Debug)]
+pub struct Func(pub(crate) sys::CUfunction);
+unsafe impl Send for Func {}
+unsafe impl Sync for Func {}
+
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+impl Module {
+    pub fn function(&self, kernel: &str) -> Result<Func> {
+        let mut fns = self.functions.lock().map_err(|_| CudaError::usage("module cache poisoned"))?;
+        if let Some(f) = fns.get(kernel) {
+            return Ok(*f);
+        }
+        let cname = CString::new(kernel).map_err(|_| CudaError::usage(format!("bad kernel name {kernel:?}")))?;
+        let f = unsafe { drv::module::get_function(self.module, cname) }
+            .ctx(|| format!("cuModuleGetFunction `{kernel}` in module `{}`", self.name))?;
+        fns.insert(kernel.to_string(), Func(f));
+        Ok(Func(f))
+    }
+}
+
+/// Compile options for a module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Options {
+    /// Allow contracting `a * b + c` into one fused multiply-add (off for elementwise code, so a
+    /// fused chain rounds exactly as the ops would one by one).
+    pub fmad: bool,
+}
+
+/// FNV-1a: a stable 64-bit hash for cache keys (stable across builds, unlike std's hasher).
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for b in *p {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    match std::env::var("RUMBLE_CUDA_CACHE") {
+        Ok(v) if v == "off" => return None,
+        Ok(v) if !v.is_empty() => return Some(PathBuf::from(v)),
+        _ => {}
+    }
+    if let Ok(x) = std::env::var("XDG_CACHE_HOME")
+        && !x.is_empty()
+    {
+        return Some(PathBuf::from(x).join("rumble/cuda"));
+    }
+    std::env::var("HOME").ok().map(|h| PathBuf::from(h).join(".cache/rumble/cuda"))
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut a, mut b) = (0, 0);
+    let _ = unsafe { nvsys::nvrtcVersion(&mut a, &mut b) };
+    (a, b)
+}
+
+fn include_dirs() -> Vec<String> {
+    let mut roots: Vec<String> =
+        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| std::env::var(v).ok()).filter(|s| !s.is_empty()).collect();
+    roots.push("/usr/local/cuda".into());
+    roots.into_iter().map(|r| format!("{r}/include")).filter(|p| std::path::Path::new(p).is_dir()).collect()
+}
+
+impl Device {
+    /// The module compiled from `source` (named `name` in errors), compiling and loading it
+    /// on first use.
+    pub fn module(&self, name: &str, source: &str, opts: Options) -> Result<Arc<Module>> {
+        let (ma, mi) = nvrtc_version();
+        let mut options = vec![format!("--gpu-architecture={}", self.arch), "--std=c++17".to_string()];
+        options.push(format!("--fmad={}", opts.fmad));
+        if std::env::var("RUMBLE_CUDA_LINEINFO").is_ok_and(|v| v == "1") {
+            options.push("--generate-line-info".into());
+        }
+        for d in include_dirs() {
+            options.push(format!("--include-path={d}"));
+        }
+        let key = format!(
+            "{:016x}",
+            fnv1a(&[source.as_bytes(), options.join(" ").as_bytes(), format!("nvrtc{ma}.{mi}").as_bytes()])
+        );
+        if let Some(m) = self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.get(&key) {
+            return Ok(m.clone());
+        }
+        let dir = cache_dir();
+        let path = dir.as_ref().map(|d| d.join(format!("{name}-{key}.cubin")));
+        let cubin = match path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+            Some(bytes) => bytes,
+            None => {
+                let bin = self.nvrtc(name, source, &options)?;
+                if let (Some(d), Some(p)) = (&dir, &path) {
+                    // A cache that cannot be written only costs a recompile next time.
+                    let _ = std::fs::create_dir_all(d);
+                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    if std::fs::write(&tmp, &bin).is_ok() {
+                        let _ = std::fs::rename(&tmp, p);
+                    }
+                }
+                bin
+            }
+        };
+        self.bind()?;
+        let module =
+            unsafe { drv::module::load_data(cubin.as_ptr() as *const _) }.ctx(|| format!("loading module `{name}`"))?;
+        let m = Arc::new(Module { module, functions: Mutex::new(HashMap::new()), name: name.to_string() });
+        self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.insert(key, m.clone());
+        Ok(m)
+    }
+
+    fn nvrtc(&self, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+        let err = |e: String, log: String| CudaError::Compile {
+            kernel: name.to_string(),
+            arch: self.arch.clone(),
+            err: e,
+            log,
+        };
+        let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into(), String::new()))?;
+        let cname = CString::new(format!("{name}.cu")).map_err(|_| err("bad name".into(), String::new()))?;
+        let prog = nv::create_program(&src, Some(&cname)).map_err(|e| err(e.to_string(), String::new()))?;
+        let compiled = unsafe { nv::compile_program(prog, options) };
+        let log = unsafe { nv::get_program_log(prog) }
+            .map(|l| {
+                let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .unwrap_or_default();
+        let out = match compiled {
+            Err(e) => Err(err(e.to_string(), log)),
+            Ok(()) => unsafe {
+                let mut size = 0usize;
+                nvsys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| err(e.to_string(), log.clone()))?;
+                let mut bin = vec![0u8; size];
+                nvsys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _).result().map_err(|e| err(e.to_string(), log))?;
+                Ok(bin)
+            },
+        };
+        let _ = unsafe { nv::destroy_program(prog) };
+        out
+    }
+}
+

@@ -1,0 +1,200 @@
+//! One GPU: its libraries loaded at run time, its primary context, the one stream every
+//! executor launches on, the cuBLASLt handle, the compiled-kernel cache and the device status
+//! word that kernels use to report bad data (an id out of range) without a host round trip.
+//!
+//! Nothing here panics when CUDA is absent: [`Device::new`] checks each library first and
+//! returns [`CudaError::NoDevice`] or [`CudaError::Library`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{result as lt, sys as ltsys};
+use cudarc::driver::{result as drv, sys};
+
+use crate::compile::Module;
+use crate::error::{CudaError, DriverContext, Result};
+
+/// A CUDA device ready to run kernels.
+pub struct Device {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability `(major, minor)`, e.g. `(9, 0)`.
+    pub capability: (i32, i32),
+    /// `sm_90` for an H100/H200: NVRTC compiles for exactly this.
+    pub arch: String,
+    pub multiprocessors: usize,
+    pub total_memory: usize,
+    cu_device: sys::CUdevice,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    blas: ltsys::cublasLtHandle_t,
+    /// Four `int`s on the device: `[0]` is the first failing node's tag (node index + 1),
+    /// `[1]` a reason code, `[2..4]` the offending value (low, high words).
+    status: sys::CUdeviceptr,
+    pub(crate) modules: Mutex<HashMap<String, Arc<Module>>>,
+    pub(crate) matmul_cache: Mutex<crate::matmul::Cache>,
+}
+
+// The raw handles are owned by this struct and only used after `bind()` makes the context
+// current on the calling thread; the mutable caches sit behind mutexes.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+/// True when a CUDA driver library can be loaded and reports at least one device.
+pub fn available() -> bool {
+    Device::new(0).is_ok()
+}
+
+fn lib_present(lib: &'static str) -> Result<()> {
+    let present = std::panic::catch_unwind(|| unsafe {
+        match lib {
+            "libcuda" => sys::is_culib_present(),
+            "libnvrtc" => cudarc::nvrtc::sys::is_culib_present(),
+            _ => ltsys::is_culib_present(),
+        }
+    })
+    .unwrap_or(false);
+    if present {
+        Ok(())
+    } else {
+        Err(CudaError::Library { lib, why: "not found on the library path (is the CUDA toolkit installed?)".into() })
+    }
+}
+
+impl Device {
+    /// Opens device `ordinal`. Errors (never panics) when CUDA, NVRTC or cuBLASLt cannot be
+    /// loaded or no device exists.
+    pub fn new(ordinal: usize) -> Result<Arc<Device>> {
+        lib_present("libcuda").map_err(|e| CudaError::NoDevice(e.to_string()))?;
+        lib_present("libnvrtc")?;
+        lib_present("libcublasLt")?;
+        // cudarc panics on a missing symbol (an old driver): turn that into an error too.
+        match std::panic::catch_unwind(|| Self::open(ordinal)) {
+            Ok(r) => r.map(Arc::new),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(CudaError::NoDevice(format!("CUDA libraries failed to load: {msg}")))
+            }
+        }
+    }
+
+    fn open(ordinal: usize) -> Result<Device> {
+        drv::init().map_err(|e| CudaError::NoDevice(format!("cuInit: {}", crate::error::describe(&e))))?;
+        let count = drv::device::get_count().ctx(|| "cuDeviceGetCount".into())?;
+        if count <= 0 {
+            return Err(CudaError::NoDevice("the driver reports no devices".into()));
+        }
+        if ordinal >= count as usize {
+            return Err(CudaError::NoDevice(format!("device {ordinal} asked for, {count} present")));
+        }
+        let cu_device = drv::device::get(ordinal as i32).ctx(|| "cuDeviceGet".into())?;
+        let ctx = unsafe { drv::primary_ctx::retain(cu_device) }.ctx(|| "cuDevicePrimaryCtxRetain".into())?;
+        unsafe { drv::ctx::set_current(ctx) }.ctx(|| "cuCtxSetCurrent".into())?;
+        let attr = |a: sys::CUdevice_attribute| unsafe { drv::device::get_attribute(cu_device, a) };
+        use sys::CUdevice_attribute as A;
+        let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).ctx(|| "cuDeviceGetAttribute".into())?;
+        let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).ctx(|| "cuDeviceGetAttribute".into())?;
+        let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).ctx(|| "cuDeviceGetAttribute".into())?;
+        let name = drv::device::get_name(cu_device).ctx(|| "cuDeviceGetName".into())?;
+        let total_memory = unsafe { drv::device::total_mem(cu_device) }.ctx(|| "cuDeviceTotalMem".into())?;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).ctx(|| "cuStreamCreate".into())?;
+        let blas = lt::create_handle().map_err(|e| CudaError::Blas {
+            op: "-".into(),
+            what: "cublasLtCreate".into(),
+            err: e.to_string(),
+        })?;
+        let status = unsafe { drv::malloc_sync(16) }.ctx(|| "allocating the status word".into())?;
+        unsafe { drv::memset_d8_sync(status, 0, 16) }.ctx(|| "clearing the status word".into())?;
+        Ok(Device {
+            ordinal,
+            name,
+            capability: (major, minor),
+            arch: format!("sm_{major}{minor}"),
+            multiprocessors: sms as usize,
+            total_memory,
+            cu_device,
+            ctx,
+            stream,
+            blas,
+            status,
+            modules: Mutex::new(HashMap::new()),
+            matmul_cache: Mutex::new(Default::default()),
+        })
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        unsafe { drv::ctx::set_current(self.ctx) }.ctx(|| "cuCtxSetCurrent".into())
+    }
+
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    pub(crate) fn blas(&self) -> ltsys::cublasLtHandle_t {
+        self.blas
+    }
+
+    pub(crate) fn status_ptr(&self) -> sys::CUdeviceptr {
+        self.status
+    }
+
+    /// `(free, total)` bytes of device memory now (cuMemGetInfo).
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        drv::mem_get_info().ctx(|| "cuMemGetInfo".into())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        unsafe { drv::stream::synchronize(self.stream) }.ctx(|| "cuStreamSynchronize".into())
+    }
+
+    /// Waits for the stream and turns a nonzero status word into an error naming the node.
+    /// `names` maps a node tag (index + 1) to its op name.
+    pub fn check_status(&self, name_of: impl Fn(usize) -> String) -> Result<()> {
+        self.synchronize()?;
+        let mut s = [0i32; 4];
+        unsafe { drv::memcpy_dtoh_sync(&mut s, self.status) }.ctx(|| "reading the status word".into())?;
+        if s[0] == 0 {
+            return Ok(());
+        }
+        unsafe { drv::memset_d8_sync(self.status, 0, 16) }.ctx(|| "clearing the status word".into())?;
+        let node = s[0] as usize - 1;
+        let value = (s[2] as u32 as i64) | ((s[3] as i64) << 32);
+        let msg = match s[1] {
+            1 => format!("index {value} out of range"),
+            2 => "integer division by zero".to_string(),
+            3 => format!("target {value} out of range (and not the ignore index)"),
+            c => format!("error code {c}"),
+        };
+        Err(CudaError::DeviceData { op: name_of(node), node, msg })
+    }
+
+    pub fn cu_device(&self) -> sys::CUdevice {
+        self.cu_device
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // Errors here cannot be reported; the process is letting the device go.
+        unsafe {
+            let _ = drv::ctx::set_current(self.ctx);
+            let _ = drv::stream::synchronize(self.stream);
+            for (_, m) in self.modules.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
+                let _ = drv::module::unload(m.module);
+            }
+            if let Ok(mut c) = self.matmul_cache.lock() {
+                c.clear();
+            }
+            let _ = lt::destroy_handle(self.blas);
+            let _ = drv::free_sync(self.status);
+            let _ = drv::stream::destroy(self.stream);
+            let _ = drv::primary_ctx::release(self.cu_device);
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Elementwise code generation: an expression DAG over same-index elements of its inputs,
+//! turned into one CUDA kernel. Every elementwise op of the IR is a one-node expression; a
+//! chain of them (the coming `Op::Fused`) is one expression, so the chain becomes one kernel.
+//!
+//! Each node computes in its dtype's arithmetic type (f32 for f32/bf16/f16, f64 for f64, i64 for
+//! integers, int for bool) and rounds to its dtype, so a fused chain gives bit for bit what its
+//! ops give one by one (kernels compile with `--fmad=false` for the same reason).
+
+use rumble_core::ir::{BinaryOp, CmpOp, DType, Op, TensorType, UnaryOp};
+
+use crate::compile::fnv1a;
+use crate::error::{CudaError, Result};
+
+/// What a node computes from its `args` (earlier node indices).
+#[derive(Clone, Debug, PartialEq)]
+pub enum EOp {
+    /// Kernel input `i`.
+    Input(usize),
+    Const(f64),
+    Unary(UnaryOp),
+    Pow(f64),
+    AddScalar(f64),
+    MulScalar(f64),
+    Binary(BinaryOp),
+    Compare(CmpOp),
+    Where,
+    /// Convert the operand to this node's dtype.
+    Cast,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ENode {
+    pub op: EOp,
+    pub args: Vec<usize>,
+    pub dtype: DType,
+}
+
+/// An elementwise program: inputs (with their dtypes; a one-element input is broadcast),
+/// nodes in dependency order, and the nodes stored as outputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fused {
+    pub inputs: Vec<DType>,
+    pub scalar_inputs: Vec<bool>,
+    pub nodes: Vec<ENode>,
+    pub outputs: Vec<usize>,
+}
+
+impl Fused {
+    /// The one-node expression of an elementwise IR op (`None` for other ops).
+    pub fn of_op(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> Option<Fused> {
+        let inputs: Vec<DType> = args.iter().map(|t| t.dtype).collect();
+        let n = outs.first()?.numel();
+        let scalar_inputs = args.iter().map(|t| t.numel() == 1 && n != 1).collect();
+        let mut nodes: Vec<ENode> =
+            inputs.iter().enumerate().map(|(i, &d)| ENode { op: EOp::Input(i), args: vec![], dtype: d }).collect();
+        let all: Vec<usize> = (0..inputs.len()).collect();
+        let out = outs[0].dtype;
+        let eop = match op {
+            Op::Full { value, .. } => EOp::Const(*value),
+            Op::Unary(u) => EOp::Unary(*u),
+            Op::PowScalar { exponent } => EOp::Pow(*exponent),
+            Op::AddScalar { value } => EOp::AddScalar(*value),
+            Op::MulScalar { value } => EOp::MulScalar(*value),
+            Op::Cast { .. } => EOp::Cast,
+            Op::Binary(b) => EOp::Binary(*b),
+            Op::Compare(c) => EOp::Compare(*c),
+            Op::Where => EOp::Where,
+            Op::Swiglu => return Some(swiglu(inputs, scalar_inputs, false)),
+            Op::SwigluBackward => return Some(swiglu(inputs, scalar_inputs, true)),
+            _ => return None,
+        };
+        nodes.push(ENode { op: eop, args: all, dtype: out });
+        let o = nodes.len() - 1;
+        Some(Fused { inputs, scalar_inputs, nodes, outputs: vec![o] })
+    }
+
+    /// The CUDA source of this expression's kernel and the kernel's name.
+    pub fn source(&self, prelude: &str) -> Result<(String, String)> {
+        let mut body = String::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let e = self.node_expr(n)?;
+            body.push_str(&format!("    {} v{i} = {e};\n", value_type(n.dtype)));
+        }
+        let mut params: Vec<String> = self
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| format!("const {}* __restrict__ in{i}", storage_type(*d)))
+            .collect();
+        let mut stores = String::new();
+        for (k, &o) in self.outputs.iter().enumerate() {
+            params.push(format!("{}* __restrict__ out{k}", storage_type(self.nodes[o].dtype)));
+            stores.push_str(&format!("    st(&out{k}[i], v{o});\n"));
+        }
+        let loads: String = self
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, _)| {
+                let idx = if self.scalar_inputs.get(i).copied().unwrap_or(false) { "0" } else { "i" };
+                format!("#define IN{i} ld(in{i}[{idx}])\n")
+            })
+            .collect();
+        let core = format!("{loads}{body}{stores}");
+        let name = format!("ew_{:016x}", fnv1a(&[core.as_bytes(), params.join(",").as_bytes()]));
+        let src = format!(
+            "{prelude}\nextern \"C\" __global__ void {name}({}, i64 n, int* status, int tag) {{\n  \
+             for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {{\n\
+             {loads}{body}{stores}  }}\n}}\n",
+            params.join(", ")
+        );
+        Ok((src, name))
+    }
+
+    fn node_expr(&self, n: &ENode) -> Result<String> {
+        let a = |k: usize| format!("v{}", n.args[k]);
+        let arg_dtype = |k: usize| self.nodes[n.args[k]].dtype;
+        let d = n.dtype;
+        let unsupported = |what: &str| CudaError::Unsupported(format!("elementwise {what} on {d}"));
+        let f64t = d == DType::F64;
+        let fl = |name: &str| if f64t { name.to_string() } else { format!("{name}f") };
+        let lit = |v: f64| {
+            if f64t { format!("__longlong_as_double({}LL)", v.to_bits() as i64) } else { format!("(float)__longlong_as_double({}LL)", v.to_bits() as i64) }
+        };
+        let one = if f64t { "1.0" } else { "1.0f" };
+        let raw = match &n.op {
+            EOp::Input(i) => return Ok(format!("IN{i}")),
+            EOp::Const(v) => {
+                return Ok(match d {
+                    DType::F32 => format!("to_f32v(__longlong_as_double({}LL))", v.to_bits() as i64),
+                    DType::F64 => lit(*v),
+                    DType::BF16 => format!("to_bf16v(__longlong_as_double({}LL))", v.to_bits() as i64),
+                    DType::F16 => format!("to_f16v(__longlong_as_double({}LL))", v.to_bits() as i64),
+                    // Rust's `f64 as i64` saturates and maps NaN to 0, as PTX's cvt does.
+                    DType::I64 => format!("(i64)__longlong_as_double({}LL)", v.to_bits() as i64),
+                    DType::I32 => format!("to_i32v(__longlong_as_double({}LL))", v.to_bits() as i64),
+                    DType::Bool => format!("to_boolv(to_i64v(__longlong_as_double({}LL)))", v.to_bits() as i64),
+                });
+            }
+            EOp::Cast => {
+                let conv = match d {
+                    DType::F32 => "to_f32v",
+                    DType::F64 => "to_f64v",
+                    DType::BF16 => "to_bf16v",
+                    DType::F16 => "to_f16v",
+                    DType::I64 => "to_i64v",
+                    DType::I32 => "to_i32v",
+                    DType::Bool => "to_boolv",
+                };
+                // Integer sources convert through f64 (as the CPU does: i64 -> f64 -> dtype).
+                return Ok(format!("{conv}({})", a(0)));
+            }
+            EOp::Compare(c) => {
+                let op = match c {
+                    CmpOp::Eq => "==",
+                    CmpOp::Ne => "!=",
+                    CmpOp::Lt => "<",
+                    CmpOp::Le => "<=",
+                    CmpOp::Gt => ">",
+                    CmpOp::Ge => ">=",
+                };
+                return Ok(format!("(int)({} {op} {})", a(0), a(1)));
+            }
+            EOp::Where => return Ok(format!("({} ? {} : {})", a(0), a(1), a(2))),
+            EOp::Binary(b) if !d.is_float() => {
+                if d == DType::Bool {
+                    return Err(unsupported(b.name()));
+                }
+                let e = match b {
+                    BinaryOp::Add => format!("(i64)((unsigned long long){} + (unsigned long long){})", a(0), a(1)),
+                    BinaryOp::Sub => format!("(i64)((unsigned long long){} - (unsigned long long){})", a(0), a(1)),
+                    BinaryOp::Mul => format!("(i64)((unsigned long long){} * (unsigned long long){})", a(0), a(1)),
+                    BinaryOp::Div => format!(
+                        "({b} == 0 ? (report(status, tag, 2, 0), (i64)0) : ({b} == -1 ? (i64)(0ULL - (unsigned long long){a}) : {a} / {b}))",
+                        a = a(0),
+                        b = a(1)
+                    ),
+                    BinaryOp::Maximum => format!("({0} > {1} ? {0} : {1})", a(0), a(1)),
+                    BinaryOp::Minimum => format!("({0} < {1} ? {0} : {1})", a(0), a(1)),
+                };
+                return Ok(if d == DType::I32 { format!("to_i32v({e})") } else { e });
+            }
+            EOp::Binary(b) => match b {
+                BinaryOp::Add => format!("{} + {}", a(0), a(1)),
+                BinaryOp::Sub => format!("{} - {}", a(0), a(1)),
+                BinaryOp::Mul => format!("{} * {}", a(0), a(1)),
+                BinaryOp::Div => format!("{} / {}", a(0), a(1)),
+                BinaryOp::Maximum | BinaryOp::Minimum => {
+                    let f = fl(if *b == BinaryOp::Maximum { "fmax" } else { "fmin" });
+                    let nan = if f64t { "F64_NAN" } else { "F32_NAN" };
+                    format!("((nan_({0}) || nan_({1})) ? {nan} : {f}({0}, {1}))", a(0), a(1))
+                }
+            },
+            _ if !d.is_float() || self.nodes[n.args[0]].dtype != d => {
+                return Err(unsupported(&format!("{:?} of {}", n.op, arg_dtype(0))));
+            }
+            EOp::Unary(u) => {
+                let x = a(0);
+                match u {
+                    UnaryOp::Neg => format!("-{x}"),
+                    UnaryOp::Exp => format!("{}({x})", fl("exp")),
+                    UnaryOp::Log => format!("{}({x})", fl("log")),
+                    UnaryOp::Sqrt => format!("{}({x})", fl("sqrt")),
+                    UnaryOp::Rsqrt => format!("{one} / {}({x})", fl("sqrt")),
+                    UnaryOp::Sigmoid => format!("{one} / ({one} + {}(-{x}))", fl("exp")),
+                    UnaryOp::Silu => format!("{x} / ({one} + {}(-{x}))", fl("exp")),
+                    UnaryOp::Tanh => format!("{}({x})", fl("tanh")),
+                    UnaryOp::Abs => format!("{}({x})", fl("fabs")),
+                    UnaryOp::Recip => format!("{one} / {x}"),
+                    UnaryOp::Square => format!("{x} * {x}"),
+                }
+            }
+            EOp::Pow(e) => format!("{}({}, {})", fl("pow"), a(0), lit(*e)),
+            EOp::AddScalar(v) => format!("{} + {}", a(0), lit(*v)),
+            EOp::MulScalar(v) => format!("{} * {}", a(0), lit(*v)),
+        };
+        Ok(match d {
+            DType::BF16 => format!("rnd_bf16({raw})"),
+            DType::F16 => format!("rnd_f16({raw})"),
+            _ => raw,
+        })
+    }
+}
+
+/// `silu(gate) * up`, and its backward `(dgate, dup)`, as expressions (the CPU's formulas).
+fn swiglu(inputs: Vec<DType>, scalar_inputs: Vec<bool>, backward: bool) -> Fused {
+    let d = inputs[0];
+    let mut nodes: Vec<ENode> =
+        inputs.iter().enumerate().map(|(i, &t)| ENode { op: EOp::Input(i), args: vec![], dtype: t }).collect();
+    // Intermediates stay in the arithmetic type: they are one op's temporaries, rounded once
+    // at the end, like the CPU's. A wide dtype holds them exactly enough.
+    let w = if d == DType::F64 { DType::F64 } else { DType::F32 };
+    let mut push = |op: EOp, args: Vec<usize>, dtype: DType| {
+        nodes.push(ENode { op, args, dtype });
+        nodes.len() - 1
+    };
+    let g = push(EOp::Cast, vec![0], w);
+    let u = push(EOp::Cast, vec![1], w);
+    let s = push(EOp::Unary(UnaryOp::Sigmoid), vec![g], w);
+    let outputs = if !backward {
+        let gs = push(EOp::Binary(BinaryOp::Mul), vec![g, s], w);
+        let y = push(EOp::Binary(BinaryOp::Mul), vec![gs, u], w);
+        vec![push(EOp::Cast, vec![y], d)]
+    } else {
+        let dy = push(EOp::Cast, vec![2], w);
+        let one_minus = push(EOp::MulScalar(-1.0), vec![s], w);
+        let one_minus = push(EOp::AddScalar(1.0), vec![one_minus], w);
+        let t = push(EOp::Binary(BinaryOp::Mul), vec![g, one_minus], w);
+        let t = push(EOp::AddScalar(1.0), vec![t], w);
+        let du0 = push(EOp::Binary(BinaryOp::Mul), vec![dy, u], w);
+        let du0 = push(EOp::Binary(BinaryOp::Mul), vec![du0, s], w);
+        let dg = push(EOp::Binary(BinaryOp::Mul), vec![du0, t], w);
+        let dyg = push(EOp::Binary(BinaryOp::Mul), vec![dy, g], w);
+        let du = push(EOp::Binary(BinaryOp::Mul), vec![dyg, s], w);
+        vec![push(EOp::Cast, vec![dg], d), push(EOp::Cast, vec![du], d)]
+    };
+    Fused { inputs, scalar_inputs, nodes, outputs }
+}
+
+/// The C type a value of `d` is computed in.
+pub fn value_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 | DType::BF16 | DType::F16 => "float",
+        DType::F64 => "double",
+        DType::I32 | DType::I64 => "i64",
+        DType::Bool => "int",
+    }
+}
+
+/// The C type a value of `d` is stored as.
+pub fn storage_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::I32 => "int",
+        DType::I64 => "i64",
+        DType::Bool => "u8",
+    }
+}

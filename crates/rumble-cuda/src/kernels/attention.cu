@@ -1,0 +1,219 @@
+// Scaled dot-product attention with grouped-query heads: a correct, deterministic kernel in
+// the flash style (online softmax over key blocks; only o and the log-sum-exp are saved), one
+// block per query row (forward, dq) or key row (dk, dv). Issue 6 replaces it with tiled
+// tensor-core kernels; the interface (o, lse, scratch D) stays.
+#define NT 128
+#define MAXU 8  // head size up to NT * MAXU
+
+struct AttnDims { i64 b, hq, hkv, t, s, d; };
+
+template <typename T>
+__device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+                         float* __restrict__ lse, AttnDims dm, double scale_d, int causal) {
+  typedef typename Acc<T>::t A;
+  extern __shared__ double smem_d[];
+  A* qs = (A*)smem_d;
+  A* ps = qs + dm.d;
+  __shared__ A buf[32];
+  A scale = (A)scale_d;
+  int tid = threadIdx.x;
+  i64 group = dm.hq / dm.hkv, d = dm.d;
+  for (i64 row = blockIdx.x; row < dm.b * dm.hq * dm.t; row += gridDim.x) {
+    i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
+    const T* kb = k + (b * dm.hkv + h / group) * dm.s * d;
+    const T* vb = v + (b * dm.hkv + h / group) * dm.s * d;
+    i64 n = causal ? i + 1 : dm.s;
+    __syncthreads();
+    for (i64 c = tid; c < d; c += NT) qs[c] = ldf(q[row * d + c]);
+    __syncthreads();
+    A m = (A)(-F64_INF), l = 0;
+    A acc[MAXU];
+#pragma unroll
+    for (int u = 0; u < MAXU; ++u) acc[u] = 0;
+    for (i64 j0 = 0; j0 < n; j0 += NT) {
+      i64 j = j0 + tid;
+      A s = (A)(-F64_INF);
+      if (j < n) {
+        A dot = 0;
+        for (i64 c = 0; c < d; ++c) dot += qs[c] * ldf(kb[j * d + c]);
+        s = dot * scale;
+      }
+      A mn = fmax_(m, block_max(s, buf));
+      A p = j < n ? ex_(s - mn) : (A)0;
+      ps[tid] = p;
+      A lb = block_sum(p, buf);
+      A alpha = ex_(m - mn);
+      l = l * alpha + lb;
+      i64 cnt = n - j0 < NT ? n - j0 : NT;
+#pragma unroll
+      for (int u = 0; u < MAXU; ++u) {
+        i64 c = tid + u * NT;
+        if (c < d) {
+          A a = acc[u] * alpha;
+          for (i64 jj = 0; jj < cnt; ++jj) a += ps[jj] * ldf(vb[(j0 + jj) * d + c]);
+          acc[u] = a;
+        }
+      }
+      m = mn;
+      __syncthreads();
+    }
+#pragma unroll
+    for (int u = 0; u < MAXU; ++u) {
+      i64 c = tid + u * NT;
+      if (c < d) stf(&o[row * d + c], acc[u] / l);
+    }
+    if (tid == 0) lse[row] = (float)(m + ln_(l));
+  }
+}
+
+// dq of each query row; also writes delta[row] = sum(do * o) for the dk/dv pass.
+template <typename T>
+__device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                            const T* __restrict__ o, const float* __restrict__ lse, const T* __restrict__ dout,
+                            T* __restrict__ dq, double* __restrict__ delta, AttnDims dm, double scale_d, int causal) {
+  typedef typename Acc<T>::t A;
+  extern __shared__ double smem_d[];
+  A* qs = (A*)smem_d;
+  A* gs = qs + dm.d;
+  A* ps = gs + dm.d;
+  __shared__ A buf[32];
+  A scale = (A)scale_d;
+  int tid = threadIdx.x;
+  i64 group = dm.hq / dm.hkv, d = dm.d;
+  for (i64 row = blockIdx.x; row < dm.b * dm.hq * dm.t; row += gridDim.x) {
+    i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
+    const T* kb = k + (b * dm.hkv + h / group) * dm.s * d;
+    const T* vb = v + (b * dm.hkv + h / group) * dm.s * d;
+    i64 n = causal ? i + 1 : dm.s;
+    __syncthreads();
+    A di = 0;
+    for (i64 c = tid; c < d; c += NT) {
+      qs[c] = ldf(q[row * d + c]);
+      gs[c] = ldf(dout[row * d + c]);
+      di += gs[c] * ldf(o[row * d + c]);
+    }
+    di = block_sum(di, buf);
+    if (tid == 0) delta[row] = (double)di;
+    A L = (A)lse[row];
+    A acc[MAXU];
+#pragma unroll
+    for (int u = 0; u < MAXU; ++u) acc[u] = 0;
+    for (i64 j0 = 0; j0 < n; j0 += NT) {
+      i64 j = j0 + tid;
+      A ds = 0;
+      if (j < n) {
+        A s = 0, dp = 0;
+        for (i64 c = 0; c < d; ++c) {
+          s += qs[c] * ldf(kb[j * d + c]);
+          dp += gs[c] * ldf(vb[j * d + c]);
+        }
+        A p = ex_(s * scale - L);
+        ds = p * (dp - di);
+      }
+      ps[tid] = ds;
+      __syncthreads();
+      i64 cnt = n - j0 < NT ? n - j0 : NT;
+#pragma unroll
+      for (int u = 0; u < MAXU; ++u) {
+        i64 c = tid + u * NT;
+        if (c < d)
+          for (i64 jj = 0; jj < cnt; ++jj) acc[u] += ps[jj] * ldf(kb[(j0 + jj) * d + c]);
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int u = 0; u < MAXU; ++u) {
+      i64 c = tid + u * NT;
+      if (c < d) stf(&dq[row * d + c], acc[u] * scale);
+    }
+  }
+}
+
+// dk, dv of each key row, summed over the query heads of its group and the queries that see it.
+template <typename T>
+__device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                              const float* __restrict__ lse, const T* __restrict__ dout, const double* __restrict__ delta,
+                              T* __restrict__ dk, T* __restrict__ dv, AttnDims dm, double scale_d, int causal) {
+  typedef typename Acc<T>::t A;
+  extern __shared__ double smem_d[];
+  A* ks = (A*)smem_d;
+  A* vs = ks + dm.d;
+  A* ps = vs + dm.d;
+  A* dss = ps + NT;
+  A scale = (A)scale_d;
+  int tid = threadIdx.x;
+  i64 group = dm.hq / dm.hkv, d = dm.d;
+  for (i64 row = blockIdx.x; row < dm.b * dm.hkv * dm.s; row += gridDim.x) {
+    i64 j = row % dm.s, bk = row / dm.s, kh = bk % dm.hkv, b = bk / dm.hkv;
+    __syncthreads();
+    for (i64 c = tid; c < d; c += NT) {
+      ks[c] = ldf(k[row * d + c]);
+      vs[c] = ldf(v[row * d + c]);
+    }
+    __syncthreads();
+    A gk[MAXU], gv[MAXU];
+#pragma unroll
+    for (int u = 0; u < MAXU; ++u) gk[u] = gv[u] = 0;
+    for (i64 g = 0; g < group; ++g) {
+      i64 bh = b * dm.hq + kh * group + g;
+      const T* qb = q + bh * dm.t * d;
+      const T* gb = dout + bh * dm.t * d;
+      i64 first = causal ? j : 0;
+      for (i64 i0 = first; i0 < dm.t; i0 += NT) {
+        i64 i = i0 + tid;
+        A p = 0, ds = 0;
+        if (i < dm.t) {
+          A s = 0, dp = 0;
+          for (i64 c = 0; c < d; ++c) {
+            s += ldf(qb[i * d + c]) * ks[c];
+            dp += ldf(gb[i * d + c]) * vs[c];
+          }
+          p = ex_(s * scale - (A)lse[bh * dm.t + i]);
+          ds = p * (dp - (A)delta[bh * dm.t + i]);
+        }
+        ps[tid] = p;
+        dss[tid] = ds;
+        __syncthreads();
+        i64 cnt = dm.t - i0 < NT ? dm.t - i0 : NT;
+#pragma unroll
+        for (int u = 0; u < MAXU; ++u) {
+          i64 c = tid + u * NT;
+          if (c < d)
+            for (i64 ii = 0; ii < cnt; ++ii) {
+              gv[u] += ps[ii] * ldf(gb[(i0 + ii) * d + c]);
+              gk[u] += dss[ii] * ldf(qb[(i0 + ii) * d + c]);
+            }
+        }
+        __syncthreads();
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < MAXU; ++u) {
+      i64 c = tid + u * NT;
+      if (c < d) {
+        stf(&dk[row * d + c], gk[u] * scale);
+        stf(&dv[row * d + c], gv[u]);
+      }
+    }
+  }
+}
+
+#define ATTN(T, SUF)                                                                                           \
+  extern "C" __global__ void attention_##SUF(const T* q, const T* k, const T* v, T* o, float* lse, AttnDims dm, \
+                                             double scale, int causal) {                                       \
+    attn_fwd<T>(q, k, v, o, lse, dm, scale, causal);                                                           \
+  }                                                                                                            \
+  extern "C" __global__ void attention_backward_dq_##SUF(const T* q, const T* k, const T* v, const T* o,        \
+                                                         const float* lse, const T* dout, T* dq, double* delta, \
+                                                         AttnDims dm, double scale, int causal) {              \
+    attn_bwd_dq<T>(q, k, v, o, lse, dout, dq, delta, dm, scale, causal);                                       \
+  }                                                                                                            \
+  extern "C" __global__ void attention_backward_dkdv_##SUF(const T* q, const T* k, const T* v, const float* lse, \
+                                                           const T* dout, const double* delta, T* dk, T* dv,    \
+                                                           AttnDims dm, double scale, int causal) {            \
+    attn_bwd_dkdv<T>(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);                                    \
+  }
+ATTN(float, f32)
+ATTN(double, f64)
+ATTN(bf16, bf16)
+ATTN(f16, f16)

@@ -1,0 +1,254 @@
+// Row-wise composite ops: RMSNorm (+ backward), RoPE, softmax / log-softmax (+ backward),
+// cross-entropy (+ backward). One block per row; statistics in the arithmetic type (f32, f64
+// for f64) with fixed-order block reductions, so results are deterministic.
+
+template <typename T>
+__device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, i64 rows, i64 d, double eps) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    A ss = 0;
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      A v = ldf(xr[c]);
+      ss += v * v;
+    }
+    ss = block_sum(ss, buf);
+    A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) stf(&y[row * d + c], ldf(xr[c]) * r * ldf(w[c]));
+  }
+}
+
+// dx = r*w*dy - x*r^3/D*sum(w*dy*x). Writes r of each row to rstd[row] for the dw pass.
+template <typename T>
+__device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
+                                T* __restrict__ dx, typename Acc<T>::t* rstd, i64 rows, i64 d, double eps) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    const T* gr = dy + row * d;
+    A ss = 0, dot = 0;
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      A v = ldf(xr[c]);
+      ss += v * v;
+      dot += ldf(w[c]) * ldf(gr[c]) * v;
+    }
+    ss = block_sum(ss, buf);
+    dot = block_sum(dot, buf);
+    A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
+    A k = r * r * r * dot / (A)d;
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) stf(&dx[row * d + c], r * ldf(w[c]) * ldf(gr[c]) - ldf(xr[c]) * k);
+    if (threadIdx.x == 0) rstd[row] = r;
+  }
+}
+
+// Partial dw over row group blockIdx.y: part[g * d + c] = sum over its rows of dy*x*r.
+template <typename T>
+__device__ void rms_norm_bwd_dw_part(const T* __restrict__ x, const T* __restrict__ dy, const typename Acc<T>::t* rstd,
+                                     typename Acc<T>::t* part, i64 rows, i64 d) {
+  typedef typename Acc<T>::t A;
+  i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  i64 groups = gridDim.y, g = blockIdx.y;
+  i64 per = (rows + groups - 1) / groups;
+  i64 r0 = g * per, r1 = r0 + per < rows ? r0 + per : rows;
+  if (c >= d) return;
+  A acc = 0;
+  for (i64 row = r0; row < r1; ++row) acc += ldf(dy[row * d + c]) * ldf(x[row * d + c]) * rstd[row];
+  part[g * d + c] = acc;
+}
+
+template <typename T>
+__device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* part, T* __restrict__ dw, i64 groups, i64 d) {
+  typedef typename Acc<T>::t A;
+  i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= d) return;
+  A acc = 0;
+  for (i64 g = 0; g < groups; ++g) acc += part[g * d + c];
+  stf(&dw[c], acc);
+}
+
+// Rotate-half RoPE on [B, H, T, D]; angle t * inv_freq_j in f32 (as Hugging Face), sin/cos in f64.
+template <typename T>
+__device__ void rope(const T* __restrict__ x, T* __restrict__ y, i64 rows, i64 t_len, i64 d, double theta, double sign) {
+  typedef typename Acc<T>::t A;
+  i64 half = d / 2, total = rows * half;
+  for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+    i64 row = e / half, j = e % half;
+    float t = (float)(row % t_len);
+    float inv = 1.0f / powf((float)theta, (float)(2 * j) / (float)d);
+    double ang = (double)(t * inv);
+    A s = (A)(sign * sin(ang)), c = (A)cos(ang);
+    A a = ldf(x[row * d + j]), b = ldf(x[row * d + j + half]);
+    stf(&y[row * d + j], a * c - b * s);
+    stf(&y[row * d + j + half], b * c + a * s);
+  }
+}
+
+template <typename T>
+__device__ typename Acc<T>::t row_lse(const T* xr, i64 d, typename Acc<T>::t* buf) {
+  typedef typename Acc<T>::t A;
+  A m = (A)(-F64_INF);
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) m = fmax_(m, ldf(xr[c]));
+  m = block_max(m, buf);
+  A s = 0;
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) s += ex_(ldf(xr[c]) - m);
+  s = block_sum(s, buf);
+  return m + ln_(s);
+}
+
+template <typename T>
+__device__ void softmax(const T* __restrict__ x, T* __restrict__ y, i64 rows, i64 d, int log_) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    A lse = row_lse(xr, d, buf);
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      A v = ldf(xr[c]) - lse;
+      stf(&y[row * d + c], log_ ? v : ex_(v));
+    }
+  }
+}
+
+// softmax: dx = y*(dy - sum(dy*y)); log-softmax: dx = dy - exp(y)*sum(dy).
+template <typename T>
+__device__ void softmax_bwd(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, i64 rows, i64 d, int log_) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* yr = y + row * d;
+    const T* gr = dy + row * d;
+    A s = 0;
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) s += log_ ? ldf(gr[c]) : ldf(gr[c]) * ldf(yr[c]);
+    s = block_sum(s, buf);
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      A g = ldf(gr[c]), v = ldf(yr[c]);
+      stf(&dx[row * d + c], log_ ? g - ex_(v) * s : v * (g - s));
+    }
+  }
+}
+
+// Per-row loss (lse - x[target], or 0 when ignored) into loss[row], validity into valid[row].
+template <typename T, typename I>
+__device__ void ce_rows(const T* __restrict__ x, const I* __restrict__ tg, double* loss, int* valid, i64 rows, i64 v,
+                        i64 ignore, int* status, int tag) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    i64 t = (i64)tg[row];
+    int ok = t != ignore;
+    if (ok && (t < 0 || t >= v)) {
+      if (threadIdx.x == 0) report(status, tag, 3, t);
+      ok = 0;
+    }
+    if (!ok) {
+      if (threadIdx.x == 0) { loss[row] = 0.0; valid[row] = 0; }
+      continue;
+    }
+    const T* xr = x + row * v;
+    A lse = row_lse(xr, v, buf);
+    if (threadIdx.x == 0) { loss[row] = (double)lse - (double)ldf(xr[t]); valid[row] = 1; }
+  }
+}
+
+// One block: mean of the valid rows' losses (0 if none), in f64, fixed order. Writes the count.
+__device__ void ce_mean(const double* loss, const int* valid, float* out, int* count, i64 rows) {
+  __shared__ double buf[32];
+  double s = 0, n = 0;
+  for (i64 r = threadIdx.x; r < rows; r += blockDim.x) { s += loss[r]; n += valid[r]; }
+  s = block_sum(s, buf);
+  n = block_sum(n, buf);
+  if (threadIdx.x == 0) {
+    *out = (float)(s / (n > 0 ? n : 1.0));
+    if (count) *count = (int)n;
+  }
+}
+
+// One block: the number of rows whose target is not ignored.
+template <typename I>
+__device__ void ce_count(const I* tg, int* count, i64 rows, i64 ignore) {
+  __shared__ double buf[32];
+  double n = 0;
+  for (i64 r = threadIdx.x; r < rows; r += blockDim.x) n += ((i64)tg[r] != ignore);
+  n = block_sum(n, buf);
+  if (threadIdx.x == 0) *count = (int)n;
+}
+
+// dx = (softmax(row) - onehot(target)) * dloss / count, 0 for ignored rows.
+template <typename T, typename I>
+__device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const float* dloss, const int* count,
+                       T* __restrict__ dx, i64 rows, i64 v, i64 ignore, int* status, int tag) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    i64 t = (i64)tg[row];
+    T* dr = dx + row * v;
+    if (t == ignore || t < 0 || t >= v) {
+      if (t != ignore && threadIdx.x == 0) report(status, tag, 3, t);
+      for (i64 c = threadIdx.x; c < v; c += blockDim.x) stf(&dr[c], (A)0);
+      continue;
+    }
+    const T* xr = x + row * v;
+    A lse = row_lse(xr, v, buf);
+    int n = *count;
+    A scale = (A)((double)*dloss / (double)(n > 0 ? n : 1));
+    for (i64 c = threadIdx.x; c < v; c += blockDim.x) {
+      A p = ex_(ldf(xr[c]) - lse) - (c == t ? (A)1 : (A)0);
+      stf(&dr[c], p * scale);
+    }
+  }
+}
+
+#define ROWS(T, SUF)                                                                                            \
+  extern "C" __global__ void rms_norm_##SUF(const T* x, const T* w, T* y, i64 rows, i64 d, double eps) {       \
+    rms_norm<T>(x, w, y, rows, d, eps);                                                                         \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_backward_dx_##SUF(const T* x, const T* w, const T* dy, T* dx,             \
+                                                        Acc<T>::t* rstd, i64 rows, i64 d, double eps) {         \
+    rms_norm_bwd_dx<T>(x, w, dy, dx, rstd, rows, d, eps);                                                       \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_backward_dw_part_##SUF(const T* x, const T* dy, const Acc<T>::t* rstd,   \
+                                                             Acc<T>::t* part, i64 rows, i64 d) {                \
+    rms_norm_bwd_dw_part<T>(x, dy, rstd, part, rows, d);                                                        \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_backward_dw_sum_##SUF(const Acc<T>::t* part, T* dw, i64 groups, i64 d) {  \
+    rms_norm_bwd_dw_sum<T>(part, dw, groups, d);                                                                \
+  }                                                                                                             \
+  extern "C" __global__ void rope_##SUF(const T* x, T* y, i64 rows, i64 t_len, i64 d, double theta, double sign) { \
+    rope<T>(x, y, rows, t_len, d, theta, sign);                                                                 \
+  }                                                                                                             \
+  extern "C" __global__ void softmax_##SUF(const T* x, T* y, i64 rows, i64 d, int log_) {                      \
+    softmax<T>(x, y, rows, d, log_);                                                                            \
+  }                                                                                                             \
+  extern "C" __global__ void softmax_backward_##SUF(const T* y, const T* dy, T* dx, i64 rows, i64 d, int log_) { \
+    softmax_bwd<T>(y, dy, dx, rows, d, log_);                                                                   \
+  }                                                                                                             \
+  CE(T, SUF, int, i32)                                                                                          \
+  CE(T, SUF, i64, i64)
+
+#define CE(T, SUF, I, ISUF)                                                                                      \
+  extern "C" __global__ void cross_entropy_rows_##SUF##_##ISUF(const T* x, const I* tg, double* loss, int* valid, \
+                                                               i64 rows, i64 v, i64 ignore, int* status, int tag) { \
+    ce_rows<T, I>(x, tg, loss, valid, rows, v, ignore, status, tag);                                             \
+  }                                                                                                              \
+  extern "C" __global__ void cross_entropy_backward_##SUF##_##ISUF(const T* x, const I* tg, const float* dloss,    \
+                                                                   const int* count, T* dx, i64 rows, i64 v,     \
+                                                                   i64 ignore, int* status, int tag) {           \
+    ce_bwd<T, I>(x, tg, dloss, count, dx, rows, v, ignore, status, tag);                                         \
+  }
+
+ROWS(float, f32)
+ROWS(double, f64)
+ROWS(bf16, bf16)
+ROWS(f16, f16)
+
+extern "C" __global__ void cross_entropy_mean(const double* loss, const int* valid, float* out, i64 rows) {
+  ce_mean(loss, valid, out, (int*)0, rows);
+}
+extern "C" __global__ void cross_entropy_count_i32(const int* tg, int* count, i64 rows, i64 ignore) {
+  ce_count<int>(tg, count, rows, ignore);
+}
+extern "C" __global__ void cross_entropy_count_i64(const i64* tg, int* count, i64 rows, i64 ignore) {
+  ce_count<i64>(tg, count, rows, ignore);
+}

@@ -1,0 +1,121 @@
+//! What one node does on the device, as a list of steps prepared ahead of time (kernels
+//! compiled, launch shapes and scalar arguments fixed) and run later with the node's buffer
+//! addresses. The same [`Recipe`] serves the eager, planned and graphed executors, so they
+//! launch exactly the same work.
+
+use std::ffi::c_void;
+
+use cudarc::driver::{result as drv, sys};
+
+use crate::compile::Func;
+use crate::device::Device;
+use crate::error::{CudaError, DriverContext, Result};
+use crate::matmul::MatmulKey;
+
+/// One kernel argument.
+#[derive(Clone, Debug)]
+pub enum Arg {
+    /// The address of operand `i`.
+    In(usize),
+    /// The address of output `i`.
+    Out(usize),
+    /// The address `offset` bytes into the node's scratch (the plan's workspace).
+    Scratch(usize),
+    /// The device status word (see [`Device::check_status`]).
+    Status,
+    /// The node's tag (its index + 1), written into the status word on bad data.
+    Tag,
+    I64(i64),
+    I32(i32),
+    F64(f64),
+    /// A struct passed by value, as 8-byte words.
+    Blob(Vec<u64>),
+}
+
+#[derive(Clone, Debug)]
+pub enum Step {
+    Kernel { func: Func, name: String, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg> },
+    /// Zero output `out` (`bytes` bytes).
+    ZeroOut { out: usize, bytes: usize },
+    /// Copy operand `src` to output `dst`; skipped when both are the same buffer (a view the
+    /// planner aliased).
+    Copy { src: usize, dst: usize, bytes: usize },
+    Matmul { key: MatmulKey },
+}
+
+/// The prepared work of one node.
+#[derive(Clone, Debug)]
+pub struct Recipe {
+    pub op: &'static str,
+    pub steps: Vec<Step>,
+    /// Scratch bytes the steps use (a part of the plan's workspace).
+    pub scratch: usize,
+}
+
+/// Device addresses of one node's buffers.
+pub struct Buffers<'a> {
+    pub args: &'a [sys::CUdeviceptr],
+    pub outs: &'a [sys::CUdeviceptr],
+    pub scratch: sys::CUdeviceptr,
+    pub scratch_bytes: usize,
+}
+
+impl Recipe {
+    /// Enqueues the node's steps on the device's stream (capturable: no allocation, no sync).
+    ///
+    /// # Safety
+    /// The buffers must be live device allocations of the sizes the recipe was prepared for.
+    pub unsafe fn launch(&self, dev: &Device, tag: usize, b: &Buffers) -> Result<()> {
+        if b.scratch_bytes < self.scratch {
+            return Err(CudaError::usage(format!(
+                "op `{}` needs {} scratch bytes, got {}",
+                self.op, self.scratch, b.scratch_bytes
+            )));
+        }
+        let stream = dev.stream();
+        for step in &self.steps {
+            match step {
+                Step::Kernel { func, name, grid, block, smem, args } => {
+                    let mut words: Vec<Vec<u64>> = Vec::with_capacity(args.len());
+                    for a in args {
+                        words.push(match a {
+                            Arg::In(i) => vec![b.args[*i]],
+                            Arg::Out(i) => vec![b.outs[*i]],
+                            Arg::Scratch(off) => vec![b.scratch + *off as u64],
+                            Arg::Status => vec![dev.status_ptr()],
+                            Arg::Tag => vec![tag as u64],
+                            Arg::I64(v) => vec![*v as u64],
+                            Arg::I32(v) => vec![*v as u32 as u64],
+                            Arg::F64(v) => vec![v.to_bits()],
+                            Arg::Blob(w) => w.clone(),
+                        });
+                    }
+                    let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();
+                    unsafe { drv::launch_kernel(func.0, *grid, (*block, 1, 1), *smem, stream, &mut ptrs) }.map_err(
+                        |e| CudaError::Launch {
+                            op: self.op.to_string(),
+                            kernel: name.clone(),
+                            err: crate::error::describe(&e),
+                        },
+                    )?;
+                }
+                Step::ZeroOut { out, bytes } => {
+                    if *bytes > 0 {
+                        unsafe { drv::memset_d8_async(b.outs[*out], 0, *bytes, stream) }
+                            .ctx(|| format!("zeroing the output of `{}`", self.op))?;
+                    }
+                }
+                Step::Copy { src, dst, bytes } => {
+                    if b.args[*src] != b.outs[*dst] && *bytes > 0 {
+                        unsafe { drv::memcpy_dtod_async(b.outs[*dst], b.args[*src], *bytes, stream) }
+                            .ctx(|| format!("copying for `{}`", self.op))?;
+                    }
+                }
+                Step::Matmul { key } => unsafe {
+                    dev.matmul(key, b.args[0], b.args[1], b.outs[0], b.scratch, b.scratch_bytes)?
+                },
+            }
+        }
+        Ok(())
+    }
+}

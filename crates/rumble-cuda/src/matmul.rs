@@ -1,0 +1,242 @@
+//! Matmuls through cuBLASLt: exact fp32 (`CUBLAS_COMPUTE_32F`, no TF32 unless
+//! `RUMBLE_CUDA_TF32=1`), bf16/f16 with f32 accumulation, f64. Row-major `C = op(A) op(B)` is
+//! computed as the column-major `C^T = op(B)^T op(A)^T`.
+//!
+//! The algorithm for each shape is chosen once (by cuBLASLt's heuristic, with a workspace cap
+//! and split-K reductions that use atomics excluded, so results are deterministic) and cached:
+//! every executor then runs the same algorithm, and the plan reserves exactly its workspace.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::sys as dsys;
+use rumble_core::ir::{DType, TensorType};
+
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+
+/// Most workspace a matmul may ask for (cuBLAS's recommendation for Hopper).
+pub const MAX_WORKSPACE: usize = 32 << 20;
+
+/// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MatmulKey {
+    pub dtype: DType,
+    pub ta: bool,
+    pub tb: bool,
+    pub batch: u64,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+}
+
+impl MatmulKey {
+    pub fn new(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Self {
+        let r = a.rank();
+        let batch: usize = a.dims()[..r - 2].iter().product();
+        let (m, k) = if ta { (a.dims()[r - 1], a.dims()[r - 2]) } else { (a.dims()[r - 2], a.dims()[r - 1]) };
+        let n = if tb { b.dims()[r - 2] } else { b.dims()[r - 1] };
+        MatmulKey { dtype: a.dtype, ta, tb, batch: batch as u64, m: m as u64, n: n as u64, k: k as u64 }
+    }
+}
+
+/// Descriptors and the chosen algorithm of one shape.
+pub struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+    /// Workspace bytes the algorithm needs.
+    pub workspace: usize,
+    f64: bool,
+}
+
+#[derive(Default)]
+pub struct Cache {
+    plans: HashMap<MatmulKey, Plan>,
+}
+
+impl Cache {
+    pub fn clear(&mut self) {
+        for (_, p) in self.plans.drain() {
+            unsafe {
+                let _ = lt::destroy_matrix_layout(p.a);
+                let _ = lt::destroy_matrix_layout(p.b);
+                let _ = lt::destroy_matrix_layout(p.c);
+                let _ = lt::destroy_matmul_desc(p.desc);
+            }
+        }
+    }
+}
+
+fn blas_err(what: &str) -> impl Fn(lt::CublasError) -> CudaError + '_ {
+    move |e| CudaError::Blas { op: "matmul".into(), what: what.to_string(), err: e.to_string() }
+}
+
+fn layout(ty: sys::cudaDataType, rows: u64, cols: u64, batch: u64) -> Result<sys::cublasLtMatrixLayout_t> {
+    let l = lt::create_matrix_layout(ty, rows, cols, rows as i64).map_err(blas_err("cublasLtMatrixLayoutCreate"))?;
+    if batch > 1 {
+        let count = batch as i32;
+        let stride = (rows * cols) as i64;
+        unsafe {
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                &count as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(blas_err("batch count"))?;
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                &stride as *const i64 as *const c_void,
+                8,
+            )
+            .map_err(blas_err("batch stride"))?;
+        }
+    }
+    Ok(l)
+}
+
+fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
+    let (ty, compute, scale) = match key.dtype {
+        DType::F32 => {
+            let c = if std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1") {
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+            } else {
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+            };
+            (sys::cudaDataType::CUDA_R_32F, c, sys::cudaDataType::CUDA_R_32F)
+        }
+        DType::BF16 => (
+            sys::cudaDataType::CUDA_R_16BF,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        ),
+        DType::F16 => {
+            (sys::cudaDataType::CUDA_R_16F, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
+        }
+        DType::F64 => {
+            (sys::cudaDataType::CUDA_R_64F, sys::cublasComputeType_t::CUBLAS_COMPUTE_64F, sys::cudaDataType::CUDA_R_64F)
+        }
+        d => return Err(CudaError::Unsupported(format!("matmul of {d}"))),
+    };
+    let MatmulKey { m, n, k, batch, ta, tb, .. } = *key;
+    // Column-major view: C^T [N, M] = X [N, K] * Y [K, M], X from B, Y from A.
+    let desc = lt::create_matmul_desc(compute, scale).map_err(blas_err("cublasLtMatmulDescCreate"))?;
+    let (op_x, op_y) = (tb as i32, ta as i32);
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+            &op_x as *const i32 as *const c_void,
+            4,
+        )
+        .map_err(blas_err("transa"))?;
+        lt::set_matmul_desc_attribute(
+            desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            &op_y as *const i32 as *const c_void,
+            4,
+        )
+        .map_err(blas_err("transb"))?;
+    }
+    // Stored shapes, column-major: B row-major [K, N] is [N, K] (or [K, N] when tb).
+    let x = if tb { layout(ty, k, n, batch)? } else { layout(ty, n, k, batch)? };
+    let y = if ta { layout(ty, m, k, batch)? } else { layout(ty, k, m, batch)? };
+    let c = layout(ty, n, m, batch)?;
+    let pref = lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?;
+    let ws = MAX_WORKSPACE as u64;
+    // No in-place split-K reduction (it uses atomics: results would vary run to run).
+    let mask: u32 = 0x7 & !0x1;
+    let heur = unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as *const c_void,
+            8,
+        )
+        .map_err(blas_err("workspace preference"))?;
+        lt::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+            &mask as *const u32 as *const c_void,
+            4,
+        )
+        .map_err(blas_err("reduction preference"))?;
+        let h = lt::get_matmul_algo_heuristic(dev.blas(), desc, x, y, c, c, pref);
+        let _ = lt::destroy_matmul_pref(pref);
+        h.map_err(|e| CudaError::Blas {
+            op: "matmul".into(),
+            what: format!("no algorithm for {key:?}"),
+            err: e.to_string(),
+        })?
+    };
+    Ok(Plan { desc, a: x, b: y, c, algo: heur.algo, workspace: heur.workspaceSize, f64: key.dtype == DType::F64 })
+}
+
+impl Device {
+    /// Workspace bytes the cached algorithm of `key` needs (choosing it on first use).
+    pub fn matmul_workspace(&self, key: &MatmulKey) -> Result<usize> {
+        self.bind()?;
+        let mut cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
+        if !cache.plans.contains_key(key) {
+            let p = make_plan(self, key)?;
+            cache.plans.insert(*key, p);
+        }
+        Ok(cache.plans[key].workspace)
+    }
+
+    /// Launches `c = op(a) op(b)` on the device's stream.
+    ///
+    /// # Safety
+    /// `a`, `b`, `c` must point to device buffers of the key's shapes, `ws` to `ws_bytes` bytes.
+    pub unsafe fn matmul(
+        &self,
+        key: &MatmulKey,
+        a: dsys::CUdeviceptr,
+        b: dsys::CUdeviceptr,
+        c: dsys::CUdeviceptr,
+        ws: dsys::CUdeviceptr,
+        ws_bytes: usize,
+    ) -> Result<()> {
+        self.matmul_workspace(key)?;
+        let cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
+        let p = &cache.plans[key];
+        if ws_bytes < p.workspace {
+            return Err(CudaError::usage(format!(
+                "matmul {key:?} needs {} workspace bytes, the plan gave {ws_bytes}",
+                p.workspace
+            )));
+        }
+        let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
+        let (alpha, beta): (*const c_void, *const c_void) = if p.f64 {
+            (&one64 as *const f64 as *const c_void, &zero64 as *const f64 as *const c_void)
+        } else {
+            (&one32 as *const f32 as *const c_void, &zero32 as *const f32 as *const c_void)
+        };
+        unsafe {
+            lt::matmul(
+                self.blas(),
+                p.desc,
+                alpha,
+                beta,
+                b as *const c_void,
+                p.a,
+                a as *const c_void,
+                p.b,
+                c as *const c_void,
+                p.c,
+                c as *mut c_void,
+                p.c,
+                &p.algo,
+                ws as *mut c_void,
+                p.workspace,
+                self.stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| CudaError::Blas { op: "matmul".into(), what: format!("cublasLtMatmul {key:?}"), err: e.to_string() })
+    }
+}

@@ -1,0 +1,321 @@
+//! Op -> [`Recipe`]: which kernels a node runs, with what launch shape and scalar arguments.
+//! Every op of `rumble_core::ir::Op` has an arm here; kernel names derive from op names and
+//! dtypes (`rms_norm_bf16`).
+
+use rumble_core::ir::{DType, Op, ReduceOp, TensorType};
+
+use crate::compile::Options;
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::fused::Fused;
+use crate::launch::{Arg, Recipe, Step};
+use crate::matmul::MatmulKey;
+
+pub const PRELUDE: &str = include_str!("kernels/prelude.cuh");
+const LAYOUT: &str = include_str!("kernels/layout.cu");
+const REDUCE: &str = include_str!("kernels/reduce.cu");
+const ROWS: &str = include_str!("kernels/rows.cu");
+const ATTENTION: &str = include_str!("kernels/attention.cu");
+
+const MAX_RANK: usize = 8;
+const ATTN_THREADS: u32 = 128;
+const ATTN_MAX_HEAD: usize = 128 * 8;
+
+/// `f32`, `bf16`, ... as kernel-name suffixes.
+fn sfx(d: DType) -> &'static str {
+    d.name()
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(256) * 256
+}
+
+/// The kernel named `name` of one of the fixed kernel files.
+fn kernel(dev: &Device, file: &'static str, name: &str) -> Result<crate::compile::Func> {
+    let (src, body) = match file {
+        "layout" => ("layout", LAYOUT),
+        "reduce" => ("reduce", REDUCE),
+        "rows" => ("rows", ROWS),
+        _ => ("attention", ATTENTION),
+    };
+    let m = dev.module(src, &format!("{PRELUDE}\n{body}"), Options { fmad: false })?;
+    m.function(name)
+}
+
+/// Strides struct (see prelude.cuh) as 8-byte words.
+fn strides_blob(dims: &[usize], inp: &[i64], out: &[i64]) -> Result<Vec<u64>> {
+    if dims.len() > MAX_RANK {
+        return Err(CudaError::Unsupported(format!("layout ops of rank {} (at most {MAX_RANK})", dims.len())));
+    }
+    let mut w = vec![0u64; 3 * MAX_RANK + 1];
+    for (i, &d) in dims.iter().enumerate() {
+        w[i] = d as u64;
+        w[MAX_RANK + i] = inp[i] as u64;
+        w[2 * MAX_RANK + i] = out[i] as u64;
+    }
+    w[3 * MAX_RANK] = dims.len() as u64;
+    Ok(w)
+}
+
+fn contiguous(dims: &[usize]) -> Vec<i64> {
+    rumble_core::Shape::new(dims.to_vec()).strides().into_iter().map(|s| s as i64).collect()
+}
+
+fn grid_for(dev: &Device, n: usize, block: u32) -> (u32, u32, u32) {
+    let blocks = n.div_ceil(block as usize).clamp(1, dev.multiprocessors.max(1) * 32);
+    (blocks as u32, 1, 1)
+}
+
+fn rows_grid(dev: &Device, rows: usize) -> (u32, u32, u32) {
+    (rows.clamp(1, dev.multiprocessors.max(1) * 64) as u32, 1, 1)
+}
+
+struct Builder<'a> {
+    dev: &'a Device,
+    op: &'static str,
+    steps: Vec<Step>,
+    scratch: usize,
+}
+
+impl Builder<'_> {
+    fn k(&mut self, file: &'static str, name: String, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg>) -> Result<()> {
+        let func = kernel(self.dev, file, &name)?;
+        self.steps.push(Step::Kernel { func, name, grid, block, smem, args });
+        Ok(())
+    }
+    /// Reserves `bytes` of scratch and returns its offset.
+    fn scratch(&mut self, bytes: usize) -> usize {
+        let off = self.scratch;
+        self.scratch += align(bytes);
+        off
+    }
+}
+
+/// Prepares the work of `op` on operands of types `at` giving outputs of types `ot`,
+/// compiling its kernels now (never during graph capture).
+pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
+    let mut b = Builder { dev, op: op.name(), steps: Vec::new(), scratch: 0 };
+    let out_n = ot.first().map(|t| t.numel()).unwrap_or(0);
+    let dt = at.first().map(|t| t.dtype).unwrap_or(ot[0].dtype);
+    let unsupported = |what: String| CudaError::Unsupported(format!("{} on {what}", op.name()));
+    match op {
+        Op::Full { .. }
+        | Op::Unary(_)
+        | Op::PowScalar { .. }
+        | Op::AddScalar { .. }
+        | Op::MulScalar { .. }
+        | Op::Cast { .. }
+        | Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Where
+        | Op::Swiglu
+        | Op::SwigluBackward => {
+            let f = Fused::of_op(op, at, ot).ok_or_else(|| unsupported("this op".into()))?;
+            return fused_recipe(dev, op.name(), &f, out_n);
+        }
+        Op::Reshape { .. } => b.steps.push(Step::Copy { src: 0, dst: 0, bytes: at[0].size_in_bytes() }),
+        Op::Permute { perm } => {
+            let ins = contiguous(at[0].dims());
+            let inp: Vec<i64> = perm.iter().map(|&p| ins[p]).collect();
+            copy(&mut b, at[0].dtype, ot[0].dims(), &inp, &contiguous(ot[0].dims()), 0, 0, 0)?;
+        }
+        Op::Broadcast { shape } => {
+            let (x, od) = (at[0].dims(), shape.dims());
+            let xs = contiguous(x);
+            let off = od.len() - x.len();
+            let inp: Vec<i64> =
+                (0..od.len()).map(|i| if i < off || x[i - off] == 1 { 0 } else { xs[i - off] }).collect();
+            copy(&mut b, at[0].dtype, od, &inp, &contiguous(od), 0, 0, 0)?;
+        }
+        Op::Slice { axis, start, .. } => {
+            let xs = contiguous(at[0].dims());
+            let off = *start as i64 * xs[*axis];
+            copy(&mut b, at[0].dtype, ot[0].dims(), &xs, &contiguous(ot[0].dims()), 0, off, 0)?;
+        }
+        Op::Concat { axis } => {
+            let os = contiguous(ot[0].dims());
+            let mut at_axis = 0i64;
+            for (i, t) in at.iter().enumerate() {
+                copy(&mut b, t.dtype, t.dims(), &contiguous(t.dims()), &os, i, 0, at_axis * os[*axis])?;
+                at_axis += t.dims()[*axis] as i64;
+            }
+        }
+        Op::Reduce { op: r, axes, .. } => reduce(&mut b, *r, axes, at[0], out_n)?,
+        Op::Gather => {
+            let (rows, d) = (at[0].dims()[0], at[0].dims()[1]);
+            let n = at[1].numel();
+            let name = format!("gather_{}_{}", at[0].dtype.size_in_bytes(), sfx(at[1].dtype));
+            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(n as i64), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::Status, Arg::Tag];
+            b.k("layout", name, grid_for(dev, n * d, 256), 256, 0, args)?;
+        }
+        Op::ScatterAdd { rows } => {
+            let n = at[0].numel();
+            let d = at[1].shape.last();
+            b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
+            let name = format!("scatter_add_{}_{}", sfx(at[1].dtype), sfx(at[0].dtype));
+            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(n as i64), Arg::I64(*rows as i64), Arg::I64(d as i64), Arg::Status, Arg::Tag];
+            if n > 0 {
+                b.k("layout", name, rows_grid(dev, n), 256, 0, args)?;
+            }
+        }
+        Op::Matmul { ta, tb } => {
+            let key = MatmulKey::new(at[0], at[1], *ta, *tb);
+            if key.k == 0 {
+                b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
+            } else if out_n > 0 {
+                b.scratch = dev.matmul_workspace(&key)?;
+                b.steps.push(Step::Matmul { key });
+            }
+        }
+        Op::RmsNorm { eps } => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
+            b.k("rows", format!("rms_norm_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::RmsNormBackward { eps } => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let acc = if dt == DType::F64 { 8 } else { 4 };
+            let groups = rows.clamp(1, 64);
+            let rstd = b.scratch(rows * acc);
+            let part = b.scratch(groups * d * acc);
+            let s = sfx(dt);
+            let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
+            b.k("rows", format!("rms_norm_backward_dx_{s}"), rows_grid(dev, rows), 256, 0,
+                vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)])?;
+            let cols = d.div_ceil(128) as u32;
+            b.k("rows", format!("rms_norm_backward_dw_part_{s}"), (cols, groups as u32, 1), 128, 0,
+                vec![Arg::In(0), Arg::In(2), Arg::Scratch(rstd), Arg::Scratch(part), r, dd.clone()])?;
+            b.k("rows", format!("rms_norm_backward_dw_sum_{s}"), (cols, 1, 1), 128, 0,
+                vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd])?;
+        }
+        Op::Rope { theta, inverse } => {
+            let dims = at[0].dims();
+            let (t, d) = (dims[2], dims[3]);
+            let rows = at[0].numel() / d.max(1);
+            let args = vec![Arg::In(0), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(t as i64), Arg::I64(d as i64), Arg::F64(*theta), Arg::F64(if *inverse { -1.0 } else { 1.0 })];
+            b.k("rows", format!("rope_{}", sfx(dt)), grid_for(dev, rows * d / 2, 256), 256, 0, args)?;
+        }
+        Op::Softmax | Op::LogSoftmax => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let log = matches!(op, Op::LogSoftmax) as i32;
+            let args = vec![Arg::In(0), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::I32(log)];
+            b.k("rows", format!("softmax_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::SoftmaxBackward | Op::LogSoftmaxBackward => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let log = matches!(op, Op::LogSoftmaxBackward) as i32;
+            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::I32(log)];
+            b.k("rows", format!("softmax_backward_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::CrossEntropy { ignore_index } => {
+            let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);
+            let loss = b.scratch(rows * 8);
+            let valid = b.scratch(rows * 4);
+            let name = format!("cross_entropy_rows_{}_{}", sfx(dt), sfx(at[1].dtype));
+            let args = vec![Arg::In(0), Arg::In(1), Arg::Scratch(loss), Arg::Scratch(valid), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::Status, Arg::Tag];
+            b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
+            let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(rows as i64)];
+            b.k("rows", "cross_entropy_mean".into(), (1, 1, 1), 256, 0, args)?;
+        }
+        Op::CrossEntropyBackward { ignore_index } => {
+            let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);
+            let count = b.scratch(4);
+            let args = vec![Arg::In(1), Arg::Scratch(count), Arg::I64(rows as i64), Arg::I64(*ignore_index)];
+            b.k("rows", format!("cross_entropy_count_{}", sfx(at[1].dtype)), (1, 1, 1), 256, 0, args)?;
+            let name = format!("cross_entropy_backward_{}_{}", sfx(dt), sfx(at[1].dtype));
+            let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Scratch(count), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::Status, Arg::Tag];
+            b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
+            let (q, k) = (at[0].dims(), at[1].dims());
+            let d = q[3];
+            if d > ATTN_MAX_HEAD {
+                return Err(unsupported(format!("head size {d} (at most {ATTN_MAX_HEAD})")));
+            }
+            let dims: Vec<u64> = [q[0], q[1], k[1], q[2], k[2], d].iter().map(|&x| x as u64).collect();
+            let acc = if dt == DType::F64 { 8 } else { 4 };
+            let smem = ((2 * d + 2 * ATTN_THREADS as usize) * acc) as u32;
+            let (sc, ca) = (Arg::F64(*scale), Arg::I32(*causal as i32));
+            let s = sfx(dt);
+            let q_rows = q[0] * q[1] * q[2];
+            if matches!(op, Op::Attention { .. }) {
+                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), Arg::Blob(dims), sc, ca];
+                b.k("attention", format!("attention_{s}"), rows_grid(dev, q_rows), ATTN_THREADS, smem, args)?;
+            } else {
+                let delta = b.scratch(q_rows * 8);
+                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3), Arg::In(4), Arg::In(5), Arg::Out(0), Arg::Scratch(delta), Arg::Blob(dims.clone()), sc.clone(), ca.clone()];
+                b.k("attention", format!("attention_backward_dq_{s}"), rows_grid(dev, q_rows), ATTN_THREADS, smem, args)?;
+                let kv_rows = k[0] * k[1] * k[2];
+                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(4), Arg::In(5), Arg::Scratch(delta), Arg::Out(1), Arg::Out(2), Arg::Blob(dims), sc, ca];
+                b.k("attention", format!("attention_backward_dkdv_{s}"), rows_grid(dev, kv_rows), ATTN_THREADS, smem, args)?;
+            }
+        }
+    }
+    Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch })
+}
+
+/// The recipe of an elementwise expression (one kernel).
+pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Result<Recipe> {
+    let (src, name) = f.source(PRELUDE)?;
+    let m = dev.module(&name, &src, Options { fmad: false })?;
+    let func = m.function(&name)?;
+    let mut args: Vec<Arg> = (0..f.inputs.len()).map(Arg::In).collect();
+    args.extend((0..f.outputs.len()).map(Arg::Out));
+    args.extend([Arg::I64(n as i64), Arg::Status, Arg::Tag]);
+    let steps = if n == 0 {
+        vec![]
+    } else {
+        vec![Step::Kernel { func, name, grid: grid_for(dev, n, 256), block: 256, smem: 0, args }]
+    };
+    Ok(Recipe { op, steps, scratch: 0 })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn copy(b: &mut Builder, dt: DType, dims: &[usize], inp: &[i64], out: &[i64], arg: usize, in_off: i64, out_off: i64) -> Result<()> {
+    let n: usize = dims.iter().product();
+    if n == 0 {
+        return Ok(());
+    }
+    let blob = strides_blob(dims, inp, out)?;
+    let args = vec![Arg::In(arg), Arg::Out(0), Arg::Blob(blob), Arg::I64(n as i64), Arg::I64(in_off), Arg::I64(out_off)];
+    let grid = grid_for(b.dev, n, 256);
+    b.k("layout", format!("copy_{}", dt.size_in_bytes()), grid, 256, 0, args)
+}
+
+fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: usize) -> Result<()> {
+    let xs = contiguous(x.dims());
+    let (mut kd, mut ks, mut rd, mut rs) = (vec![], vec![], vec![], vec![]);
+    for (i, &d) in x.dims().iter().enumerate() {
+        if axes.contains(&i) {
+            rd.push(d);
+            rs.push(xs[i]);
+        } else {
+            kd.push(d);
+            ks.push(xs[i]);
+        }
+    }
+    let n_red: usize = rd.iter().product();
+    let kept = strides_blob(&kd, &ks, &ks)?;
+    let red = strides_blob(&rd, &rs, &rs)?;
+    let block = (n_red.next_power_of_two() as u32).clamp(32, 256);
+    let grid = (n_out.clamp(1, b.dev.multiprocessors.max(1) * 64) as u32, 1, 1);
+    if n_out == 0 {
+        return Ok(());
+    }
+    let mut args = vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red), Arg::I64(n_out as i64), Arg::I64(n_red as i64)];
+    let name = if x.dtype.is_float() {
+        args.push(Arg::I32(match r {
+            ReduceOp::Sum => 0,
+            ReduceOp::Mean => 1,
+            ReduceOp::Max => 2,
+        }));
+        format!("reduce_{}", sfx(x.dtype))
+    } else {
+        format!("reduce_max_{}", sfx(x.dtype))
+    };
+    b.k("reduce", name, grid, block, 0, args)
+}
