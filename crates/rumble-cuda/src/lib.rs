@@ -26,3 +26,4 @@ pub mod recipe;
 pub use device::{Device, available};
 pub use error::{CudaError, Result};
 
+pub use exec::{EagerExecutor, Executor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program};

@@ -1,1 +1,232 @@
-//! executors
+//! Three executors over one compiled [`Program`] (a trace, its memory plan and every node's
+//! prepared [`Recipe`]):
+//!
+//! - [`EagerExecutor`]: op by op, each value from a caching allocator and freed after its last
+//!   use: the baseline for memory and time;
+//! - [`PlannedExecutor`]: op by op in the plan's one arena and persistent region;
+//! - [`GraphedExecutor`]: the planned launches captured into CUDA graphs (the whole step, or
+//!   forward and backward as two graphs over the same arena) and replayed, inputs and returned
+//!   outputs moving through pinned host buffers inside the graphs.
+//!
+//! All three launch the same recipes in the same order, so they compute the same bits.
+//! Persistent inputs (params, optimizer state) are given once when an executor is built; each
+//! step takes the other inputs, in trace order. `Update` outputs are written back to their
+//! input's persistent buffer at the end of the step (unless the plan computed them there).
+
+mod eager;
+mod graphed;
+mod planned;
+
+use std::sync::Arc;
+
+use rumble_core::cpu::HostTensor;
+use rumble_core::ir::{InputRole, OutputRole, Trace, ValueId, verify};
+use rumble_core::plan::{MemoryPlan, Region};
+
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::launch::Recipe;
+use crate::recipe::prepare;
+
+pub use eager::EagerExecutor;
+pub use graphed::{GraphMode, GraphedExecutor};
+pub use planned::PlannedExecutor;
+
+/// A trace ready to run on one device: its plan and every node's prepared launches.
+pub struct Program {
+    pub dev: Arc<Device>,
+    pub trace: Trace,
+    pub plan: MemoryPlan,
+    pub recipes: Vec<Recipe>,
+    /// Scratch bytes the program needs (the most any node needs).
+    pub scratch_bytes: usize,
+    /// For each value, the last node that reads it (`None`: no node reads it).
+    pub last_use: Vec<Option<usize>>,
+    /// Seconds spent preparing (compiling kernels, choosing matmul algorithms).
+    pub prepare_secs: f64,
+}
+
+/// Bytes an executor holds, comparable with PyTorch's accounting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Most bytes the framework held at once (arena + persistent + workspace for the planned
+    /// executors; live allocator blocks, parameters included, for eager): what
+    /// `torch.cuda.max_memory_allocated` counts.
+    pub peak_bytes: usize,
+    /// Bytes held from the driver at the peak (eager's cache included).
+    pub reserved_bytes: usize,
+    /// The device's own used-memory rise since the executor was created (cuMemGetInfo), which
+    /// also counts graphs, library handles and fragmentation.
+    pub device_rise_bytes: usize,
+}
+
+/// What every executor does.
+pub trait Executor {
+    /// Runs one step on the per-step inputs (the trace's non-persistent inputs, in order) and
+    /// returns the outputs whose role is `Output` (e.g. the loss), in order.
+    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>;
+    /// Any trace output of the last step, by name.
+    fn output(&self, name: &str) -> Result<HostTensor>;
+    /// A persistent input's current value, by name.
+    fn persistent(&self, name: &str) -> Result<HostTensor>;
+    fn memory(&self) -> MemoryStats;
+}
+
+impl Program {
+    /// Scratch (workspace) bytes `trace` needs on `dev`: plan with at least this much.
+    pub fn workspace_bytes(dev: &Device, trace: &Trace) -> Result<usize> {
+        let mut most = 0;
+        for node in &trace.nodes {
+            let at: Vec<_> = node.args.iter().map(|a| trace.ty(*a)).collect();
+            let ot: Vec<_> = node.outs.iter().map(|o| trace.ty(*o)).collect();
+            most = most.max(prepare(dev, &node.op, &at, &ot)?.scratch);
+        }
+        Ok(most)
+    }
+
+    /// Plans `trace` with `planner(trace, workspace_bytes)` and prepares it.
+    pub fn compile(dev: Arc<Device>, trace: Trace, planner: impl Fn(&Trace, usize) -> MemoryPlan) -> Result<Program> {
+        let ws = Self::workspace_bytes(&dev, &trace)?;
+        let plan = planner(&trace, ws);
+        Self::new(dev, trace, plan)
+    }
+
+    /// Prepares every node of `trace` (compiling kernels) and checks `plan` against it.
+    pub fn new(dev: Arc<Device>, trace: Trace, plan: MemoryPlan) -> Result<Program> {
+        let t0 = std::time::Instant::now();
+        verify(&trace)?;
+        let mut recipes = Vec::with_capacity(trace.nodes.len());
+        for (n, node) in trace.nodes.iter().enumerate() {
+            let at: Vec<_> = node.args.iter().map(|a| trace.ty(*a)).collect();
+            let ot: Vec<_> = node.outs.iter().map(|o| trace.ty(*o)).collect();
+            let r = prepare(&dev, &node.op, &at, &ot).map_err(|e| match e {
+                CudaError::Unsupported(w) => CudaError::Unsupported(format!("node {n}: {w}")),
+                other => other,
+            })?;
+            recipes.push(r);
+        }
+        let scratch_bytes = recipes.iter().map(|r| r.scratch).max().unwrap_or(0);
+        let mut last_use = vec![None; trace.num_values()];
+        for (n, node) in trace.nodes.iter().enumerate() {
+            for a in &node.args {
+                last_use[a.index()] = Some(n);
+            }
+        }
+        let p = Program { dev, trace, plan, recipes, scratch_bytes, last_use, prepare_secs: 0.0 };
+        p.check_plan()?;
+        Ok(Program { prepare_secs: t0.elapsed().as_secs_f64(), ..p })
+    }
+
+    fn check_plan(&self) -> Result<()> {
+        let (t, p) = (&self.trace, &self.plan);
+        let bad = |m: String| CudaError::usage(format!("plan of `{}`: {m}", t.name));
+        if p.slots.len() < t.num_values() {
+            return Err(bad(format!("{} slots for {} values", p.slots.len(), t.num_values())));
+        }
+        if p.workspace_bytes < self.scratch_bytes {
+            return Err(bad(format!(
+                "workspace of {} bytes, the CUDA kernels need {} (plan with Program::workspace_bytes)",
+                p.workspace_bytes, self.scratch_bytes
+            )));
+        }
+        let mut values: Vec<ValueId> = t.inputs.iter().map(|i| i.value).collect();
+        values.extend(t.nodes.iter().flat_map(|n| n.outs.iter().copied()));
+        for v in values {
+            let s = p.slot(v)?;
+            let limit = if s.region == Region::Arena { p.workspace_offset() } else { p.persistent_bytes };
+            if s.bytes < t.ty(v).size_in_bytes() || s.offset + s.bytes > limit {
+                return Err(bad(format!("slot {s:?} of {v} ({}) does not fit", t.ty(v))));
+            }
+        }
+        for i in &t.inputs {
+            let persistent = p.slot(i.value)?.region == Region::Persistent;
+            if persistent != i.role.is_persistent() {
+                return Err(bad(format!("input \"{}\" ({}) is in the wrong region", i.name, i.role.name())));
+            }
+        }
+        Ok(())
+    }
+
+    /// Indices into `trace.inputs` of the persistent inputs and of the per-step inputs.
+    pub fn input_split(&self) -> (Vec<usize>, Vec<usize>) {
+        (0..self.trace.inputs.len()).partition(|&i| self.trace.inputs[i].role.is_persistent())
+    }
+
+    /// Checks `given` against the inputs at `which`.
+    fn check_inputs(&self, which: &[usize], given: &[HostTensor], kind: &str) -> Result<()> {
+        if which.len() != given.len() {
+            return Err(CudaError::usage(format!(
+                "trace `{}` takes {} {kind} inputs, got {}",
+                self.trace.name,
+                which.len(),
+                given.len()
+            )));
+        }
+        for (&i, h) in which.iter().zip(given) {
+            let inp = &self.trace.inputs[i];
+            if h.ty != *self.trace.ty(inp.value) || h.bytes.len() != h.ty.size_in_bytes() {
+                return Err(CudaError::usage(format!(
+                    "input \"{}\" of `{}` must be {}, got {} ({} bytes)",
+                    inp.name,
+                    self.trace.name,
+                    self.trace.ty(inp.value),
+                    h.ty,
+                    h.bytes.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `(output value, persistent input value)` of every `Update` output.
+    fn updates(&self) -> Vec<(ValueId, ValueId)> {
+        self.trace
+            .outputs
+            .iter()
+            .filter_map(|o| match o.role {
+                OutputRole::Update { of } => Some((o.value, of)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Indices into `trace.outputs` of the outputs a step returns (role `Output`).
+    fn returned(&self) -> Vec<usize> {
+        (0..self.trace.outputs.len()).filter(|&i| self.trace.outputs[i].role == OutputRole::Output).collect()
+    }
+
+    fn node_name(&self, n: usize) -> String {
+        self.trace.nodes.get(n).map(|x| x.op.name().to_string()).unwrap_or_else(|| "?".into())
+    }
+
+    fn output_index(&self, name: &str) -> Result<usize> {
+        self.trace
+            .outputs
+            .iter()
+            .position(|o| o.name == name)
+            .ok_or_else(|| CudaError::usage(format!("trace `{}` has no output \"{name}\"", self.trace.name)))
+    }
+
+    fn persistent_index(&self, name: &str) -> Result<usize> {
+        self.trace
+            .inputs
+            .iter()
+            .position(|i| i.name == name && i.role.is_persistent())
+            .ok_or_else(|| CudaError::usage(format!("trace `{}` has no param/opt_state \"{name}\"", self.trace.name)))
+    }
+}
+
+/// Splits all inputs of a trace (in trace order) into (persistent, per-step), the way the
+/// executors take them.
+pub fn split_inputs(trace: &Trace, all: &[HostTensor]) -> (Vec<HostTensor>, Vec<HostTensor>) {
+    let (mut p, mut s) = (Vec::new(), Vec::new());
+    for (inp, h) in trace.inputs.iter().zip(all) {
+        if inp.role.is_persistent() { p.push(h.clone()) } else { s.push(h.clone()) }
+    }
+    (p, s)
+}
+
+/// Whether an input role is fed each step.
+pub fn is_step_input(r: InputRole) -> bool {
+    !r.is_persistent()
+}

@@ -1,0 +1,167 @@
+//! The planned executor: one arena and one persistent region, allocated once from the plan,
+//! every node launched with its slots' addresses. [`Placed`] (the buffers and each node's
+//! resolved addresses) is shared with the graphed executor.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result as drv, sys};
+use rumble_core::cpu::HostTensor;
+use rumble_core::plan::Region;
+
+use super::{Executor, MemoryStats, Program};
+use crate::error::{CudaError, DriverContext, Result};
+use crate::launch::Buffers;
+use crate::memory::{DeviceBuffer, download};
+
+/// A program's buffers placed in device memory, with each node's addresses resolved.
+pub(crate) struct Placed {
+    pub prog: Arc<Program>,
+    pub arena: DeviceBuffer,
+    pub persistent: DeviceBuffer,
+    /// Per node: operand and output addresses.
+    pub addrs: Vec<(Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>)>,
+    /// Free device bytes before the executor allocated anything.
+    pub free_before: usize,
+}
+
+impl Placed {
+    /// Refuses a plan larger than the free device memory before allocating or launching
+    /// anything; then allocates and uploads the persistent inputs.
+    pub fn new(prog: Arc<Program>, persistent: &[HostTensor]) -> Result<Placed> {
+        let dev = prog.dev.clone();
+        let (pers_idx, _) = prog.input_split();
+        prog.check_inputs(&pers_idx, persistent, "persistent")?;
+        let plan = &prog.plan;
+        let (free, _) = dev.mem_info()?;
+        let needed = plan.arena_bytes + plan.persistent_bytes;
+        if needed > free {
+            return Err(CudaError::OutOfMemory {
+                what: format!(
+                    "the plan of `{}` (arena {} + persistent {} bytes)",
+                    prog.trace.name, plan.arena_bytes, plan.persistent_bytes
+                ),
+                needed,
+                free,
+            });
+        }
+        let arena = DeviceBuffer::new(&dev, plan.arena_bytes, "the arena")?;
+        let pers = DeviceBuffer::new(&dev, plan.persistent_bytes, "the persistent region")?;
+        let mut placed = Placed { prog: prog.clone(), arena, persistent: pers, addrs: Vec::new(), free_before: free };
+        for (&i, h) in pers_idx.iter().zip(persistent) {
+            let s = plan.slot(prog.trace.inputs[i].value)?;
+            placed.persistent.upload(&dev, s.offset, &h.bytes)?;
+        }
+        let mut addrs = Vec::with_capacity(prog.trace.nodes.len());
+        for node in &prog.trace.nodes {
+            let a = node.args.iter().map(|v| placed.ptr(*v)).collect::<Result<Vec<_>>>()?;
+            let o = node.outs.iter().map(|v| placed.ptr(*v)).collect::<Result<Vec<_>>>()?;
+            addrs.push((a, o));
+        }
+        placed.addrs = addrs;
+        Ok(placed)
+    }
+
+    pub fn ptr(&self, v: rumble_core::ValueId) -> Result<sys::CUdeviceptr> {
+        let s = self.prog.plan.slot(v)?;
+        let base = if s.region == Region::Arena { self.arena.ptr } else { self.persistent.ptr };
+        Ok(base + s.offset as u64)
+    }
+
+    /// Enqueues nodes `range` (no allocation, no synchronisation: capturable).
+    pub fn launch(&self, range: std::ops::Range<usize>) -> Result<()> {
+        let p = &self.prog;
+        let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
+        for n in range {
+            let (args, outs) = &self.addrs[n];
+            let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes };
+            unsafe { p.recipes[n].launch(&p.dev, n + 1, &b)? };
+        }
+        Ok(())
+    }
+
+    /// Enqueues the copies of `Update` outputs into their persistent slots (where the plan put
+    /// them elsewhere).
+    pub fn write_back_updates(&self) -> Result<()> {
+        for (out, of) in self.prog.updates() {
+            let (src, dst) = (self.ptr(out)?, self.ptr(of)?);
+            let bytes = self.prog.trace.ty(of).size_in_bytes();
+            if src != dst && bytes > 0 {
+                unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.prog.dev.stream()) }
+                    .ctx(|| "writing an update back to its parameter".into())?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn read(&self, v: rumble_core::ValueId) -> Result<HostTensor> {
+        let ty = self.prog.trace.ty(v).clone();
+        let bytes = download(&self.prog.dev, self.ptr(v)?, ty.size_in_bytes())?;
+        Ok(HostTensor { ty, bytes })
+    }
+
+    pub fn check(&self) -> Result<()> {
+        let p = &self.prog;
+        p.dev.check_status(|n| p.node_name(n))
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        let plan = &self.prog.plan;
+        let held = plan.arena_bytes + plan.persistent_bytes;
+        let rise = self.prog.dev.mem_info().map(|(f, _)| self.free_before.saturating_sub(f)).unwrap_or(0);
+        MemoryStats { peak_bytes: held, reserved_bytes: held, device_rise_bytes: rise }
+    }
+
+    pub fn output(&self, name: &str) -> Result<HostTensor> {
+        let i = self.prog.output_index(name)?;
+        self.read(self.prog.trace.outputs[i].value)
+    }
+
+    pub fn persistent_value(&self, name: &str) -> Result<HostTensor> {
+        let i = self.prog.persistent_index(name)?;
+        self.read(self.prog.trace.inputs[i].value)
+    }
+}
+
+/// Op by op in the plan's arena.
+pub struct PlannedExecutor {
+    placed: Placed,
+    rise: usize,
+}
+
+impl PlannedExecutor {
+    pub fn new(prog: Arc<Program>, persistent: &[HostTensor]) -> Result<Self> {
+        Ok(PlannedExecutor { placed: Placed::new(prog, persistent)?, rise: 0 })
+    }
+}
+
+impl Executor for PlannedExecutor {
+    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        let pl = &self.placed;
+        let p = pl.prog.clone();
+        let (_, step_idx) = p.input_split();
+        p.check_inputs(&step_idx, inputs, "per-step")?;
+        p.dev.bind()?;
+        for (&i, h) in step_idx.iter().zip(inputs) {
+            let dst = pl.ptr(p.trace.inputs[i].value)?;
+            if !h.bytes.is_empty() {
+                unsafe { drv::memcpy_htod_async(dst, &h.bytes, p.dev.stream()) }.ctx(|| "uploading an input".into())?;
+            }
+        }
+        // The copies read host memory asynchronously: wait before `inputs` can go away.
+        p.dev.synchronize()?;
+        pl.launch(0..p.trace.nodes.len())?;
+        pl.write_back_updates()?;
+        pl.check()?;
+        self.rise = self.rise.max(pl.stats().device_rise_bytes);
+        p.returned().into_iter().map(|i| pl.read(p.trace.outputs[i].value)).collect()
+    }
+    fn output(&self, name: &str) -> Result<HostTensor> {
+        self.placed.output(name)
+    }
+    fn persistent(&self, name: &str) -> Result<HostTensor> {
+        self.placed.persistent_value(name)
+    }
+    fn memory(&self) -> MemoryStats {
+        MemoryStats { device_rise_bytes: self.rise, ..self.placed.stats() }
+    }
+}
