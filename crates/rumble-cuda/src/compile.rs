@@ -87,87 +87,95 @@ fn nvrtc_version() -> (i32, i32) {
     (a, b)
 }
 
-fn include_dirs() -> Vec<String> {
-    let mut roots: Vec<String> =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(|v| std::env::var(v).ok()).filter(|s| !s.is_empty()).collect();
-    roots.push("/usr/local/cuda".into());
-    roots.into_iter().map(|r| format!("{r}/include")).filter(|p| std::path::Path::new(p).is_dir()).collect()
+/// NVRTC options for `arch` (e.g. `sm_90`).
+fn nvrtc_options(arch: &str, opts: Options) -> Vec<String> {
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    options.push(format!("--fmad={}", opts.fmad));
+    if std::env::var("RUMBLE_CUDA_LINEINFO").is_ok_and(|v| v == "1") {
+        options.push("--generate-line-info".into());
+    }
+    options
+}
+
+/// True when NVRTC can be loaded (no GPU needed to compile).
+pub fn nvrtc_available() -> bool {
+    std::panic::catch_unwind(|| unsafe { nvsys::is_culib_present() }).unwrap_or(false)
+}
+
+/// The CUBIN of `source` for `arch`: from the disk cache, or compiled (and cached).
+/// Returns the bytes and the cache key.
+fn cached_cubin(arch: &str, name: &str, source: &str, opts: Options) -> Result<(Vec<u8>, String)> {
+    let (ma, mi) = nvrtc_version();
+    let options = nvrtc_options(arch, opts);
+    let key = format!(
+        "{:016x}",
+        fnv1a(&[source.as_bytes(), options.join(" ").as_bytes(), format!("nvrtc{ma}.{mi}").as_bytes()])
+    );
+    let dir = cache_dir();
+    let path = dir.as_ref().map(|d| d.join(format!("{name}-{key}.cubin")));
+    if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        return Ok((bytes, key));
+    }
+    let bin = nvrtc(arch, name, source, &options)?;
+    if let (Some(d), Some(p)) = (&dir, &path) {
+        // A cache that cannot be written only costs a recompile next time.
+        let _ = std::fs::create_dir_all(d);
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bin).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok((bin, key))
 }
 
 impl Device {
     /// The module compiled from `source` (named `name` in errors), compiling and loading it
     /// on first use.
     pub fn module(&self, name: &str, source: &str, opts: Options) -> Result<Arc<Module>> {
-        let (ma, mi) = nvrtc_version();
-        let mut options = vec![format!("--gpu-architecture={}", self.arch), "--std=c++17".to_string()];
-        options.push(format!("--fmad={}", opts.fmad));
-        if std::env::var("RUMBLE_CUDA_LINEINFO").is_ok_and(|v| v == "1") {
-            options.push("--generate-line-info".into());
-        }
-        for d in include_dirs() {
-            options.push(format!("--include-path={d}"));
-        }
-        let key = format!(
-            "{:016x}",
-            fnv1a(&[source.as_bytes(), options.join(" ").as_bytes(), format!("nvrtc{ma}.{mi}").as_bytes()])
-        );
-        if let Some(m) = self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.get(&key) {
+        let mkey = format!("{:016x}{}", fnv1a(&[source.as_bytes()]), opts.fmad);
+        if let Some(m) = self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.get(&mkey) {
             return Ok(m.clone());
         }
-        let dir = cache_dir();
-        let path = dir.as_ref().map(|d| d.join(format!("{name}-{key}.cubin")));
-        let cubin = match path.as_ref().and_then(|p| std::fs::read(p).ok()) {
-            Some(bytes) => bytes,
-            None => {
-                let bin = self.nvrtc(name, source, &options)?;
-                if let (Some(d), Some(p)) = (&dir, &path) {
-                    // A cache that cannot be written only costs a recompile next time.
-                    let _ = std::fs::create_dir_all(d);
-                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-                    if std::fs::write(&tmp, &bin).is_ok() {
-                        let _ = std::fs::rename(&tmp, p);
-                    }
-                }
-                bin
-            }
-        };
+        let (cubin, _) = cached_cubin(&self.arch, name, source, opts)?;
         self.bind()?;
         let module =
             unsafe { drv::module::load_data(cubin.as_ptr() as *const _) }.ctx(|| format!("loading module `{name}`"))?;
         let m = Arc::new(Module { module, functions: Mutex::new(HashMap::new()), name: name.to_string() });
-        self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.insert(key, m.clone());
+        self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.insert(mkey, m.clone());
         Ok(m)
-    }
-
-    fn nvrtc(&self, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
-        let err = |e: String, log: String| CudaError::Compile {
-            kernel: name.to_string(),
-            arch: self.arch.clone(),
-            err: e,
-            log,
-        };
-        let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into(), String::new()))?;
-        let cname = CString::new(format!("{name}.cu")).map_err(|_| err("bad name".into(), String::new()))?;
-        let prog = nv::create_program(&src, Some(&cname)).map_err(|e| err(e.to_string(), String::new()))?;
-        let compiled = unsafe { nv::compile_program(prog, options) };
-        let log = unsafe { nv::get_program_log(prog) }
-            .map(|l| {
-                let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-                String::from_utf8_lossy(&bytes).into_owned()
-            })
-            .unwrap_or_default();
-        let out = match compiled {
-            Err(e) => Err(err(e.to_string(), log)),
-            Ok(()) => unsafe {
-                let mut size = 0usize;
-                nvsys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| err(e.to_string(), log.clone()))?;
-                let mut bin = vec![0u8; size];
-                nvsys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _).result().map_err(|e| err(e.to_string(), log))?;
-                Ok(bin)
-            },
-        };
-        let _ = unsafe { nv::destroy_program(prog) };
-        out
     }
 }
 
+/// Compiles `source` to a CUBIN for `arch` with NVRTC alone (no device needed).
+pub fn compile_cubin(arch: &str, name: &str, source: &str, opts: Options) -> Result<Vec<u8>> {
+    if !nvrtc_available() {
+        return Err(CudaError::Library { lib: "libnvrtc", why: "not found on the library path".into() });
+    }
+    Ok(cached_cubin(arch, name, source, opts)?.0)
+}
+
+fn nvrtc(arch: &str, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    let err = |e: String, log: String| CudaError::Compile { kernel: name.to_string(), arch: arch.to_string(), err: e, log };
+    let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into(), String::new()))?;
+    let cname = CString::new(format!("{name}.cu")).map_err(|_| err("bad name".into(), String::new()))?;
+    let prog = nv::create_program(&src, Some(&cname)).map_err(|e| err(e.to_string(), String::new()))?;
+    let compiled = unsafe { nv::compile_program(prog, options) };
+    let log = unsafe { nv::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    let out = match compiled {
+        Err(e) => Err(err(e.to_string(), log)),
+        Ok(()) => unsafe {
+            let mut size = 0usize;
+            nvsys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| err(e.to_string(), log.clone()))?;
+            let mut bin = vec![0u8; size];
+            nvsys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _).result().map_err(|e| err(e.to_string(), log))?;
+            Ok(bin)
+        },
+    };
+    let _ = unsafe { nv::destroy_program(prog) };
+    out
+}

@@ -74,11 +74,25 @@ impl Fused {
         Some(Fused { inputs, scalar_inputs, nodes, outputs: vec![o] })
     }
 
-    /// The CUDA source of this expression's kernel and the kernel's name.
+    /// The scalar constants of the expression, in the order the kernel takes them (they are
+    /// kernel parameters, so expressions that differ only in constants share a kernel).
+    pub fn consts(&self) -> Vec<f64> {
+        self.nodes
+            .iter()
+            .filter_map(|n| match n.op {
+                EOp::Const(v) | EOp::Pow(v) | EOp::AddScalar(v) | EOp::MulScalar(v) => Some(v),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The CUDA source of this expression's kernel and the kernel's name. The kernel takes the
+    /// inputs, the outputs, the constants (`double`s), `n`, the status word and the node tag.
     pub fn source(&self, prelude: &str) -> Result<(String, String)> {
         let mut body = String::new();
+        let mut k = 0;
         for (i, n) in self.nodes.iter().enumerate() {
-            let e = self.node_expr(n)?;
+            let e = self.node_expr(n, &mut k)?;
             body.push_str(&format!("    {} v{i} = {e};\n", value_type(n.dtype)));
         }
         let mut params: Vec<String> = self
@@ -92,6 +106,7 @@ impl Fused {
             params.push(format!("{}* __restrict__ out{k}", storage_type(self.nodes[o].dtype)));
             stores.push_str(&format!("    st(&out{k}[i], v{o});\n"));
         }
+        params.extend((0..k).map(|c| format!("double c{c}")));
         let loads: String = self
             .inputs
             .iter()
@@ -112,29 +127,33 @@ impl Fused {
         Ok((src, name))
     }
 
-    fn node_expr(&self, n: &ENode) -> Result<String> {
+    fn node_expr(&self, n: &ENode, next_const: &mut usize) -> Result<String> {
         let a = |k: usize| format!("v{}", n.args[k]);
         let arg_dtype = |k: usize| self.nodes[n.args[k]].dtype;
         let d = n.dtype;
         let unsupported = |what: &str| CudaError::Unsupported(format!("elementwise {what} on {d}"));
         let f64t = d == DType::F64;
         let fl = |name: &str| if f64t { name.to_string() } else { format!("{name}f") };
-        let lit = |v: f64| {
-            if f64t { format!("__longlong_as_double({}LL)", v.to_bits() as i64) } else { format!("(float)__longlong_as_double({}LL)", v.to_bits() as i64) }
+        let c = if matches!(n.op, EOp::Const(_) | EOp::Pow(_) | EOp::AddScalar(_) | EOp::MulScalar(_)) {
+            *next_const += 1;
+            format!("c{}", *next_const - 1)
+        } else {
+            String::new()
         };
+        let lit = |_v: f64| if f64t { c.clone() } else { format!("(float){c}") };
         let one = if f64t { "1.0" } else { "1.0f" };
         let raw = match &n.op {
             EOp::Input(i) => return Ok(format!("IN{i}")),
-            EOp::Const(v) => {
+            EOp::Const(_) => {
                 return Ok(match d {
-                    DType::F32 => format!("to_f32v(__longlong_as_double({}LL))", v.to_bits() as i64),
-                    DType::F64 => lit(*v),
-                    DType::BF16 => format!("to_bf16v(__longlong_as_double({}LL))", v.to_bits() as i64),
-                    DType::F16 => format!("to_f16v(__longlong_as_double({}LL))", v.to_bits() as i64),
+                    DType::F32 => format!("to_f32v({c})"),
+                    DType::F64 => c,
+                    DType::BF16 => format!("to_bf16v({c})"),
+                    DType::F16 => format!("to_f16v({c})"),
                     // Rust's `f64 as i64` saturates and maps NaN to 0, as PTX's cvt does.
-                    DType::I64 => format!("(i64)__longlong_as_double({}LL)", v.to_bits() as i64),
-                    DType::I32 => format!("to_i32v(__longlong_as_double({}LL))", v.to_bits() as i64),
-                    DType::Bool => format!("to_boolv(to_i64v(__longlong_as_double({}LL)))", v.to_bits() as i64),
+                    DType::I64 => format!("to_i64v({c})"),
+                    DType::I32 => format!("to_i32v({c})"),
+                    DType::Bool => format!("to_boolv(to_i64v({c}))"),
                 });
             }
             EOp::Cast => {
@@ -277,5 +296,67 @@ pub fn storage_type(d: DType) -> &'static str {
         DType::I32 => "int",
         DType::I64 => "i64",
         DType::Bool => "u8",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(op: Op, args: &[TensorType]) -> Fused {
+        let at: Vec<&TensorType> = args.iter().collect();
+        let out = op.infer(&at).unwrap();
+        let ot: Vec<&TensorType> = out.iter().collect();
+        Fused::of_op(&op, &at, &ot).unwrap()
+    }
+
+    #[test]
+    fn constants_are_parameters_so_kernels_are_shared() {
+        let t = TensorType::new(DType::BF16, [4, 8]);
+        let a = one(Op::AddScalar { value: 0.5 }, std::slice::from_ref(&t));
+        let b = one(Op::AddScalar { value: -3.25 }, std::slice::from_ref(&t));
+        let (sa, na) = a.source("").unwrap();
+        let (sb, nb) = b.source("").unwrap();
+        assert_eq!((sa, na), (sb, nb));
+        assert_eq!(a.consts(), vec![0.5]);
+        assert_eq!(b.consts(), vec![-3.25]);
+    }
+
+    #[test]
+    fn bf16_nodes_round_once_and_outputs_store() {
+        let t = TensorType::new(DType::BF16, [4, 8]);
+        let f = one(Op::Binary(BinaryOp::Mul), &[t.clone(), t]);
+        let (src, name) = f.source("").unwrap();
+        assert!(name.starts_with("ew_"));
+        assert!(src.contains("float v2 = rnd_bf16(v0 * v1);"), "{src}");
+        assert!(src.contains("st(&out0[i], v2);"), "{src}");
+    }
+
+    #[test]
+    fn swiglu_backward_has_two_outputs_and_no_intermediate_rounding() {
+        let t = TensorType::new(DType::BF16, [2, 3]);
+        let f = one(Op::SwigluBackward, &[t.clone(), t.clone(), t]);
+        assert_eq!(f.outputs.len(), 2);
+        let (src, _) = f.source("").unwrap();
+        assert_eq!(src.matches("to_bf16v(").count(), 2, "{src}");
+        assert!(!src.contains("rnd_bf16"), "{src}");
+        assert!(src.contains("out1"));
+    }
+
+    #[test]
+    fn bool_arithmetic_is_refused() {
+        let t = TensorType::new(DType::Bool, [2]);
+        let f = Fused {
+            inputs: vec![DType::Bool, DType::Bool],
+            scalar_inputs: vec![false, false],
+            nodes: vec![
+                ENode { op: EOp::Input(0), args: vec![], dtype: t.dtype },
+                ENode { op: EOp::Input(1), args: vec![], dtype: t.dtype },
+                ENode { op: EOp::Binary(BinaryOp::Add), args: vec![0, 1], dtype: DType::Bool },
+            ],
+            outputs: vec![2],
+        };
+        let e = f.source("").unwrap_err().to_string();
+        assert!(e.contains("add") && e.contains("bool"), "{e}");
     }
 }

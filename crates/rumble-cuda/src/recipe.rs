@@ -30,6 +30,14 @@ fn align(n: usize) -> usize {
     n.div_ceil(256) * 256
 }
 
+/// The fixed kernel files, each as the full source NVRTC compiles (prelude included).
+pub fn fixed_sources() -> Vec<(&'static str, String)> {
+    [("layout", LAYOUT), ("reduce", REDUCE), ("rows", ROWS), ("attention", ATTENTION)]
+        .into_iter()
+        .map(|(n, body)| (n, format!("{PRELUDE}\n{body}")))
+        .collect()
+}
+
 /// The kernel named `name` of one of the fixed kernel files.
 fn kernel(dev: &Device, file: &'static str, name: &str) -> Result<crate::compile::Func> {
     let (src, body) = match file {
@@ -265,6 +273,7 @@ pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Resu
     let func = m.function(&name)?;
     let mut args: Vec<Arg> = (0..f.inputs.len()).map(Arg::In).collect();
     args.extend((0..f.outputs.len()).map(Arg::Out));
+    args.extend(f.consts().into_iter().map(Arg::F64));
     args.extend([Arg::I64(n as i64), Arg::Status, Arg::Tag]);
     let steps = if n == 0 {
         vec![]
