@@ -155,7 +155,8 @@ pub fn compile_cubin(arch: &str, name: &str, source: &str, opts: Options) -> Res
 }
 
 fn nvrtc(arch: &str, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
-    let err = |e: String, log: String| CudaError::Compile { kernel: name.to_string(), arch: arch.to_string(), err: e, log };
+    let err =
+        |e: String, log: String| CudaError::Compile { kernel: name.to_string(), arch: arch.to_string(), err: e, log };
     let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into(), String::new()))?;
     let cname = CString::new(format!("{name}.cu")).map_err(|_| err("bad name".into(), String::new()))?;
     let prog = nv::create_program(&src, Some(&cname)).map_err(|e| err(e.to_string(), String::new()))?;

@@ -34,13 +34,29 @@ pub enum Arg {
 
 #[derive(Clone, Debug)]
 pub enum Step {
-    Kernel { func: Func, name: String, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg> },
+    Kernel {
+        func: Func,
+        name: String,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    },
     /// Zero output `out` (`bytes` bytes).
-    ZeroOut { out: usize, bytes: usize },
+    ZeroOut {
+        out: usize,
+        bytes: usize,
+    },
     /// Copy operand `src` to output `dst`; skipped when both are the same buffer (a view the
     /// planner aliased).
-    Copy { src: usize, dst: usize, bytes: usize },
-    Matmul { key: MatmulKey },
+    Copy {
+        src: usize,
+        dst: usize,
+        bytes: usize,
+    },
+    Matmul {
+        key: MatmulKey,
+    },
 }
 
 /// The prepared work of one node.

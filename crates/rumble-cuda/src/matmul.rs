@@ -237,6 +237,10 @@ impl Device {
                 self.stream() as sys::cudaStream_t,
             )
         }
-        .map_err(|e| CudaError::Blas { op: "matmul".into(), what: format!("cublasLtMatmul {key:?}"), err: e.to_string() })
+        .map_err(|e| CudaError::Blas {
+            op: "matmul".into(),
+            what: format!("cublasLtMatmul {key:?}"),
+            err: e.to_string(),
+        })
     }
 }

@@ -33,7 +33,11 @@ impl DeviceBuffer {
 
     pub fn upload(&self, dev: &Device, offset: usize, data: &[u8]) -> Result<()> {
         if offset + data.len() > self.bytes {
-            return Err(CudaError::usage(format!("upload of {} bytes at {offset} overruns a {}-byte buffer", data.len(), self.bytes)));
+            return Err(CudaError::usage(format!(
+                "upload of {} bytes at {offset} overruns a {}-byte buffer",
+                data.len(),
+                self.bytes
+            )));
         }
         dev.bind()?;
         unsafe { drv::memcpy_htod_sync(self.ptr + offset as u64, data) }.ctx(|| "cuMemcpyHtoD".into())

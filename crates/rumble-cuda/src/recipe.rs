@@ -86,7 +86,15 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn k(&mut self, file: &'static str, name: String, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg>) -> Result<()> {
+    fn k(
+        &mut self,
+        file: &'static str,
+        name: String,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
         let func = kernel(self.dev, file, &name)?;
         self.steps.push(Step::Kernel { func, name, grid, block, smem, args });
         Ok(())
@@ -153,7 +161,16 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let (rows, d) = (at[0].dims()[0], at[0].dims()[1]);
             let n = at[1].numel();
             let name = format!("gather_{}_{}", at[0].dtype.size_in_bytes(), sfx(at[1].dtype));
-            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(n as i64), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::Status, Arg::Tag];
+            let args = vec![
+                Arg::In(0),
+                Arg::In(1),
+                Arg::Out(0),
+                Arg::I64(n as i64),
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                Arg::Status,
+                Arg::Tag,
+            ];
             b.k("layout", name, grid_for(dev, n * d, 256), 256, 0, args)?;
         }
         Op::ScatterAdd { rows } => {
@@ -161,7 +178,16 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let d = at[1].shape.last();
             b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
             let name = format!("scatter_add_{}_{}", sfx(at[1].dtype), sfx(at[0].dtype));
-            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(n as i64), Arg::I64(*rows as i64), Arg::I64(d as i64), Arg::Status, Arg::Tag];
+            let args = vec![
+                Arg::In(0),
+                Arg::In(1),
+                Arg::Out(0),
+                Arg::I64(n as i64),
+                Arg::I64(*rows as i64),
+                Arg::I64(d as i64),
+                Arg::Status,
+                Arg::Tag,
+            ];
             if n > 0 {
                 b.k("layout", name, rows_grid(dev, n), 256, 0, args)?;
             }
@@ -178,7 +204,8 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
         Op::RmsNorm { eps } => {
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);
-            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
+            let args =
+                vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
             b.k("rows", format!("rms_norm_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
         }
         Op::RmsNormBackward { eps } => {
@@ -190,19 +217,54 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let part = b.scratch(groups * d * acc);
             let s = sfx(dt);
             let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
-            b.k("rows", format!("rms_norm_backward_dx_{s}"), rows_grid(dev, rows), 256, 0,
-                vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)])?;
+            b.k(
+                "rows",
+                format!("rms_norm_backward_dx_{s}"),
+                rows_grid(dev, rows),
+                256,
+                0,
+                vec![
+                    Arg::In(0),
+                    Arg::In(1),
+                    Arg::In(2),
+                    Arg::Out(0),
+                    Arg::Scratch(rstd),
+                    r.clone(),
+                    dd.clone(),
+                    Arg::F64(*eps),
+                ],
+            )?;
             let cols = d.div_ceil(128) as u32;
-            b.k("rows", format!("rms_norm_backward_dw_part_{s}"), (cols, groups as u32, 1), 128, 0,
-                vec![Arg::In(0), Arg::In(2), Arg::Scratch(rstd), Arg::Scratch(part), r, dd.clone()])?;
-            b.k("rows", format!("rms_norm_backward_dw_sum_{s}"), (cols, 1, 1), 128, 0,
-                vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd])?;
+            b.k(
+                "rows",
+                format!("rms_norm_backward_dw_part_{s}"),
+                (cols, groups as u32, 1),
+                128,
+                0,
+                vec![Arg::In(0), Arg::In(2), Arg::Scratch(rstd), Arg::Scratch(part), r, dd.clone()],
+            )?;
+            b.k(
+                "rows",
+                format!("rms_norm_backward_dw_sum_{s}"),
+                (cols, 1, 1),
+                128,
+                0,
+                vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd],
+            )?;
         }
         Op::Rope { theta, inverse } => {
             let dims = at[0].dims();
             let (t, d) = (dims[2], dims[3]);
             let rows = at[0].numel() / d.max(1);
-            let args = vec![Arg::In(0), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(t as i64), Arg::I64(d as i64), Arg::F64(*theta), Arg::F64(if *inverse { -1.0 } else { 1.0 })];
+            let args = vec![
+                Arg::In(0),
+                Arg::Out(0),
+                Arg::I64(rows as i64),
+                Arg::I64(t as i64),
+                Arg::I64(d as i64),
+                Arg::F64(*theta),
+                Arg::F64(if *inverse { -1.0 } else { 1.0 }),
+            ];
             b.k("rows", format!("rope_{}", sfx(dt)), grid_for(dev, rows * d / 2, 256), 256, 0, args)?;
         }
         Op::Softmax | Op::LogSoftmax => {
@@ -216,7 +278,8 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);
             let log = matches!(op, Op::LogSoftmaxBackward) as i32;
-            let args = vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::I32(log)];
+            let args =
+                vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::I32(log)];
             b.k("rows", format!("softmax_backward_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
         }
         Op::CrossEntropy { ignore_index } => {
@@ -224,7 +287,17 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let loss = b.scratch(rows * 8);
             let valid = b.scratch(rows * 4);
             let name = format!("cross_entropy_rows_{}_{}", sfx(dt), sfx(at[1].dtype));
-            let args = vec![Arg::In(0), Arg::In(1), Arg::Scratch(loss), Arg::Scratch(valid), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::Status, Arg::Tag];
+            let args = vec![
+                Arg::In(0),
+                Arg::In(1),
+                Arg::Scratch(loss),
+                Arg::Scratch(valid),
+                Arg::I64(rows as i64),
+                Arg::I64(v as i64),
+                Arg::I64(*ignore_index),
+                Arg::Status,
+                Arg::Tag,
+            ];
             b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
             let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(rows as i64)];
             b.k("rows", "cross_entropy_mean".into(), (1, 1, 1), 256, 0, args)?;
@@ -235,7 +308,18 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let args = vec![Arg::In(1), Arg::Scratch(count), Arg::I64(rows as i64), Arg::I64(*ignore_index)];
             b.k("rows", format!("cross_entropy_count_{}", sfx(at[1].dtype)), (1, 1, 1), 256, 0, args)?;
             let name = format!("cross_entropy_backward_{}_{}", sfx(dt), sfx(at[1].dtype));
-            let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Scratch(count), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(v as i64), Arg::I64(*ignore_index), Arg::Status, Arg::Tag];
+            let args = vec![
+                Arg::In(0),
+                Arg::In(1),
+                Arg::In(2),
+                Arg::Scratch(count),
+                Arg::Out(0),
+                Arg::I64(rows as i64),
+                Arg::I64(v as i64),
+                Arg::I64(*ignore_index),
+                Arg::Status,
+                Arg::Tag,
+            ];
             b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
         }
         Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
@@ -255,11 +339,49 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
                 b.k("attention", format!("attention_{s}"), rows_grid(dev, q_rows), ATTN_THREADS, smem, args)?;
             } else {
                 let delta = b.scratch(q_rows * 8);
-                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3), Arg::In(4), Arg::In(5), Arg::Out(0), Arg::Scratch(delta), Arg::Blob(dims.clone()), sc.clone(), ca.clone()];
-                b.k("attention", format!("attention_backward_dq_{s}"), rows_grid(dev, q_rows), ATTN_THREADS, smem, args)?;
+                let args = vec![
+                    Arg::In(0),
+                    Arg::In(1),
+                    Arg::In(2),
+                    Arg::In(3),
+                    Arg::In(4),
+                    Arg::In(5),
+                    Arg::Out(0),
+                    Arg::Scratch(delta),
+                    Arg::Blob(dims.clone()),
+                    sc.clone(),
+                    ca.clone(),
+                ];
+                b.k(
+                    "attention",
+                    format!("attention_backward_dq_{s}"),
+                    rows_grid(dev, q_rows),
+                    ATTN_THREADS,
+                    smem,
+                    args,
+                )?;
                 let kv_rows = k[0] * k[1] * k[2];
-                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(4), Arg::In(5), Arg::Scratch(delta), Arg::Out(1), Arg::Out(2), Arg::Blob(dims), sc, ca];
-                b.k("attention", format!("attention_backward_dkdv_{s}"), rows_grid(dev, kv_rows), ATTN_THREADS, smem, args)?;
+                let args = vec![
+                    Arg::In(0),
+                    Arg::In(1),
+                    Arg::In(2),
+                    Arg::In(4),
+                    Arg::In(5),
+                    Arg::Scratch(delta),
+                    Arg::Out(1),
+                    Arg::Out(2),
+                    Arg::Blob(dims),
+                    sc,
+                    ca,
+                ];
+                b.k(
+                    "attention",
+                    format!("attention_backward_dkdv_{s}"),
+                    rows_grid(dev, kv_rows),
+                    ATTN_THREADS,
+                    smem,
+                    args,
+                )?;
             }
         }
     }
@@ -284,13 +406,23 @@ pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Resu
 }
 
 #[allow(clippy::too_many_arguments)]
-fn copy(b: &mut Builder, dt: DType, dims: &[usize], inp: &[i64], out: &[i64], arg: usize, in_off: i64, out_off: i64) -> Result<()> {
+fn copy(
+    b: &mut Builder,
+    dt: DType,
+    dims: &[usize],
+    inp: &[i64],
+    out: &[i64],
+    arg: usize,
+    in_off: i64,
+    out_off: i64,
+) -> Result<()> {
     let n: usize = dims.iter().product();
     if n == 0 {
         return Ok(());
     }
     let blob = strides_blob(dims, inp, out)?;
-    let args = vec![Arg::In(arg), Arg::Out(0), Arg::Blob(blob), Arg::I64(n as i64), Arg::I64(in_off), Arg::I64(out_off)];
+    let args =
+        vec![Arg::In(arg), Arg::Out(0), Arg::Blob(blob), Arg::I64(n as i64), Arg::I64(in_off), Arg::I64(out_off)];
     let grid = grid_for(b.dev, n, 256);
     b.k("layout", format!("copy_{}", dt.size_in_bytes()), grid, 256, 0, args)
 }
@@ -315,7 +447,8 @@ fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: u
     if n_out == 0 {
         return Ok(());
     }
-    let mut args = vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red), Arg::I64(n_out as i64), Arg::I64(n_red as i64)];
+    let mut args =
+        vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red), Arg::I64(n_out as i64), Arg::I64(n_red as i64)];
     let name = if x.dtype.is_float() {
         args.push(Arg::I32(match r {
             ReduceOp::Sum => 0,

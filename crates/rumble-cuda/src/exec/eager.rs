@@ -132,7 +132,8 @@ impl Executor for EagerExecutor {
             let (src, dst) = (self.ptr(out)?, self.ptr(of)?);
             let bytes = p.trace.ty(of).size_in_bytes();
             if src != dst && bytes > 0 {
-                unsafe { drv::memcpy_dtod_async(dst, src, bytes, dev.stream()) }.ctx(|| "writing back an update".into())?;
+                unsafe { drv::memcpy_dtod_async(dst, src, bytes, dev.stream()) }
+                    .ctx(|| "writing back an update".into())?;
             }
         }
         dev.check_status(|n| p.node_name(n))?;

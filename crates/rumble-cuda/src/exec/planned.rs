@@ -132,6 +132,14 @@ impl PlannedExecutor {
     pub fn new(prog: Arc<Program>, persistent: &[HostTensor]) -> Result<Self> {
         Ok(PlannedExecutor { placed: Placed::new(prog, persistent)?, rise: 0 })
     }
+
+    /// Fills the whole arena with `byte` (tests poison it, so an output a kernel fails to
+    /// write shows up as NaN or garbage rather than a lucky zero).
+    pub fn poison(&self, byte: u8) -> Result<()> {
+        let a = &self.placed.arena;
+        self.placed.prog.dev.bind()?;
+        unsafe { drv::memset_d8_sync(a.ptr, byte, a.bytes) }.ctx(|| "poisoning the arena".into())
+    }
 }
 
 impl Executor for PlannedExecutor {

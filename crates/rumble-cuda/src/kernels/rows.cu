@@ -76,7 +76,9 @@ __device__ void rope(const T* __restrict__ x, T* __restrict__ y, i64 rows, i64 t
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 row = e / half, j = e % half;
     float t = (float)(row % t_len);
-    float inv = 1.0f / powf((float)theta, (float)(2 * j) / (float)d);
+    // theta^(-2j/D) as f32: the f32 exponent, pow in f64 rounded once (as a correctly
+    // rounded powf would give, and the CPU reference computes).
+    float inv = 1.0f / (float)pow((double)(float)theta, (double)((float)(2 * j) / (float)d));
     double ang = (double)(t * inv);
     A s = (A)(sign * sin(ang)), c = (A)cos(ang);
     A a = ldf(x[row * d + j]), b = ldf(x[row * d + j + half]);

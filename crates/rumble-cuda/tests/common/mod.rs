@@ -1,0 +1,142 @@
+//! Helpers shared by the GPU tests: the device (or a printed skip), comparisons against the
+//! CPU reference with per-dtype tolerances, random inputs.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use rumble_core::cpu::{HostTensor, Rng};
+use rumble_core::ir::{DType, TensorType};
+use rumble_cuda::Device;
+
+/// The GPU, or `None` after printing why the test is skipped.
+pub fn device() -> Option<Arc<Device>> {
+    match Device::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// Relative-error tolerance of each dtype: ||gpu - cpu|| / ||cpu||.
+pub fn tolerance(d: DType) -> f64 {
+    match d {
+        DType::F64 => 1e-10,
+        DType::F32 => 2e-5,
+        DType::BF16 => 1e-2,
+        DType::F16 => 2e-3,
+        _ => 0.0,
+    }
+}
+
+/// `(relative error, max abs error)`; `Err` if types differ, NaNs appear where the
+/// reference has none, or integers/bools differ.
+pub fn compare(gpu: &HostTensor, cpu: &HostTensor, tol: f64) -> Result<(f64, f64), String> {
+    if gpu.ty != cpu.ty {
+        return Err(format!("types differ: gpu {} cpu {}", gpu.ty, cpu.ty));
+    }
+    if !gpu.ty.dtype.is_float() {
+        let (g, c) = (gpu.to_i64(), cpu.to_i64());
+        if let Some(i) = (0..g.len()).find(|&i| g[i] != c[i]) {
+            return Err(format!("element {i}: gpu {} cpu {}", g[i], c[i]));
+        }
+        return Ok((0.0, 0.0));
+    }
+    let (g, c) = (gpu.to_f64(), cpu.to_f64());
+    let (mut num, mut den, mut maxabs) = (0.0f64, 0.0f64, 0.0f64);
+    for i in 0..g.len() {
+        if g[i].is_nan() != c[i].is_nan() {
+            return Err(format!("element {i}: gpu {} cpu {}", g[i], c[i]));
+        }
+        if c[i].is_nan() || (c[i].is_infinite() && g[i] == c[i]) {
+            continue;
+        }
+        let d = g[i] - c[i];
+        num += d * d;
+        den += c[i] * c[i];
+        maxabs = maxabs.max(d.abs());
+    }
+    let rel = if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
+    if rel.is_nan() || rel > tol {
+        return Err(format!("relative error {rel:.3e} over tolerance {tol:.1e} (max abs {maxabs:.3e})"));
+    }
+    Ok((rel, maxabs))
+}
+
+pub fn randn(ty: TensorType, rng: &mut Rng) -> HostTensor {
+    HostTensor::randn(ty, 1.0, rng)
+}
+
+/// Normal values moved away from zero: `sign(x) * (|x| + 0.5)`.
+pub fn away_from_zero(ty: TensorType, rng: &mut Rng) -> HostTensor {
+    let v: Vec<f64> = (0..ty.numel())
+        .map(|_| {
+            let x = rng.normal();
+            x.signum() * (x.abs() + 0.5)
+        })
+        .collect();
+    HostTensor::from_f64(ty.dtype, ty.dims(), &v).expect("sizes match")
+}
+
+/// Positive values in `[0.1, 3.1)`.
+pub fn positive(ty: TensorType, rng: &mut Rng) -> HostTensor {
+    let v: Vec<f64> = (0..ty.numel()).map(|_| 0.1 + 3.0 * rng.uniform()).collect();
+    HostTensor::from_f64(ty.dtype, ty.dims(), &v).expect("sizes match")
+}
+
+use rumble_core::autodiff;
+use rumble_core::ir::{InputRole, OutputRole, Phase, Trace};
+use rumble_core::testing::TinyLlama;
+
+/// TinyLlama's training step as one trace: forward, backward (`grad.NAME` outputs) and, if
+/// `lr` is given, an SGD update of every parameter (`new.NAME`, role `Update`).
+pub fn training_step(cfg: &TinyLlama, lr: Option<f64>) -> Trace {
+    let g = cfg.loss_graph().expect("tiny llama builds");
+    let snap = g.snapshot();
+    let loss = g.value(snap.output("loss").expect("loss output").value);
+    let params: Vec<_> =
+        snap.inputs.iter().filter(|i| i.role == InputRole::Param).map(|i| (i.name.clone(), g.value(i.value))).collect();
+    let refs: Vec<_> = params.iter().map(|(_, t)| t).collect();
+    let grads = autodiff::backward(&loss, &refs).expect("backward");
+    for ((name, p), gr) in params.iter().zip(&grads) {
+        g.output_with_role(gr, &format!("grad.{name}"), OutputRole::Grad { of: p.id() }).unwrap();
+    }
+    if let Some(lr) = lr {
+        g.set_phase(Phase::Optimizer);
+        for ((name, p), gr) in params.iter().zip(&grads) {
+            let new = p.sub(&gr.mul_scalar(lr).unwrap()).unwrap();
+            g.output_with_role(&new, &format!("new.{name}"), OutputRole::Update { of: p.id() }).unwrap();
+        }
+    }
+    g.finish().expect("training step verifies")
+}
+
+/// Random parameters (std 0.1 / sqrt(fan-in)-ish) for every persistent input, in trace order.
+pub fn init_params(trace: &Trace, rng: &mut Rng) -> Vec<HostTensor> {
+    trace
+        .inputs
+        .iter()
+        .filter(|i| i.role.is_persistent())
+        .map(|i| {
+            let ty = trace.ty(i.value).clone();
+            if i.name.contains("norm") {
+                let v: Vec<f64> = (0..ty.numel()).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+                HostTensor::from_f64(ty.dtype, ty.dims(), &v).unwrap()
+            } else {
+                let fan_in = *ty.dims().last().unwrap_or(&1) as f64;
+                HostTensor::randn(ty, 1.0 / fan_in.sqrt(), rng)
+            }
+        })
+        .collect()
+}
+
+/// Random per-step inputs (token ids and targets) for every non-persistent input.
+pub fn step_inputs(trace: &Trace, vocab: u64, rng: &mut Rng) -> Vec<HostTensor> {
+    trace
+        .inputs
+        .iter()
+        .filter(|i| !i.role.is_persistent())
+        .map(|i| HostTensor::randint(trace.ty(i.value).clone(), vocab, rng))
+        .collect()
+}

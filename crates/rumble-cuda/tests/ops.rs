@@ -1,0 +1,317 @@
+//! Every op of the IR on the GPU against the CPU reference (`rumble_core::cpu`), on random
+//! inputs, f32, bf16 and f64 (f16 for a few), within per-dtype tolerances. Each case runs as a
+//! one-node trace through the planned executor with the arena poisoned first, so an element a
+//! kernel forgets to write shows up. Also: bad data on the device comes back as an error that
+//! names the op. Prints one line per case (relative error, max abs error).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{away_from_zero, compare, device, positive, randn, tolerance};
+use rumble_core::cpu::{self, HostTensor, Rng};
+use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, Op, ReduceOp, TensorType, UnaryOp};
+use rumble_core::plan::plan_naive;
+use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
+
+const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F64];
+
+struct Case {
+    op: Op,
+    inputs: Vec<HostTensor>,
+    /// Extra slack on the tolerance (ops whose spec rounds through f32, e.g. RoPE angles).
+    tol_floor: f64,
+}
+
+fn case(op: Op, inputs: Vec<HostTensor>) -> Case {
+    Case { op, inputs, tol_floor: 0.0 }
+}
+
+/// The one-node trace of `c`, with outputs `y0`, `y1`, ...
+fn trace_of(c: &Case) -> Result<rumble_core::Trace, String> {
+    let g = Graph::new(format!("case_{}", c.op.name()));
+    let ins: Vec<_> = c
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(i, h)| g.data(&format!("x{i}"), h.ty.dtype, h.ty.dims()).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let refs: Vec<_> = ins.iter().collect();
+    let outs = g.apply(c.op.clone(), &refs).map_err(|e| e.to_string())?;
+    for (i, o) in outs.iter().enumerate() {
+        g.output(o, &format!("y{i}")).map_err(|e| e.to_string())?;
+    }
+    g.finish().map_err(|e| e.to_string())
+}
+
+/// Runs `c` on the GPU alone (planned executor, poisoned arena).
+fn run_gpu(dev: &Arc<Device>, c: &Case) -> Result<Vec<HostTensor>, String> {
+    let trace = trace_of(c)?;
+    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).map_err(|e| e.to_string())?);
+    let mut ex = PlannedExecutor::new(prog, &[]).map_err(|e| e.to_string())?;
+    ex.poison(0xff).map_err(|e| e.to_string())?;
+    ex.step(&c.inputs).map_err(|e| e.to_string())?;
+    (0..trace.outputs.len()).map(|i| ex.output(&format!("y{i}")).map_err(|e| e.to_string())).collect()
+}
+
+/// Runs `c` on the GPU and the CPU; returns a report line or the failure.
+fn run(dev: &Arc<Device>, c: &Case) -> Result<String, String> {
+    let want = cpu::eval(&trace_of(c)?, &c.inputs).map_err(|e| format!("cpu: {e}"))?;
+    let gots = run_gpu(dev, c)?;
+    let mut parts = Vec::new();
+    for (i, (w, got)) in want.iter().zip(&gots).enumerate() {
+        let tol = tolerance(w.ty.dtype).max(c.tol_floor);
+        let (rel, max) = compare(got, w, tol).map_err(|e| format!("output {i}: {e}"))?;
+        parts.push(format!("{rel:.2e} {max:.2e}"));
+    }
+    let types: Vec<String> = c.inputs.iter().map(|h| h.ty.to_string()).collect();
+    Ok(format!("{:<24} {:<40} {}", c.op.name(), types.join(","), parts.join(" | ")))
+}
+
+fn check_all(dev: &Arc<Device>, cases: Vec<Case>) {
+    let mut failures = Vec::new();
+    for c in &cases {
+        match run(dev, c) {
+            Ok(line) => println!("ok   {line}"),
+            Err(e) => {
+                let types: Vec<String> = c.inputs.iter().map(|h| h.ty.to_string()).collect();
+                let msg = format!("FAIL {} ({}): {e}", c.op.name(), types.join(","));
+                println!("{msg}");
+                failures.push(msg);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+fn t(d: DType, dims: &[usize]) -> TensorType {
+    TensorType::new(d, dims.to_vec())
+}
+
+fn ids(d: DType, dims: &[usize], hi: u64, rng: &mut Rng) -> HostTensor {
+    HostTensor::randint(t(d, dims), hi, rng)
+}
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(1);
+    let r = &mut rng;
+    let s = [37, 65];
+    let mut cases = Vec::new();
+    for d in FLOATS.into_iter().chain([DType::F16]) {
+        for u in UnaryOp::ALL {
+            let x = match u {
+                UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => positive(t(d, &s), r),
+                UnaryOp::Recip => away_from_zero(t(d, &s), r),
+                _ => randn(t(d, &s), r),
+            };
+            cases.push(case(Op::Unary(u), vec![x]));
+        }
+        cases.push(case(Op::PowScalar { exponent: 2.5 }, vec![positive(t(d, &s), r)]));
+        cases.push(case(Op::AddScalar { value: -0.375 }, vec![randn(t(d, &s), r)]));
+        cases.push(case(Op::MulScalar { value: 1.0 / 3.0 }, vec![randn(t(d, &s), r)]));
+        for b in BinaryOp::ALL {
+            let y = if b == BinaryOp::Div { away_from_zero(t(d, &s), r) } else { randn(t(d, &s), r) };
+            cases.push(case(Op::Binary(b), vec![randn(t(d, &s), r), y]));
+        }
+        cases.push(case(Op::Swiglu, vec![randn(t(d, &s), r), randn(t(d, &s), r)]));
+        cases.push(case(Op::SwigluBackward, vec![randn(t(d, &s), r), randn(t(d, &s), r), randn(t(d, &s), r)]));
+        let cond = randn(t(DType::F32, &s), r).cast(DType::Bool);
+        cases.push(case(Op::Where, vec![cond, randn(t(d, &s), r), randn(t(d, &s), r)]));
+        cases.push(case(Op::Full { value: -1.25, ty: t(d, &s) }, vec![]));
+    }
+    for d in [DType::I32, DType::I64] {
+        for b in BinaryOp::ALL {
+            let x = ids(d, &s, 1000, r);
+            let y = if b == BinaryOp::Div { ids(d, &s, 50, r).cast(DType::F64).cast(d) } else { ids(d, &s, 1000, r) };
+            // Divisors in 1..=50.
+            let y = if b == BinaryOp::Div {
+                HostTensor::from_i64(d, &s, &y.to_i64().iter().map(|v| v + 1).collect::<Vec<_>>()).unwrap()
+            } else {
+                y
+            };
+            cases.push(case(Op::Binary(b), vec![x, y]));
+        }
+        cases.push(case(Op::Full { value: 7.9, ty: t(d, &s) }, vec![]));
+    }
+    for d in [DType::F32, DType::BF16, DType::I64] {
+        for c in CmpOp::ALL {
+            // Equal elements appear: compare x with a copy that shares half its values.
+            let x = if d.is_float() { randn(t(d, &s), r) } else { ids(d, &s, 4, r) };
+            let y = if d.is_float() { randn(t(d, &s), r) } else { ids(d, &s, 4, r) };
+            cases.push(case(Op::Compare(c), vec![x, y]));
+        }
+    }
+    for from in DType::ALL {
+        for to in DType::ALL {
+            let x = match from {
+                DType::Bool => randn(t(DType::F32, &s), r).cast(DType::Bool),
+                d if d.is_int() => {
+                    HostTensor::from_i64(d, &s, &(0..37 * 65).map(|i| i * 7919 - 90000).collect::<Vec<_>>()).unwrap()
+                }
+                d => HostTensor::from_f64(d, &s, &(0..37 * 65).map(|_| r.normal() * 1e3).collect::<Vec<_>>()).unwrap(),
+            };
+            cases.push(case(Op::Cast { to }, vec![x]));
+        }
+    }
+    check_all(&dev, cases);
+}
+
+#[test]
+fn layout_and_reduction_ops_match_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(2);
+    let r = &mut rng;
+    let mut cases = Vec::new();
+    for d in FLOATS {
+        let x = || t(d, &[3, 50, 33]);
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+            for (axes, keepdim) in
+                [(vec![2], false), (vec![0], true), (vec![0, 2], false), (vec![0, 1, 2], false), (vec![1], true)]
+            {
+                cases.push(case(Op::Reduce { op, axes, keepdim }, vec![randn(x(), r)]));
+            }
+        }
+        cases.push(case(Op::Reshape { shape: [150, 33].into() }, vec![randn(x(), r)]));
+        cases.push(case(Op::Permute { perm: vec![2, 0, 1] }, vec![randn(x(), r)]));
+        cases.push(case(
+            Op::Permute { perm: vec![0, 2, 1] },
+            vec![randn(t(d, &[2, 3, 7, 5]).with_shape([2, 21, 5]), r)],
+        ));
+        cases.push(case(Op::Broadcast { shape: [4, 3, 50, 33].into() }, vec![randn(t(d, &[3, 1, 33]), r)]));
+        cases.push(case(Op::Broadcast { shape: [6, 50, 33].into() }, vec![randn(t(d, &[50, 1]), r)]));
+        cases.push(case(Op::Slice { axis: 1, start: 7, end: 41 }, vec![randn(x(), r)]));
+        cases.push(case(
+            Op::Concat { axis: 1 },
+            vec![randn(t(d, &[3, 5, 33]), r), randn(x(), r), randn(t(d, &[3, 1, 33]), r)],
+        ));
+        for idt in [DType::I32, DType::I64] {
+            cases.push(case(Op::Gather, vec![randn(t(d, &[40, 24]), r), ids(idt, &[3, 17], 40, r)]));
+            // Repeated ids (30 positions into 11 rows; some rows never hit).
+            cases
+                .push(case(Op::ScatterAdd { rows: 13 }, vec![ids(idt, &[2, 15], 11, r), randn(t(d, &[2, 15, 24]), r)]));
+        }
+    }
+    for d in [DType::I32, DType::I64] {
+        cases.push(case(
+            Op::Reduce { op: ReduceOp::Max, axes: vec![1], keepdim: false },
+            vec![ids(d, &[9, 40], 100000, r)],
+        ));
+        cases.push(case(Op::Permute { perm: vec![1, 0] }, vec![ids(d, &[9, 40], 100, r)]));
+    }
+    cases.push(case(Op::Slice { axis: 0, start: 1, end: 3 }, vec![randn(t(DType::F32, &[4, 4]), r).cast(DType::Bool)]));
+    check_all(&dev, cases);
+}
+
+#[test]
+fn matmul_and_composite_ops_match_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(3);
+    let r = &mut rng;
+    let mut cases = Vec::new();
+    for d in FLOATS.into_iter().chain([DType::F16]) {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
+            let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
+            cases.push(case(Op::Matmul { ta, tb }, vec![randn(a, r), randn(b, r)]));
+        }
+        cases.push(case(
+            Op::Matmul { ta: false, tb: true },
+            vec![randn(t(d, &[96, 128]), r), randn(t(d, &[200, 128]), r)],
+        ));
+    }
+    for d in FLOATS {
+        let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
+        cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
+        cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+        for inverse in [false, true] {
+            let c = Case {
+                op: Op::Rope { theta: 10000.0, inverse },
+                inputs: vec![randn(t(d, &[2, 3, 37, 64]), r)],
+                tol_floor: 2e-6,
+            };
+            cases.push(c);
+        }
+        let x = t(d, &[5, 9, 301]);
+        cases.push(case(Op::Softmax, vec![randn(x.clone(), r)]));
+        cases.push(case(Op::LogSoftmax, vec![randn(x.clone(), r)]));
+        let y = cpu::eval(&one_node(Op::Softmax, std::slice::from_ref(&x)), &[randn(x.clone(), r)]).unwrap().remove(0);
+        cases.push(case(Op::SoftmaxBackward, vec![y, randn(x.clone(), r)]));
+        let y =
+            cpu::eval(&one_node(Op::LogSoftmax, std::slice::from_ref(&x)), &[randn(x.clone(), r)]).unwrap().remove(0);
+        cases.push(case(Op::LogSoftmaxBackward, vec![y, randn(x, r)]));
+        for idt in [DType::I32, DType::I64] {
+            let logits = randn(t(d, &[45, 1000]), r);
+            let mut tg = ids(idt, &[45], 1000, r).to_i64();
+            tg[3] = -100;
+            tg[17] = -100;
+            let tg = HostTensor::from_i64(idt, &[45], &tg).unwrap();
+            cases.push(case(Op::CrossEntropy { ignore_index: -100 }, vec![logits.clone(), tg.clone()]));
+            let dloss = HostTensor::scalar(DType::F32, 0.7);
+            cases.push(case(Op::CrossEntropyBackward { ignore_index: -100 }, vec![logits, tg, dloss]));
+        }
+    }
+    check_all(&dev, cases);
+}
+
+#[test]
+fn attention_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(4);
+    let r = &mut rng;
+    let mut cases = Vec::new();
+    // (B, Hq, Hkv, T, S, D, causal)
+    let shapes = [
+        (2, 4, 2, 37, 37, 64, true),
+        (1, 7, 1, 130, 130, 100, true),
+        (1, 2, 2, 19, 45, 1, false),
+        (2, 3, 3, 64, 64, 128, false),
+        (1, 2, 1, 200, 200, 16, true),
+    ];
+    for d in FLOATS {
+        for &(b, hq, hkv, tq, s, hd, causal) in &shapes {
+            let scale = 1.0 / (hd as f64).sqrt();
+            let (q, k) = (t(d, &[b, hq, tq, hd]), t(d, &[b, hkv, s, hd]));
+            let fwd = Op::Attention { scale, causal };
+            let ins = vec![randn(q.clone(), r), randn(k.clone(), r), randn(k.clone(), r)];
+            let outs = cpu::eval(&one_node(fwd.clone(), &[q.clone(), k.clone(), k.clone()]), &ins).unwrap();
+            let tol = if d == DType::F64 { 1e-9 } else { 0.0 };
+            cases.push(Case { op: fwd, inputs: ins.clone(), tol_floor: tol });
+            let mut bw = ins;
+            bw.extend([outs[0].clone(), outs[1].clone(), randn(q, r)]);
+            cases.push(Case { op: Op::AttentionBackward { scale, causal }, inputs: bw, tol_floor: tol });
+        }
+    }
+    check_all(&dev, cases);
+}
+
+fn one_node(op: Op, args: &[TensorType]) -> rumble_core::Trace {
+    let g = Graph::new("ref");
+    let ins: Vec<_> =
+        args.iter().enumerate().map(|(i, a)| g.data(&format!("x{i}"), a.dtype, a.dims()).unwrap()).collect();
+    let refs: Vec<_> = ins.iter().collect();
+    for (i, o) in g.apply(op, &refs).unwrap().iter().enumerate() {
+        g.output(o, &format!("y{i}")).unwrap();
+    }
+    g.finish().unwrap()
+}
+
+#[test]
+fn bad_data_on_the_device_names_the_op() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(5);
+    let table = randn(t(DType::F32, &[10, 4]), &mut rng);
+    let bad = HostTensor::from_i64(DType::I64, &[3], &[1, 12, 2]).unwrap();
+    let e = run_gpu(&dev, &case(Op::Gather, vec![table, bad])).unwrap_err();
+    assert!(e.contains("gather") && e.contains("12"), "{e}");
+    let x = ids(DType::I32, &[8], 10, &mut rng);
+    let zero = HostTensor::from_i64(DType::I32, &[8], &[1, 2, 3, 0, 5, 6, 7, 8]).unwrap();
+    let e = run_gpu(&dev, &case(Op::Binary(BinaryOp::Div), vec![x, zero])).unwrap_err();
+    assert!(e.contains("div") && e.contains("division by zero"), "{e}");
+    let logits = randn(t(DType::F32, &[4, 10]), &mut rng);
+    let tg = HostTensor::from_i64(DType::I64, &[4], &[1, 2, 33, 0]).unwrap();
+    let e = run_gpu(&dev, &case(Op::CrossEntropy { ignore_index: -100 }, vec![logits, tg])).unwrap_err();
+    assert!(e.contains("cross_entropy") && e.contains("33"), "{e}");
+    println!("bad data errors: ok");
+}
