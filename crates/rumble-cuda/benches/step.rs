@@ -71,6 +71,28 @@ fn time(ex: &mut dyn Executor, trace: &rumble_core::Trace, vocab: u64, steps: us
     (median(ts), loss)
 }
 
+/// Device time per op kind (events around each node of an eager step), largest first.
+fn profile(e: &mut EagerExecutor, trace: &rumble_core::Trace, vocab: u64, name: &str) {
+    let data = common::step_inputs(trace, vocab, &mut Rng::new(11));
+    let mut by_op: std::collections::BTreeMap<&str, (usize, f64)> = Default::default();
+    for _ in 0..3 {
+        by_op.clear();
+        let (_, times) = e.step_profiled(&data).expect("profiled step");
+        for (op, ms) in times {
+            let s = by_op.entry(op).or_default();
+            s.0 += 1;
+            s.1 += ms;
+        }
+    }
+    let mut v: Vec<_> = by_op.into_iter().collect();
+    v.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
+    let total: f64 = v.iter().map(|x| x.1.1).sum();
+    println!("{name}: device time by op (eager, events around each node), total {total:.3} ms");
+    for (op, (n, ms)) in v.iter().take(12) {
+        println!("  {op:<24} {n:>4} nodes {ms:>9.3} ms");
+    }
+}
+
 fn main() {
     let Some(dev) = common::device() else { return };
     let pick = std::env::var("RUMBLE_BENCH").unwrap_or_else(|_| "tiny,small".into());
@@ -98,6 +120,7 @@ fn main() {
             let mut e = EagerExecutor::new(prog.clone(), &params).expect("eager");
             let (ms, loss) = time(&mut e, &trace, v, steps);
             let m = e.memory();
+            profile(&mut e, &trace, v, name);
             rows.push(format!(
                 "{name:<6} eager           {ms:>9.3} {:>10.1} {:>10.1} {:>10.1} {loss:.4}",
                 mb(m.peak_bytes),

@@ -300,7 +300,8 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             ];
             b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
             let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(rows as i64)];
-            b.k("rows", "cross_entropy_mean".into(), (1, 1, 1), 256, 0, args)?;
+            let stat = if dt == DType::F64 { "f64" } else { "f32" };
+            b.k("rows", format!("cross_entropy_mean_{stat}"), (1, 1, 1), 256, 0, args)?;
         }
         Op::CrossEntropyBackward { ignore_index } => {
             let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);

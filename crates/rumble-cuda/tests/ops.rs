@@ -248,7 +248,7 @@ fn matmul_and_composite_ops_match_cpu() {
             tg[17] = -100;
             let tg = HostTensor::from_i64(idt, &[45], &tg).unwrap();
             cases.push(case(Op::CrossEntropy { ignore_index: -100 }, vec![logits.clone(), tg.clone()]));
-            let dloss = HostTensor::scalar(DType::F32, 0.7);
+            let dloss = HostTensor::scalar(rumble_core::ir::stat_dtype(d), 0.7);
             cases.push(case(Op::CrossEntropyBackward { ignore_index: -100 }, vec![logits, tg, dloss]));
         }
     }

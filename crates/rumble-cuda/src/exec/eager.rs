@@ -65,8 +65,29 @@ impl EagerExecutor {
     }
 }
 
-impl Executor for EagerExecutor {
-    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+impl EagerExecutor {
+    /// One step with device events around every node: returns the step's outputs and each
+    /// node's `(op name, milliseconds)`, in node order.
+    pub fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<(Vec<HostTensor>, Vec<(&'static str, f64)>)> {
+        let mut events = Vec::new();
+        let out = self.run(inputs, Some(&mut events))?;
+        let mut times = Vec::with_capacity(events.len());
+        for (n, a, b) in events {
+            let ms = unsafe { drv::event::elapsed(a, b) }.ctx(|| "cuEventElapsedTime".into());
+            unsafe {
+                let _ = drv::event::destroy(a);
+                let _ = drv::event::destroy(b);
+            }
+            times.push((self.prog.recipes[n].op, ms? as f64));
+        }
+        Ok((out, times))
+    }
+
+    fn run(
+        &mut self,
+        inputs: &[HostTensor],
+        mut events: Option<&mut Vec<(usize, sys::CUevent, sys::CUevent)>>,
+    ) -> Result<Vec<HostTensor>> {
         let p = self.prog.clone();
         let dev = p.dev.clone();
         dev.bind()?;
@@ -111,7 +132,20 @@ impl Executor for EagerExecutor {
                 scratch: scratch.map(|s| s.ptr).unwrap_or(0),
                 scratch_bytes: scratch.map(|s| s.size).unwrap_or(0),
             };
+            let ev = match events.as_deref_mut() {
+                Some(list) => {
+                    let a = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
+                    let z = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
+                    unsafe { drv::event::record(a, dev.stream()) }.ctx(|| "cuEventRecord".into())?;
+                    list.push((n, a, z));
+                    Some(z)
+                }
+                None => None,
+            };
             unsafe { r.launch(&dev, n + 1, &b)? };
+            if let Some(z) = ev {
+                unsafe { drv::event::record(z, dev.stream()) }.ctx(|| "cuEventRecord".into())?;
+            }
             if self.sync_each {
                 dev.synchronize().map_err(|e| CudaError::Launch {
                     op: r.op.to_string(),
@@ -141,6 +175,12 @@ impl Executor for EagerExecutor {
             self.rise = self.rise.max(self.free_before.saturating_sub(f));
         }
         p.returned().into_iter().map(|i| self.output(&p.trace.outputs[i].name)).collect()
+    }
+}
+
+impl Executor for EagerExecutor {
+    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        self.run(inputs, None)
     }
 
     fn output(&self, name: &str) -> Result<HostTensor> {

@@ -5,11 +5,21 @@
 #define NT 128
 #define MAXU 8  // head size up to NT * MAXU
 
+#define NW (NT / 32)
 struct AttnDims { i64 b, hq, hkv, t, s, d; };
+
+// x . row over d elements by one warp: lanes read consecutive elements (coalesced), then a
+// fixed shuffle tree. Every lane gets the result.
+template <typename T, typename A>
+__device__ __forceinline__ A warp_dot(const A* x, const T* __restrict__ row, i64 d) {
+  A acc = 0;
+  for (i64 c = threadIdx.x & 31; c < d; c += 32) acc += x[c] * ldf(row[c]);
+  return warp_sum(acc);
+}
 
 template <typename T>
 __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                         float* __restrict__ lse, AttnDims dm, double scale_d, int causal) {
+                         typename Acc<T>::t* __restrict__ lse, AttnDims dm, double scale_d, int causal) {
   typedef typename Acc<T>::t A;
   extern __shared__ double smem_d[];
   A* qs = (A*)smem_d;
@@ -31,20 +41,20 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
 #pragma unroll
     for (int u = 0; u < MAXU; ++u) acc[u] = 0;
     for (i64 j0 = 0; j0 < n; j0 += NT) {
-      i64 j = j0 + tid;
-      A s = (A)(-F64_INF);
-      if (j < n) {
-        A dot = 0;
-        for (i64 c = 0; c < d; ++c) dot += qs[c] * ldf(kb[j * d + c]);
-        s = dot * scale;
+      i64 cnt = n - j0 < NT ? n - j0 : NT;
+      for (int jj = tid >> 5; jj < NT; jj += NW) {
+        A sc = (A)(-F64_INF);
+        if (jj < cnt) sc = warp_dot(qs, kb + (j0 + jj) * d, d) * scale;
+        if ((tid & 31) == 0) ps[jj] = sc;
       }
+      __syncthreads();
+      A s = ps[tid];
       A mn = fmax_(m, block_max(s, buf));
-      A p = j < n ? ex_(s - mn) : (A)0;
+      A p = tid < cnt ? ex_(s - mn) : (A)0;
       ps[tid] = p;
       A lb = block_sum(p, buf);
       A alpha = ex_(m - mn);
       l = l * alpha + lb;
-      i64 cnt = n - j0 < NT ? n - j0 : NT;
 #pragma unroll
       for (int u = 0; u < MAXU; ++u) {
         i64 c = tid + u * NT;
@@ -62,14 +72,14 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
       i64 c = tid + u * NT;
       if (c < d) stf(&o[row * d + c], acc[u] / l);
     }
-    if (tid == 0) lse[row] = (float)(m + ln_(l));
+    if (tid == 0) lse[row] = m + ln_(l);
   }
 }
 
 // dq of each query row; also writes delta[row] = sum(do * o) for the dk/dv pass.
 template <typename T>
 __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                            const T* __restrict__ o, const float* __restrict__ lse, const T* __restrict__ dout,
+                            const T* __restrict__ o, const typename Acc<T>::t* __restrict__ lse, const T* __restrict__ dout,
                             T* __restrict__ dq, double* __restrict__ delta, AttnDims dm, double scale_d, int causal) {
   typedef typename Acc<T>::t A;
   extern __shared__ double smem_d[];
@@ -99,20 +109,17 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
 #pragma unroll
     for (int u = 0; u < MAXU; ++u) acc[u] = 0;
     for (i64 j0 = 0; j0 < n; j0 += NT) {
-      i64 j = j0 + tid;
-      A ds = 0;
-      if (j < n) {
-        A s = 0, dp = 0;
-        for (i64 c = 0; c < d; ++c) {
-          s += qs[c] * ldf(kb[j * d + c]);
-          dp += gs[c] * ldf(vb[j * d + c]);
-        }
-        A p = ex_(s * scale - L);
-        ds = p * (dp - di);
-      }
-      ps[tid] = ds;
-      __syncthreads();
       i64 cnt = n - j0 < NT ? n - j0 : NT;
+      for (int jj = tid >> 5; jj < NT; jj += NW) {
+        A ds = 0;
+        if (jj < cnt) {
+          A s = warp_dot(qs, kb + (j0 + jj) * d, d);
+          A dp = warp_dot(gs, vb + (j0 + jj) * d, d);
+          ds = ex_(s * scale - L) * (dp - di);
+        }
+        if ((tid & 31) == 0) ps[jj] = ds;
+      }
+      __syncthreads();
 #pragma unroll
       for (int u = 0; u < MAXU; ++u) {
         i64 c = tid + u * NT;
@@ -132,7 +139,7 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
 // dk, dv of each key row, summed over the query heads of its group and the queries that see it.
 template <typename T>
 __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                              const float* __restrict__ lse, const T* __restrict__ dout, const double* __restrict__ delta,
+                              const typename Acc<T>::t* __restrict__ lse, const T* __restrict__ dout, const double* __restrict__ delta,
                               T* __restrict__ dk, T* __restrict__ dv, AttnDims dm, double scale_d, int causal) {
   typedef typename Acc<T>::t A;
   extern __shared__ double smem_d[];
@@ -160,21 +167,22 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
       const T* gb = dout + bh * dm.t * d;
       i64 first = causal ? j : 0;
       for (i64 i0 = first; i0 < dm.t; i0 += NT) {
-        i64 i = i0 + tid;
-        A p = 0, ds = 0;
-        if (i < dm.t) {
-          A s = 0, dp = 0;
-          for (i64 c = 0; c < d; ++c) {
-            s += ldf(qb[i * d + c]) * ks[c];
-            dp += ldf(gb[i * d + c]) * vs[c];
-          }
-          p = ex_(s * scale - (A)lse[bh * dm.t + i]);
-          ds = p * (dp - (A)delta[bh * dm.t + i]);
-        }
-        ps[tid] = p;
-        dss[tid] = ds;
-        __syncthreads();
         i64 cnt = dm.t - i0 < NT ? dm.t - i0 : NT;
+        for (int ii = tid >> 5; ii < NT; ii += NW) {
+          A p = 0, ds = 0;
+          if (ii < cnt) {
+            i64 i = i0 + ii;
+            A s = warp_dot(ks, qb + i * d, d);
+            A dp = warp_dot(vs, gb + i * d, d);
+            p = ex_(s * scale - (A)lse[bh * dm.t + i]);
+            ds = p * (dp - (A)delta[bh * dm.t + i]);
+          }
+          if ((tid & 31) == 0) {
+            ps[ii] = p;
+            dss[ii] = ds;
+          }
+        }
+        __syncthreads();
 #pragma unroll
         for (int u = 0; u < MAXU; ++u) {
           i64 c = tid + u * NT;
@@ -199,16 +207,16 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
 }
 
 #define ATTN(T, SUF)                                                                                           \
-  extern "C" __global__ void attention_##SUF(const T* q, const T* k, const T* v, T* o, float* lse, AttnDims dm, \
+  extern "C" __global__ void attention_##SUF(const T* q, const T* k, const T* v, T* o, Acc<T>::t* lse, AttnDims dm, \
                                              double scale, int causal) {                                       \
     attn_fwd<T>(q, k, v, o, lse, dm, scale, causal);                                                           \
   }                                                                                                            \
   extern "C" __global__ void attention_backward_dq_##SUF(const T* q, const T* k, const T* v, const T* o,        \
-                                                         const float* lse, const T* dout, T* dq, double* delta, \
+                                                         const Acc<T>::t* lse, const T* dout, T* dq, double* delta, \
                                                          AttnDims dm, double scale, int causal) {              \
     attn_bwd_dq<T>(q, k, v, o, lse, dout, dq, delta, dm, scale, causal);                                       \
   }                                                                                                            \
-  extern "C" __global__ void attention_backward_dkdv_##SUF(const T* q, const T* k, const T* v, const float* lse, \
+  extern "C" __global__ void attention_backward_dkdv_##SUF(const T* q, const T* k, const T* v, const Acc<T>::t* lse, \
                                                            const T* dout, const double* delta, T* dk, T* dv,    \
                                                            AttnDims dm, double scale, int causal) {            \
     attn_bwd_dkdv<T>(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);                                    \

@@ -155,15 +155,15 @@ __device__ void ce_rows(const T* __restrict__ x, const I* __restrict__ tg, doubl
 }
 
 // One block: mean of the valid rows' losses (0 if none), in f64, fixed order. Writes the count.
-__device__ void ce_mean(const double* loss, const int* valid, float* out, int* count, i64 rows) {
+template <typename S>
+__device__ void ce_mean(const double* loss, const int* valid, S* out, i64 rows) {
   __shared__ double buf[32];
   double s = 0, n = 0;
   for (i64 r = threadIdx.x; r < rows; r += blockDim.x) { s += loss[r]; n += valid[r]; }
   s = block_sum(s, buf);
   n = block_sum(n, buf);
   if (threadIdx.x == 0) {
-    *out = (float)(s / (n > 0 ? n : 1.0));
-    if (count) *count = (int)n;
+    *out = (S)(s / (n > 0 ? n : 1.0));
   }
 }
 
@@ -179,7 +179,7 @@ __device__ void ce_count(const I* tg, int* count, i64 rows, i64 ignore) {
 
 // dx = (softmax(row) - onehot(target)) * dloss / count, 0 for ignored rows.
 template <typename T, typename I>
-__device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const float* dloss, const int* count,
+__device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const typename Acc<T>::t* dloss, const int* count,
                        T* __restrict__ dx, i64 rows, i64 v, i64 ignore, int* status, int tag) {
   typedef typename Acc<T>::t A;
   __shared__ A buf[32];
@@ -234,7 +234,7 @@ __device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const 
                                                                i64 rows, i64 v, i64 ignore, int* status, int tag) { \
     ce_rows<T, I>(x, tg, loss, valid, rows, v, ignore, status, tag);                                             \
   }                                                                                                              \
-  extern "C" __global__ void cross_entropy_backward_##SUF##_##ISUF(const T* x, const I* tg, const float* dloss,    \
+  extern "C" __global__ void cross_entropy_backward_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* dloss,    \
                                                                    const int* count, T* dx, i64 rows, i64 v,     \
                                                                    i64 ignore, int* status, int tag) {           \
     ce_bwd<T, I>(x, tg, dloss, count, dx, rows, v, ignore, status, tag);                                         \
@@ -245,8 +245,11 @@ ROWS(double, f64)
 ROWS(bf16, bf16)
 ROWS(f16, f16)
 
-extern "C" __global__ void cross_entropy_mean(const double* loss, const int* valid, float* out, i64 rows) {
-  ce_mean(loss, valid, out, (int*)0, rows);
+extern "C" __global__ void cross_entropy_mean_f32(const double* loss, const int* valid, float* out, i64 rows) {
+  ce_mean<float>(loss, valid, out, rows);
+}
+extern "C" __global__ void cross_entropy_mean_f64(const double* loss, const int* valid, double* out, i64 rows) {
+  ce_mean<double>(loss, valid, out, rows);
 }
 extern "C" __global__ void cross_entropy_count_i32(const int* tg, int* count, i64 rows, i64 ignore) {
   ce_count<int>(tg, count, rows, ignore);
