@@ -13,6 +13,9 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Buffers;
 use crate::memory::{Block, CachingAllocator, download};
 
+/// `(op name, milliseconds)` of each node, in node order.
+pub type OpTimes = Vec<(&'static str, f64)>;
+
 pub struct EagerExecutor {
     prog: Arc<Program>,
     alloc: CachingAllocator,
@@ -68,7 +71,7 @@ impl EagerExecutor {
 impl EagerExecutor {
     /// One step with device events around every node: returns the step's outputs and each
     /// node's `(op name, milliseconds)`, in node order.
-    pub fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<(Vec<HostTensor>, Vec<(&'static str, f64)>)> {
+    pub fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<(Vec<HostTensor>, OpTimes)> {
         let mut events = Vec::new();
         let out = self.run(inputs, Some(&mut events))?;
         let mut times = Vec::with_capacity(events.len());
