@@ -227,6 +227,9 @@ pub fn vjp(
                 .apply(Op::AttentionBackward { scale: *scale, causal: *causal }, &[q, k, v, y, &outs[1], &ct])?;
             r.into_iter().map(Some).collect()
         }
+        Op::Fused(_) => {
+            return Err(Error::Autodiff("fused ops have no VJP: fuse after differentiating".into()));
+        }
         Op::RmsNormBackward { .. }
         | Op::SoftmaxBackward
         | Op::LogSoftmaxBackward

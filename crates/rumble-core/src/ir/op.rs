@@ -9,6 +9,7 @@
 //! their backward passes are ops too.
 
 use super::dtype::{DType, Shape, TensorType};
+use super::fused::FusedBody;
 
 /// Elementwise functions of one float tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -131,6 +132,9 @@ pub enum Op {
     Attention { scale: f64, causal: bool },
     /// `(q, k, v, o, lse, do) -> (dq, dk, dv)`.
     AttentionBackward { scale: f64, causal: bool },
+    /// A chain of elementwise ops run as one kernel (made by the fusion pass; see
+    /// `ir::fused`).
+    Fused(Box<FusedBody>),
 }
 
 impl UnaryOp {
@@ -238,6 +242,7 @@ impl Op {
             Op::SwigluBackward => "swiglu_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
+            Op::Fused(_) => "fused",
         }
     }
 
@@ -274,7 +279,7 @@ impl Op {
             | Op::SwigluBackward
             | Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 6,
-            Op::Concat { .. } => return None,
+            Op::Concat { .. } | Op::Fused(_) => return None,
         })
     }
 
@@ -299,11 +304,14 @@ impl Op {
     pub fn infer(&self, args: &[&TensorType]) -> Result<Vec<TensorType>, String> {
         match self.arity() {
             Some(n) if n != args.len() => return Err(format!("takes {n} operands, got {}", args.len())),
-            None if args.is_empty() => return Err("takes at least one operand".into()),
+            None if args.is_empty() && !matches!(self, Op::Fused(_)) => {
+                return Err("takes at least one operand".into());
+            }
             _ => {}
         }
         let one = |t: TensorType| Ok(vec![t]);
         match self {
+            Op::Fused(body) => body.infer(args),
             Op::Full { ty, .. } => one(ty.clone()),
             Op::Unary(_) | Op::PowScalar { .. } | Op::AddScalar { .. } | Op::MulScalar { .. } => {
                 float(args[0])?;
