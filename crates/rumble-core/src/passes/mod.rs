@@ -4,11 +4,13 @@
 
 mod cse;
 mod dce;
+mod fuse;
 
 use std::time::Instant;
 
 pub use cse::cse;
 pub use dce::dce;
+pub use fuse::fuse;
 
 use crate::Result;
 use crate::ir::{Trace, verify};
