@@ -6,7 +6,7 @@
 //! integers, int for bool) and rounds to its dtype, so a fused chain gives bit for bit what its
 //! ops give one by one (kernels compile with `--fmad=false` for the same reason).
 
-use rumble_core::ir::{BinaryOp, CmpOp, DType, Op, TensorType, UnaryOp};
+use rumble_core::ir::{BinaryOp, CmpOp, DType, FusedBody, Op, TensorType, UnaryOp};
 
 use crate::compile::fnv1a;
 use crate::error::{CudaError, Result};
@@ -35,12 +35,24 @@ pub struct ENode {
     pub dtype: DType,
 }
 
-/// An elementwise program: inputs (with their dtypes; a one-element input is broadcast),
-/// nodes in dependency order, and the nodes stored as outputs.
+/// How a kernel input is indexed by the output's flat index `i`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Indexing {
+    /// Same shape as the output: element `i`.
+    Same,
+    /// One element, broadcast.
+    Scalar,
+    /// Broadcast along some axes: a `Strides` struct (prelude.cuh), as 8-byte words, passed
+    /// as a kernel parameter (so kernels do not depend on shapes).
+    Strided(Vec<u64>),
+}
+
+/// An elementwise program: inputs (with their dtypes and indexing), nodes in dependency
+/// order, and the nodes stored as outputs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fused {
     pub inputs: Vec<DType>,
-    pub scalar_inputs: Vec<bool>,
+    pub scalar_inputs: Vec<Indexing>,
     pub nodes: Vec<ENode>,
     pub outputs: Vec<usize>,
 }
@@ -50,7 +62,8 @@ impl Fused {
     pub fn of_op(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> Option<Fused> {
         let inputs: Vec<DType> = args.iter().map(|t| t.dtype).collect();
         let n = outs.first()?.numel();
-        let scalar_inputs = args.iter().map(|t| t.numel() == 1 && n != 1).collect();
+        let scalar_inputs =
+            args.iter().map(|t| if t.numel() == 1 && n != 1 { Indexing::Scalar } else { Indexing::Same }).collect();
         let mut nodes: Vec<ENode> =
             inputs.iter().enumerate().map(|(i, &d)| ENode { op: EOp::Input(i), args: vec![], dtype: d }).collect();
         let all: Vec<usize> = (0..inputs.len()).collect();
@@ -72,6 +85,55 @@ impl Fused {
         nodes.push(ENode { op: eop, args: all, dtype: out });
         let o = nodes.len() - 1;
         Some(Fused { inputs, scalar_inputs, nodes, outputs: vec![o] })
+    }
+
+    /// The expression of a fused body made by the core's fusion pass (operands smaller than
+    /// the fused shape are broadcast; `full` instructions are scalar constants).
+    pub fn of_body(body: &FusedBody) -> Result<Fused> {
+        let out = body.shape.dims();
+        let mut scalar_inputs = Vec::new();
+        for t in &body.inputs {
+            scalar_inputs.push(if t.shape == body.shape {
+                Indexing::Same
+            } else if t.numel() == 1 {
+                Indexing::Scalar
+            } else {
+                if out.len() > 8 || t.rank() > out.len() {
+                    return Err(CudaError::Unsupported(format!(
+                        "fused operand {} broadcast to {}",
+                        t.shape, body.shape
+                    )));
+                }
+                let off = out.len() - t.rank();
+                let st = t.shape.strides();
+                let mut w = vec![0u64; 25];
+                for (k, &d) in out.iter().enumerate() {
+                    w[k] = d as u64;
+                    w[8 + k] = if k < off || t.dims()[k - off] == 1 { 0 } else { st[k - off] as u64 };
+                }
+                w[24] = out.len() as u64;
+                Indexing::Strided(w)
+            });
+        }
+        let inputs: Vec<DType> = body.inputs.iter().map(|t| t.dtype).collect();
+        let mut nodes: Vec<ENode> =
+            inputs.iter().enumerate().map(|(i, &d)| ENode { op: EOp::Input(i), args: vec![], dtype: d }).collect();
+        for ins in &body.body {
+            let op = match &ins.op {
+                Op::Full { value, .. } => EOp::Const(*value),
+                Op::Unary(u) => EOp::Unary(*u),
+                Op::PowScalar { exponent } => EOp::Pow(*exponent),
+                Op::AddScalar { value } => EOp::AddScalar(*value),
+                Op::MulScalar { value } => EOp::MulScalar(*value),
+                Op::Cast { .. } => EOp::Cast,
+                Op::Binary(b) => EOp::Binary(*b),
+                Op::Compare(c) => EOp::Compare(*c),
+                Op::Where => EOp::Where,
+                other => return Err(CudaError::Unsupported(format!("{} inside a fused body", other.name()))),
+            };
+            nodes.push(ENode { op, args: ins.args.clone(), dtype: ins.dtype });
+        }
+        Ok(Fused { inputs, scalar_inputs, nodes, outputs: body.outputs.clone() })
     }
 
     /// The scalar constants of the expression, in the order the kernel takes them (they are
@@ -106,13 +168,22 @@ impl Fused {
             params.push(format!("{}* __restrict__ out{k}", storage_type(self.nodes[o].dtype)));
             stores.push_str(&format!("    st(&out{k}[i], v{o});\n"));
         }
+        for (i, ix) in self.scalar_inputs.iter().enumerate() {
+            if let Indexing::Strided(_) = ix {
+                params.push(format!("Strides b{i}"));
+            }
+        }
         params.extend((0..k).map(|c| format!("double c{c}")));
         let loads: String = self
             .inputs
             .iter()
             .enumerate()
             .map(|(i, _)| {
-                let idx = if self.scalar_inputs.get(i).copied().unwrap_or(false) { "0" } else { "i" };
+                let idx = match self.scalar_inputs.get(i) {
+                    Some(Indexing::Scalar) => "0".to_string(),
+                    Some(Indexing::Strided(_)) => format!("bidx(i, b{i})"),
+                    _ => "i".to_string(),
+                };
                 format!("#define IN{i} ld(in{i}[{idx}])\n")
             })
             .collect();
@@ -242,7 +313,7 @@ impl Fused {
 }
 
 /// `silu(gate) * up`, and its backward `(dgate, dup)`, as expressions (the CPU's formulas).
-fn swiglu(inputs: Vec<DType>, scalar_inputs: Vec<bool>, backward: bool) -> Fused {
+fn swiglu(inputs: Vec<DType>, scalar_inputs: Vec<Indexing>, backward: bool) -> Fused {
     let d = inputs[0];
     let mut nodes: Vec<ENode> =
         inputs.iter().enumerate().map(|(i, &t)| ENode { op: EOp::Input(i), args: vec![], dtype: t }).collect();
@@ -348,7 +419,7 @@ mod tests {
         let t = TensorType::new(DType::Bool, [2]);
         let f = Fused {
             inputs: vec![DType::Bool, DType::Bool],
-            scalar_inputs: vec![false, false],
+            scalar_inputs: vec![Indexing::Same, Indexing::Same],
             nodes: vec![
                 ENode { op: EOp::Input(0), args: vec![], dtype: t.dtype },
                 ENode { op: EOp::Input(1), args: vec![], dtype: t.dtype },

@@ -129,6 +129,10 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             let f = Fused::of_op(op, at, ot).ok_or_else(|| unsupported("this op".into()))?;
             return fused_recipe(dev, op.name(), &f, out_n);
         }
+        Op::Fused(body) => return fused_recipe(dev, op.name(), &Fused::of_body(body)?, out_n),
+        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyBackward { .. } => {
+            return Err(CudaError::Unsupported(format!("{} yet (its chunked kernels come with issue 6)", op.name())));
+        }
         Op::Reshape { .. } => b.steps.push(Step::Copy { src: 0, dst: 0, bytes: at[0].size_in_bytes() }),
         Op::Permute { perm } => {
             let ins = contiguous(at[0].dims());
@@ -396,6 +400,11 @@ pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Resu
     let func = m.function(&name)?;
     let mut args: Vec<Arg> = (0..f.inputs.len()).map(Arg::In).collect();
     args.extend((0..f.outputs.len()).map(Arg::Out));
+    for ix in &f.scalar_inputs {
+        if let crate::fused::Indexing::Strided(w) = ix {
+            args.push(Arg::Blob(w.clone()));
+        }
+    }
     args.extend(f.consts().into_iter().map(Arg::F64));
     args.extend([Arg::I64(n as i64), Arg::Status, Arg::Tag]);
     let steps = if n == 0 {

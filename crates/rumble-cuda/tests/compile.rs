@@ -1,7 +1,10 @@
 //! Every kernel source compiles with NVRTC for sm_90 (no GPU needed, only libnvrtc): the
 //! fixed kernel files and the generated kernel of every elementwise op on every dtype.
 
+mod common;
+
 use rumble_core::ir::{BinaryOp, CmpOp, DType, Op, TensorType, UnaryOp};
+use rumble_core::testing::TinyLlama;
 use rumble_cuda::compile::{Options, compile_cubin, nvrtc_available};
 use rumble_cuda::fused::Fused;
 use rumble_cuda::recipe::{PRELUDE, fixed_sources};
@@ -62,4 +65,30 @@ fn every_kernel_compiles_for_sm90() {
         }
     }
     println!("compiled 4 kernel files and {} elementwise kernels", cases.len());
+    // The elementwise and fused kernels of the training steps the GPU tests and bench run
+    // (so `scripts/gpu-build` can put them in the kernel cache).
+    let mut n = 0;
+    for dtype in [DType::F32, DType::BF16] {
+        let cfg =
+            TinyLlama { vocab: 96, dim: 64, heads: 4, kv_heads: 2, hidden: 96, layers: 2, batch: 2, seq: 24, dtype };
+        let t = common::training_step(&cfg, Some(0.05));
+        let f = rumble_core::passes::fuse(&t).expect("fuse");
+        for trace in [&t, &f] {
+            for node in &trace.nodes {
+                let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+                let ot: Vec<&TensorType> = node.outs.iter().map(|o| trace.ty(*o)).collect();
+                let fz = match &node.op {
+                    Op::Fused(body) => Some(Fused::of_body(body).expect("fused body")),
+                    op => Fused::of_op(op, &at, &ot),
+                };
+                if let Some(fz) = fz {
+                    let (src, name) = fz.source(PRELUDE).expect("codegen");
+                    compile_cubin("sm_90", &name, &src, Options { fmad: false })
+                        .unwrap_or_else(|e| panic!("{e}\n{src}"));
+                    n += 1;
+                }
+            }
+        }
+    }
+    println!("compiled the {n} elementwise/fused nodes of the test training steps");
 }

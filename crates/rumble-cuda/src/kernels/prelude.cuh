@@ -114,6 +114,15 @@ __device__ __forceinline__ void report(int* status, int tag, int code, i64 v) {
 // Index helpers: up to 8 dims, passed by value.
 #define MAXR 8
 struct Strides { i64 dims[MAXR]; i64 in[MAXR]; i64 out[MAXR]; int rank; };
+// The input offset of flat output index i under a broadcast (s.in holds 0 on broadcast axes).
+__device__ __forceinline__ i64 bidx(i64 i, const Strides& s) {
+  i64 off = 0;
+  for (int k = s.rank - 1; k >= 0; --k) {
+    off += (i % s.dims[k]) * s.in[k];
+    i /= s.dims[k];
+  }
+  return off;
+}
 
 // Fixed-order block reductions (deterministic): every warp reduces by shuffles, then warp 0
 // reduces the warps' partials. `buf` holds 32 values.
