@@ -21,6 +21,10 @@ pub enum Arg {
     Out(usize),
     /// The address `offset` bytes into the node's scratch (the plan's workspace).
     Scratch(usize),
+    /// The address `offset` bytes into operand `i`.
+    InAt(usize, usize),
+    /// The address `offset` bytes into output `i`.
+    OutAt(usize, usize),
     /// The device status word (see [`Device::check_status`]).
     Status,
     /// The node's tag (its index + 1), written into the status word on bad data.
@@ -54,9 +58,29 @@ pub enum Step {
         dst: usize,
         bytes: usize,
     },
+    /// `c = op(a) op(b) + beta * c` through cuBLASLt; its workspace is `ws_bytes` of scratch
+    /// at `ws`.
     Matmul {
         key: MatmulKey,
+        a: Arg,
+        b: Arg,
+        c: Arg,
+        ws: usize,
+        ws_bytes: usize,
+        beta: f64,
     },
+}
+
+/// The device address an address-valued [`Arg`] names.
+fn addr(a: &Arg, b: &Buffers) -> Result<sys::CUdeviceptr> {
+    Ok(match a {
+        Arg::In(i) => b.args[*i],
+        Arg::Out(i) => b.outs[*i],
+        Arg::Scratch(off) => b.scratch + *off as u64,
+        Arg::InAt(i, off) => b.args[*i] + *off as u64,
+        Arg::OutAt(i, off) => b.outs[*i] + *off as u64,
+        other => return Err(CudaError::usage(format!("{other:?} is not an address"))),
+    })
 }
 
 /// The prepared work of one node.
@@ -95,9 +119,9 @@ impl Recipe {
                     let mut words: Vec<Vec<u64>> = Vec::with_capacity(args.len());
                     for a in args {
                         words.push(match a {
-                            Arg::In(i) => vec![b.args[*i]],
-                            Arg::Out(i) => vec![b.outs[*i]],
-                            Arg::Scratch(off) => vec![b.scratch + *off as u64],
+                            Arg::In(_) | Arg::Out(_) | Arg::Scratch(_) | Arg::InAt(..) | Arg::OutAt(..) => {
+                                vec![addr(a, b)?]
+                            }
                             Arg::Status => vec![dev.status_ptr()],
                             Arg::Tag => vec![tag as u64],
                             Arg::I64(v) => vec![*v as u64],
@@ -127,8 +151,9 @@ impl Recipe {
                             .ctx(|| format!("copying for `{}`", self.op))?;
                     }
                 }
-                Step::Matmul { key } => unsafe {
-                    dev.matmul(key, b.args[0], b.args[1], b.outs[0], b.scratch, b.scratch_bytes)?
+                Step::Matmul { key, a, b: bm, c, ws, ws_bytes, beta } => unsafe {
+                    let (pa, pb, pc) = (addr(a, b)?, addr(bm, b)?, addr(c, b)?);
+                    dev.matmul(key, pa, pb, pc, b.scratch + *ws as u64, *ws_bytes, *beta)?
                 },
             }
         }

@@ -22,7 +22,10 @@ pub const MAX_WORKSPACE: usize = 32 << 20;
 /// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MatmulKey {
+    /// Operand dtype.
     pub dtype: DType,
+    /// Result dtype (the operands' or, for bf16/f16 operands, f32).
+    pub out: DType,
     pub ta: bool,
     pub tb: bool,
     pub batch: u64,
@@ -37,7 +40,7 @@ impl MatmulKey {
         let batch: usize = a.dims()[..r - 2].iter().product();
         let (m, k) = if ta { (a.dims()[r - 1], a.dims()[r - 2]) } else { (a.dims()[r - 2], a.dims()[r - 1]) };
         let n = if tb { b.dims()[r - 2] } else { b.dims()[r - 1] };
-        MatmulKey { dtype: a.dtype, ta, tb, batch: batch as u64, m: m as u64, n: n as u64, k: k as u64 }
+        MatmulKey { dtype: a.dtype, out: a.dtype, ta, tb, batch: batch as u64, m: m as u64, n: n as u64, k: k as u64 }
     }
 }
 
@@ -124,6 +127,11 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
         d => return Err(CudaError::Unsupported(format!("matmul of {d}"))),
     };
     let MatmulKey { m, n, k, batch, ta, tb, .. } = *key;
+    let out_ty = match (key.dtype, key.out) {
+        (a, o) if a == o => ty,
+        (DType::BF16 | DType::F16, DType::F32) => sys::cudaDataType::CUDA_R_32F,
+        (a, o) => return Err(CudaError::Unsupported(format!("matmul of {a} giving {o}"))),
+    };
     // Column-major view: C^T [N, M] = X [N, K] * Y [K, M], X from B, Y from A.
     let desc = lt::create_matmul_desc(compute, scale).map_err(blas_err("cublasLtMatmulDescCreate"))?;
     let (op_x, op_y) = (tb as i32, ta as i32);
@@ -146,7 +154,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     // Stored shapes, column-major: B row-major [K, N] is [N, K] (or [K, N] when tb).
     let x = if tb { layout(ty, k, n, batch)? } else { layout(ty, n, k, batch)? };
     let y = if ta { layout(ty, m, k, batch)? } else { layout(ty, k, m, batch)? };
-    let c = layout(ty, n, m, batch)?;
+    let c = layout(out_ty, n, m, batch)?;
     let pref = lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?;
     let ws = MAX_WORKSPACE as u64;
     // No in-place split-K reduction (it uses atomics: results would vary run to run).
@@ -193,6 +201,7 @@ impl Device {
     ///
     /// # Safety
     /// `a`, `b`, `c` must point to device buffers of the key's shapes, `ws` to `ws_bytes` bytes.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul(
         &self,
         key: &MatmulKey,
@@ -201,6 +210,7 @@ impl Device {
         c: dsys::CUdeviceptr,
         ws: dsys::CUdeviceptr,
         ws_bytes: usize,
+        beta: f64,
     ) -> Result<()> {
         self.matmul_workspace(key)?;
         let cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
@@ -211,7 +221,7 @@ impl Device {
                 p.workspace
             )));
         }
-        let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
+        let (one32, zero32, one64, zero64) = (1f32, beta as f32, 1f64, beta);
         let (alpha, beta): (*const c_void, *const c_void) = if p.f64 {
             (&one64 as *const f64 as *const c_void, &zero64 as *const f64 as *const c_void)
         } else {

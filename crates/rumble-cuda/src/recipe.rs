@@ -130,9 +130,8 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             return fused_recipe(dev, op.name(), &f, out_n);
         }
         Op::Fused(body) => return fused_recipe(dev, op.name(), &Fused::of_body(body)?, out_n),
-        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyBackward { .. } => {
-            return Err(CudaError::Unsupported(format!("{} yet (its chunked kernels come with issue 6)", op.name())));
-        }
+        Op::LinearCrossEntropy { ignore_index, chunk } => linear_ce(&mut b, at, *ignore_index, *chunk, false)?,
+        Op::LinearCrossEntropyBackward { ignore_index, chunk } => linear_ce(&mut b, at, *ignore_index, *chunk, true)?,
         Op::Reshape { .. } => b.steps.push(Step::Copy { src: 0, dst: 0, bytes: at[0].size_in_bytes() }),
         Op::Permute { perm } => {
             let ins = contiguous(at[0].dims());
@@ -201,8 +200,17 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             if key.k == 0 {
                 b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
             } else if out_n > 0 {
-                b.scratch = dev.matmul_workspace(&key)?;
-                b.steps.push(Step::Matmul { key });
+                let ws = dev.matmul_workspace(&key)?;
+                b.scratch = ws;
+                b.steps.push(Step::Matmul {
+                    key,
+                    a: Arg::In(0),
+                    b: Arg::In(1),
+                    c: Arg::Out(0),
+                    ws: 0,
+                    ws_bytes: ws,
+                    beta: 0.0,
+                });
             }
         }
         Op::RmsNorm { eps } => {
@@ -470,4 +478,156 @@ fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: u
         format!("reduce_max_{}", sfx(x.dtype))
     };
     b.k("reduce", name, grid, block, 0, args)
+}
+
+/// `linear_cross_entropy` (and its backward) a chunk of rows at a time: each chunk's logits
+/// `x_c @ w^T` (f32, f64 for f64) go to scratch through cuBLASLt, then the cross-entropy row
+/// kernels run on them; the backward turns them into their gradient and multiplies it back
+/// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Scratch: the matmul workspace, then two chunks of
+/// logits, then per-row losses. (Issue 6 replaces this with one fused kernel.)
+fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, backward: bool) -> Result<()> {
+    let (x, w, tg) = (at[0], at[1], at[2]);
+    let (n, c, v) = (x.dims()[0], x.dims()[1], w.dims()[0]);
+    let t = x.dtype;
+    let s = rumble_core::ir::stat_dtype(t);
+    let (tsz, ssz, isz) = (t.size_in_bytes(), s.size_in_bytes(), tg.dtype.size_in_bytes());
+    let chunk = chunk.clamp(1, n.max(1));
+    let starts: Vec<usize> = (0..n).step_by(chunk).collect();
+    // Every matmul shape first: the workspace is the most any of them needs.
+    let key = |dtype: DType, out: DType, ta: bool, tb: bool, m: usize, nn: usize, k: usize| crate::matmul::MatmulKey {
+        dtype,
+        out,
+        ta,
+        tb,
+        batch: 1,
+        m: m as u64,
+        n: nn as u64,
+        k: k as u64,
+    };
+    let mut ws = 0;
+    for &r0 in &starts {
+        let rows = chunk.min(n - r0);
+        ws = ws.max(b.dev.matmul_workspace(&key(t, s, false, true, rows, v, c))?);
+        if backward {
+            ws = ws.max(b.dev.matmul_workspace(&key(t, t, false, false, rows, c, v))?);
+            ws = ws.max(b.dev.matmul_workspace(&key(t, t, true, false, v, c, rows))?);
+        }
+    }
+    b.scratch(ws);
+    let logits = b.scratch(chunk * v * ssz);
+    let s_name = sfx(s);
+    let i_name = sfx(tg.dtype);
+    if !backward {
+        let loss = b.scratch(n * 8);
+        let valid = b.scratch(n * 4);
+        for &r0 in &starts {
+            let rows = chunk.min(n - r0);
+            let k = key(t, s, false, true, rows, v, c);
+            b.steps.push(Step::Matmul {
+                key: k,
+                a: Arg::InAt(0, r0 * c * tsz),
+                b: Arg::In(1),
+                c: Arg::Scratch(logits),
+                ws: 0,
+                ws_bytes: ws,
+                beta: 0.0,
+            });
+            let args = vec![
+                Arg::Scratch(logits),
+                Arg::InAt(2, r0 * isz),
+                Arg::Scratch(loss + r0 * 8),
+                Arg::Scratch(valid + r0 * 4),
+                Arg::I64(rows as i64),
+                Arg::I64(v as i64),
+                Arg::I64(ignore),
+                Arg::Status,
+                Arg::Tag,
+            ];
+            b.k("rows", format!("cross_entropy_rows_{s_name}_{i_name}"), rows_grid(b.dev, rows), 256, 0, args)?;
+        }
+        let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(n as i64)];
+        return b.k("rows", format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args);
+    }
+    let dl = b.scratch(chunk * v * ssz);
+    let count = b.scratch(4);
+    let args = vec![Arg::In(2), Arg::Scratch(count), Arg::I64(n as i64), Arg::I64(ignore)];
+    b.k("rows", format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
+    // bf16/f16: the f32 logit gradient is rounded to the operand dtype for the two matmuls.
+    let cast = if t != s {
+        let (from, to) = (TensorType::new(s, [1]), TensorType::new(t, [1]));
+        let f = Fused::of_op(&Op::Cast { to: t }, &[&from], &[&to]).ok_or_else(|| CudaError::usage("cast"))?;
+        let (src, name) = f.source(PRELUDE)?;
+        let func = b.dev.module(&name, &src, Options { fmad: false })?.function(&name)?;
+        Some((func, name))
+    } else {
+        None
+    };
+    if n == 0 {
+        b.steps.push(Step::ZeroOut { out: 1, bytes: v * c * tsz });
+    }
+    for &r0 in &starts {
+        let rows = chunk.min(n - r0);
+        let k = key(t, s, false, true, rows, v, c);
+        b.steps.push(Step::Matmul {
+            key: k,
+            a: Arg::InAt(0, r0 * c * tsz),
+            b: Arg::In(1),
+            c: Arg::Scratch(logits),
+            ws: 0,
+            ws_bytes: ws,
+            beta: 0.0,
+        });
+        let args = vec![
+            Arg::Scratch(logits),
+            Arg::InAt(2, r0 * isz),
+            Arg::In(3),
+            Arg::Scratch(count),
+            Arg::Scratch(dl),
+            Arg::I64(rows as i64),
+            Arg::I64(v as i64),
+            Arg::I64(ignore),
+            Arg::Status,
+            Arg::Tag,
+        ];
+        b.k("rows", format!("cross_entropy_backward_{s_name}_{i_name}"), rows_grid(b.dev, rows), 256, 0, args)?;
+        // The gradient in the operand dtype: dl itself, or its cast into the logits buffer.
+        let g = match &cast {
+            Some((func, name)) => {
+                let e = rows * v;
+                let args = vec![Arg::Scratch(dl), Arg::Scratch(logits), Arg::I64(e as i64), Arg::Status, Arg::Tag];
+                b.steps.push(Step::Kernel {
+                    func: *func,
+                    name: name.clone(),
+                    grid: grid_for(b.dev, e, 256),
+                    block: 256,
+                    smem: 0,
+                    args,
+                });
+                logits
+            }
+            None => dl,
+        };
+        let kx = key(t, t, false, false, rows, c, v);
+        b.steps.push(Step::Matmul {
+            key: kx,
+            a: Arg::Scratch(g),
+            b: Arg::In(1),
+            c: Arg::OutAt(0, r0 * c * tsz),
+            ws: 0,
+            ws_bytes: ws,
+            beta: 0.0,
+        });
+        let kw = key(t, t, true, false, v, c, rows);
+        let beta = if r0 == 0 { 0.0 } else { 1.0 };
+        b.steps.push(Step::Matmul {
+            key: kw,
+            a: Arg::Scratch(g),
+            b: Arg::InAt(0, r0 * c * tsz),
+            c: Arg::Out(1),
+            ws: 0,
+            ws_bytes: ws,
+            beta,
+        });
+    }
+    Ok(())
 }

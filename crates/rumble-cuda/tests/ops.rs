@@ -249,7 +249,24 @@ fn matmul_and_composite_ops_match_cpu() {
             let tg = HostTensor::from_i64(idt, &[45], &tg).unwrap();
             cases.push(case(Op::CrossEntropy { ignore_index: -100 }, vec![logits.clone(), tg.clone()]));
             let dloss = HostTensor::scalar(rumble_core::ir::stat_dtype(d), 0.7);
-            cases.push(case(Op::CrossEntropyBackward { ignore_index: -100 }, vec![logits, tg, dloss]));
+            cases.push(case(Op::CrossEntropyBackward { ignore_index: -100 }, vec![logits, tg.clone(), dloss.clone()]));
+            // Fused last projection + loss: 45 rows in chunks of 16 (the last one partial).
+            let (x, w) = (randn(t(d, &[45, 64]), r), randn(t(d, &[300, 64]), r));
+            let tg = HostTensor::from_i64(
+                idt,
+                &[45],
+                &tg.to_i64().iter().map(|&v| if v < 0 { v } else { v % 300 }).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            let lce = |bw: bool| {
+                if bw {
+                    Op::LinearCrossEntropyBackward { ignore_index: -100, chunk: 16 }
+                } else {
+                    Op::LinearCrossEntropy { ignore_index: -100, chunk: 16 }
+                }
+            };
+            cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
+            cases.push(case(lce(true), vec![x, w, tg, dloss]));
         }
     }
     check_all(&dev, cases);
