@@ -4,6 +4,8 @@
 //! [`autodiff`] (VJP rules, joint and split traces) -> [`passes`] (trace-to-trace rewrites) ->
 //! [`plan`] (lifetimes, one arena, LOAD) -> [`cpu`] (the reference backend and CPU executors).
 
+pub mod autodiff;
+pub mod cpu;
 pub mod error;
 pub mod ir;
 pub mod passes;
