@@ -3,15 +3,17 @@
 //! Several list schedules are built and measured with the planner's own lifetimes; the one with
 //! the lowest LOAD wins, and the input order is kept unless one beats it. Each list schedule
 //! walks the dependence graph, at every step choosing among the ready nodes:
-//! - **optimizer first** (optional): an optimizer node runs as soon as it can, so a gradient is
-//!   consumed, and its parameter updated in place, right after the backward computes it;
+//! - **optimizer first** (optional): an optimizer node that waits on the backward runs as soon
+//!   as it can, so a gradient is consumed, and its parameter updated in place, right after the
+//!   backward computes it;
 //! - **frees first**: a node whose results take no more bytes than the operands it is the last
 //!   reader of runs at once (this frees saved tensors as early as the backward allows, and puts
 //!   a weight-gradient matmul where it frees its saved input);
 //! - otherwise either the earliest node of the input order, or the node that adds the fewest
 //!   bytes (ties: input order).
 //!
-//! Constants (nodes without operands) are never scheduled on their own: each is emitted just
+//! Nodes that depend on no other node (constants, and ops on inputs alone such as an
+//! embedding lookup or `beta * moment`) are never scheduled on their own: each is emitted just
 //! before its first reader. A parameter updated in place needs every other reader of it to run
 //! before the chain that overwrites it: such anti-dependences are added as edges, so the
 //! in-place update stays legal in every order tried.
@@ -82,8 +84,10 @@ struct DepGraph {
     readers: Vec<usize>,
     freeable: Vec<bool>,
     root_bytes: Vec<usize>,
-    constant: Vec<bool>,
-    phase: Vec<Phase>,
+    /// Nodes with no predecessor, emitted just before their first reader.
+    glued: Vec<bool>,
+    /// Optimizer nodes that (transitively) wait on a backward node.
+    eager: Vec<bool>,
 }
 
 impl DepGraph {
@@ -166,6 +170,8 @@ impl DepGraph {
             })
             .collect();
         DepGraph {
+            glued: preds.iter().map(|p| p.is_empty()).collect(),
+            eager: after_backward(trace, &preds),
             preds,
             succs,
             alloc,
@@ -173,8 +179,6 @@ impl DepGraph {
             readers,
             freeable,
             root_bytes: (0..nv).map(bytes).collect(),
-            constant: trace.nodes.iter().map(|n| n.args.is_empty()).collect(),
-            phase: trace.nodes.iter().map(|n| n.phase).collect(),
         }
     }
 
@@ -187,10 +191,10 @@ impl DepGraph {
 
     fn list_schedule(&self, s: Strategy) -> Vec<usize> {
         let n = self.preds.len();
-        // Constants are emitted with their first reader, so they do not count as predecessors.
+        // Glued nodes are emitted with their first reader, so they do not count as predecessors.
         let mut waiting: Vec<usize> =
-            (0..n).map(|i| self.preds[i].iter().filter(|&&p| !self.constant[p]).count()).collect();
-        let mut ready: Vec<usize> = (0..n).filter(|&i| !self.constant[i] && waiting[i] == 0).collect();
+            (0..n).map(|i| self.preds[i].iter().filter(|&&p| !self.glued[p]).count()).collect();
+        let mut ready: Vec<usize> = (0..n).filter(|&i| !self.glued[i] && waiting[i] == 0).collect();
         let mut done = vec![false; n];
         let mut left = self.readers.clone();
         let mut order = Vec::with_capacity(n);
@@ -205,19 +209,19 @@ impl DepGraph {
             let pick = self.pick(&ready, &left, s);
             let i = ready.swap_remove(pick);
             for &p in &self.preds[i] {
-                if self.constant[p] && !done[p] {
+                if self.glued[p] && !done[p] {
                     emit(p, &mut order, &mut left, &mut done);
                 }
             }
             emit(i, &mut order, &mut left, &mut done);
             for &su in &self.succs[i] {
                 waiting[su] -= 1;
-                if waiting[su] == 0 && !self.constant[su] {
+                if waiting[su] == 0 && !self.glued[su] {
                     ready.push(su);
                 }
             }
         }
-        // Constants nothing reads.
+        // Glued nodes nothing reads.
         order.extend((0..n).filter(|&i| !done[i]));
         order
     }
@@ -228,7 +232,7 @@ impl DepGraph {
             ready.iter().enumerate().filter_map(|(k, &i)| f(i).map(|key| (key, k))).min().map(|(_, k)| k)
         };
         if s.optimizer_first
-            && let Some(k) = by(&|i| (self.phase[i] == Phase::Optimizer).then_some((0, i)))
+            && let Some(k) = by(&|i| self.eager[i].then_some((0, i)))
         {
             return k;
         }
@@ -240,6 +244,42 @@ impl DepGraph {
         }
         if s.min_net { by(&|i| Some((self.net(i, left), i))) } else { by(&|i| Some((0, i))) }.unwrap_or(0)
     }
+}
+
+/// Optimizer nodes with a backward node among their (transitive) predecessors.
+fn after_backward(trace: &Trace, preds: &[Vec<usize>]) -> Vec<bool> {
+    // Predecessors may come later in the node list (anti-dependences), so iterate to a fixpoint
+    // over a topological order.
+    let order = topo(preds);
+    let mut waits = vec![false; preds.len()];
+    for &i in &order {
+        waits[i] = preds[i].iter().any(|&p| trace.nodes[p].phase == Phase::Backward || waits[p]);
+    }
+    (0..preds.len()).map(|i| waits[i] && trace.nodes[i].phase == Phase::Optimizer).collect()
+}
+
+/// A topological order of the graph given by `preds` (Kahn's algorithm).
+fn topo(preds: &[Vec<usize>]) -> Vec<usize> {
+    let n = preds.len();
+    let mut succs = vec![Vec::new(); n];
+    let mut waiting: Vec<usize> = preds.iter().map(|p| p.len()).collect();
+    for (i, ps) in preds.iter().enumerate() {
+        for &p in ps {
+            succs[p].push(i);
+        }
+    }
+    let mut stack: Vec<usize> = (0..n).filter(|&i| waiting[i] == 0).collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(i) = stack.pop() {
+        order.push(i);
+        for &s in &succs[i] {
+            waiting[s] -= 1;
+            if waiting[s] == 0 {
+                stack.push(s);
+            }
+        }
+    }
+    order
 }
 
 /// Nodes reachable from `from` (itself included).

@@ -184,7 +184,7 @@ impl<'a> Checker<'a> {
         let mut root: Vec<ValueId> = (0..n as u32).map(ValueId).collect();
         // Views are defined after their sources, so one pass in definition order suffices;
         // chase anyway in case ids are not in definition order.
-        for i in 0..n {
+        for (i, root_i) in root.iter_mut().enumerate() {
             let mut r = ValueId(i as u32);
             let mut hops = 0;
             while let Some(s) = self.plan.alias_of[r.index()] {
@@ -194,12 +194,11 @@ impl<'a> Checker<'a> {
                     return Err(err(format!("%{i}'s aliases form a cycle")));
                 }
             }
-            root[i] = r;
+            *root_i = r;
         }
         let mut group_end: Vec<usize> = (0..n).map(|i| self.read[i].max(self.step[i])).collect();
-        for i in 0..n {
-            let r = root[i].index();
-            group_end[r] = group_end[r].max(self.read[i]);
+        for (r, &read) in root.iter().zip(&self.read) {
+            group_end[r.index()] = group_end[r.index()].max(read);
         }
         Ok((root, group_end))
     }

@@ -190,9 +190,9 @@ pub fn lifetimes(trace: &Trace, opts: LifetimeOptions) -> Lifetimes {
         last[out.value.index()] = end;
     }
     let mut root_last = last.clone();
-    for v in 0..n {
+    for (v, &l) in last.iter().enumerate() {
         let r = root(ValueId(v as u32)).index();
-        root_last[r] = root_last[r].max(last[v]);
+        root_last[r] = root_last[r].max(l);
     }
 
     let classes = classify(trace, &defs, &root);

@@ -149,15 +149,15 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
             continue;
         }
         let mut d = String::new();
-        for c in 0..cols {
+        for (c, &tc) in top.iter().enumerate() {
             let _ = write!(
                 d,
                 "{}{:.2},{:.2} L{:.2},{:.2} ",
                 if c == 0 { "M" } else { "L" },
                 x(c as f64),
-                y(top[c] as f64),
+                y(tc as f64),
                 x(c as f64 + 1.0),
-                y(top[c] as f64)
+                y(tc as f64)
             );
         }
         for c in (0..cols).rev() {
@@ -217,8 +217,7 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
         t += step_x;
     }
     let strip = Y1 + 26.0;
-    for c in 0..cols {
-        let st = column[c];
+    for (c, &st) in column.iter().enumerate() {
         let phase = if st == 0 || st > trace.nodes.len() { None } else { Some(trace.nodes[st - 1].phase) };
         if let Some(p) = phase {
             let _ = writeln!(
@@ -276,6 +275,23 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
             fmt_bytes(cb.at_peak)
         );
     }
+    for class in [Class::Param, Class::OptState] {
+        let Some(cb) = report.classes.iter().find(|c| c.class == class && c.values > 0) else { continue };
+        ry += 20.0;
+        let _ = writeln!(
+            s,
+            r##"<rect x="{rx}" y="{:.1}" width="14" height="14" fill="none" stroke="{}" stroke-width="2"/>"##,
+            ry - 11.0,
+            class_color(class)
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{ry:.1}">{} — {} (persistent, not drawn)</text>"#,
+            rx + 20.0,
+            class.name().replace('_', " "),
+            fmt_bytes(cb.at_peak)
+        );
+    }
     ry += 34.0;
     let _ = writeln!(s, r#"<text x="{rx}" y="{ry}" font-weight="bold">biggest buffers live at the peak</text>"#);
     let room = ((H - ry - 20.0) / 18.0).max(0.0) as usize;
@@ -289,12 +305,14 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
         );
         let _ = writeln!(
             s,
-            r#"<text x="{:.1}" y="{ry:.1}" font-size="12">{:>9}  {} = {} {}</text>"#,
+            r#"<text x="{:.1}" y="{ry:.1}" font-size="12">{:>9}  {} = {} {} · steps {}–{}</text>"#,
             rx + 16.0,
             fmt_bytes(p.bytes),
             esc(&p.name),
             esc(&p.op),
-            esc(&p.ty)
+            esc(&p.ty),
+            p.def,
+            p.last
         );
     }
     s.push_str("</svg>\n");
