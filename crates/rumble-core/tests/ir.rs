@@ -177,3 +177,43 @@ fn split_forward_then_backward_equals_joint() {
         assert_eq!(got, w, "output {} differs", o.name);
     }
 }
+
+#[test]
+fn fusion_keeps_results_and_round_trips() {
+    // An AdamW-like update: scalars broadcast into a chain of elementwise ops.
+    let g = Graph::new("adamw");
+    let p = g.param("p", DType::F32, &[4, 8]).unwrap();
+    let grad = g.data("g", DType::F32, &[4, 8]).unwrap();
+    let m = g.input("m", TensorType::new(DType::F32, [4, 8]), InputRole::OptState).unwrap();
+    let lr = g.data("lr", DType::F32, &[]).unwrap();
+    let m2 = m.mul_scalar(0.9).unwrap().add(&grad.mul_scalar(0.1).unwrap()).unwrap();
+    let step = m2.mul(&lr.broadcast_to(&[4, 8]).unwrap()).unwrap();
+    let decay = p.mul(&g.full(0.99, DType::F32, &[4, 8])).unwrap();
+    let p2 = decay.sub(&step).unwrap();
+    g.output_with_role(&p2, "p.new", OutputRole::Update { of: p.id() }).unwrap();
+    g.output_with_role(&m2, "m.new", OutputRole::Update { of: m.id() }).unwrap();
+    let t = g.finish().unwrap();
+    let fused = passes::fuse(&t).unwrap();
+    assert_eq!(fused.op_counts(), vec![("fused", 1)], "{fused}");
+    let text = fused.to_string();
+    assert_eq!(parse(&text).unwrap(), fused, "{text}");
+    let mut r = Rng::new(4);
+    let inputs: Vec<HostTensor> =
+        t.inputs.iter().map(|i| HostTensor::randn(t.ty(i.value).clone(), 1.0, &mut r)).collect();
+    assert_eq!(cpu::eval(&t, &inputs).unwrap(), cpu::eval(&fused, &inputs).unwrap());
+
+    // A whole training step: fewer nodes, identical bits.
+    let (_, joint) = llama_joint();
+    let fused = passes::fuse(&joint).unwrap();
+    assert!(fused.nodes.len() < joint.nodes.len());
+    assert_eq!(parse(&fused.to_string()).unwrap(), fused);
+    let inputs: Vec<HostTensor> = joint
+        .inputs
+        .iter()
+        .map(|i| {
+            let ty = joint.ty(i.value).clone();
+            if ty.dtype.is_int() { HostTensor::randint(ty, 32, &mut r) } else { HostTensor::randn(ty, 0.3, &mut r) }
+        })
+        .collect();
+    assert_eq!(cpu::eval(&joint, &inputs).unwrap(), cpu::eval(&fused, &inputs).unwrap());
+}

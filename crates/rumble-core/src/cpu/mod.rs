@@ -168,6 +168,24 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let dloss = read_float::<f64>(at[2].dtype, args[2])[0];
             one(out(&composite::cross_entropy_backward::<A>(at[0].dims()[1], &f(0), &t, dloss, *ignore_index)?))
         }
+        Op::LinearCrossEntropy { ignore_index, chunk } => {
+            let t = read_int(at[2].dtype, args[2]);
+            let loss = composite::linear_cross_entropy::<A>(at[0], &f(0), at[1], &f(1), &t, *ignore_index, *chunk)?;
+            one(write_float::<f64>(ot[0].dtype, &[loss]))
+        }
+        Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
+            let t = read_int(at[2].dtype, args[2]);
+            let dloss = read_float::<f64>(at[3].dtype, args[3])[0];
+            let (dx, dw) = composite::linear_cross_entropy_backward::<A>(
+                (at[0], &f(0)),
+                (at[1], &f(1)),
+                &t,
+                dloss,
+                *ignore_index,
+                *chunk,
+            )?;
+            Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
+        }
         Op::Swiglu => one(out(&composite::swiglu::<A>(&f(0), &f(1)))),
         Op::SwigluBackward => {
             let (dg, du) = composite::swiglu_backward::<A>(&f(0), &f(1), &f(2));
@@ -177,6 +195,7 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let (o, lse) = attention::forward::<A>(at[0].dims(), at[1].dims(), &f(0), &f(1), &f(2), *scale, *causal);
             Ok(vec![out(&o), write_float(ot[1].dtype, &lse)])
         }
+        Op::Fused(body) => run_fused(body, args),
         Op::AttentionBackward { scale, causal } => {
             let g = attention::Grads::<A> {
                 q: f(0),
@@ -190,6 +209,31 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             Ok(vec![out(&dq), out(&dk), out(&dv)])
         }
     }
+}
+
+/// Runs a fused body instruction by instruction, exactly as the unfused ops would.
+fn run_fused(body: &crate::ir::FusedBody, args: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+    let full = |d: DType| TensorType { dtype: d, shape: body.shape.clone() };
+    let mut vals: Vec<Vec<u8>> = body
+        .inputs
+        .iter()
+        .zip(args)
+        .map(|(t, a)| if t.shape == body.shape { a.to_vec() } else { layout::broadcast(t, a, body.shape.dims()) })
+        .collect();
+    for ins in &body.body {
+        let out_ty = full(ins.dtype);
+        let bytes = match &ins.op {
+            Op::Full { value, .. } => run_op(&Op::Full { value: *value, ty: out_ty.clone() }, &[], &[], &[&out_ty])?,
+            op => {
+                let tys: Vec<TensorType> = ins.args.iter().map(|&a| full(body.dtype(a))).collect();
+                let at: Vec<&TensorType> = tys.iter().collect();
+                let av: Vec<&[u8]> = ins.args.iter().map(|&a| vals[a].as_slice()).collect();
+                run_op(op, &at, &av, &[&out_ty])?
+            }
+        };
+        vals.extend(bytes);
+    }
+    Ok(body.outputs.iter().map(|&o| vals[o].clone()).collect())
 }
 
 /// Checks `inputs` against the trace's input types, naming the input that differs.

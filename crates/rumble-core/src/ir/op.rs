@@ -9,6 +9,7 @@
 //! their backward passes are ops too.
 
 use super::dtype::{DType, Shape, TensorType};
+use super::fused::FusedBody;
 
 /// Elementwise functions of one float tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -119,6 +120,14 @@ pub enum Op {
     CrossEntropy { ignore_index: i64 },
     /// `(logits, targets, dloss) -> dlogits`; `dloss` has the loss's type.
     CrossEntropyBackward { ignore_index: i64 },
+    /// The last projection and the loss in one op, never materialising all the logits:
+    /// `(x [N, C], w [V, C], targets int [N]) -> loss`, equal to
+    /// `cross_entropy(x @ w^T, targets)`. Backends work on `chunk` rows at a time, so their
+    /// scratch is `chunk x V` (see `Op::scratch_bytes`); the backward recomputes each chunk's
+    /// logits instead of saving them.
+    LinearCrossEntropy { ignore_index: i64, chunk: usize },
+    /// `(x, w, targets, dloss) -> (dx, dw)`.
+    LinearCrossEntropyBackward { ignore_index: i64, chunk: usize },
     /// `(gate, up) -> silu(gate) * up`.
     Swiglu,
     /// `(gate, up, dy) -> (dgate, dup)`.
@@ -131,6 +140,9 @@ pub enum Op {
     Attention { scale: f64, causal: bool },
     /// `(q, k, v, o, lse, do) -> (dq, dk, dv)`.
     AttentionBackward { scale: f64, causal: bool },
+    /// A chain of elementwise ops run as one kernel (made by the fusion pass; see
+    /// `ir::fused`).
+    Fused(Box<FusedBody>),
 }
 
 impl UnaryOp {
@@ -234,10 +246,13 @@ impl Op {
             Op::LogSoftmaxBackward => "log_softmax_backward",
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::LinearCrossEntropy { .. } => "linear_cross_entropy",
+            Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
             Op::Swiglu => "swiglu",
             Op::SwigluBackward => "swiglu_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
+            Op::Fused(_) => "fused",
         }
     }
 
@@ -272,9 +287,11 @@ impl Op {
             | Op::RmsNormBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::SwigluBackward
+            | Op::LinearCrossEntropy { .. }
             | Op::Attention { .. } => 3,
+            Op::LinearCrossEntropyBackward { .. } => 4,
             Op::AttentionBackward { .. } => 6,
-            Op::Concat { .. } => return None,
+            Op::Concat { .. } | Op::Fused(_) => return None,
         })
     }
 
@@ -294,16 +311,30 @@ impl Op {
         )
     }
 
+    /// Bytes of scratch memory a backend may use while running this op (planned as a temporary
+    /// live during the node). Only the chunked ops need any.
+    pub fn scratch_bytes(&self, args: &[&TensorType]) -> usize {
+        match self {
+            // One chunk of f32 logits (the backward also holds their gradient).
+            Op::LinearCrossEntropy { chunk, .. } => chunk * args[1].dims()[0] * 4,
+            Op::LinearCrossEntropyBackward { chunk, .. } => 2 * chunk * args[1].dims()[0] * 4,
+            _ => 0,
+        }
+    }
+
     /// The output types for operands of types `args`, or a message saying why they don't fit.
     /// Callers wrap the message with the op name and operand types (`Error::Op`).
     pub fn infer(&self, args: &[&TensorType]) -> Result<Vec<TensorType>, String> {
         match self.arity() {
             Some(n) if n != args.len() => return Err(format!("takes {n} operands, got {}", args.len())),
-            None if args.is_empty() => return Err("takes at least one operand".into()),
+            None if args.is_empty() && !matches!(self, Op::Fused(_)) => {
+                return Err("takes at least one operand".into());
+            }
             _ => {}
         }
         let one = |t: TensorType| Ok(vec![t]);
         match self {
+            Op::Fused(body) => body.infer(args),
             Op::Full { ty, .. } => one(ty.clone()),
             Op::Unary(_) | Op::PowScalar { .. } | Op::AddScalar { .. } | Op::MulScalar { .. } => {
                 float(args[0])?;
@@ -519,6 +550,18 @@ impl Op {
                 }
                 one(args[0].clone())
             }
+            Op::LinearCrossEntropy { chunk, .. } => {
+                linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                one(TensorType::scalar(stat_dtype(args[0].dtype)))
+            }
+            Op::LinearCrossEntropyBackward { chunk, .. } => {
+                linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                let want = TensorType::scalar(stat_dtype(args[0].dtype));
+                if *args[3] != want {
+                    return Err(format!("dloss must be {want}, got {}", args[3]));
+                }
+                Ok(vec![args[0].clone(), args[1].clone()])
+            }
             Op::Attention { causal, .. } => {
                 attention_operands(args[0], args[1], args[2], *causal)?;
                 let d = args[0].dims();
@@ -570,6 +613,18 @@ fn ce_operands(logits: &TensorType, targets: &TensorType) -> Result<(), String> 
     int(targets)?;
     if logits.rank() != 2 || targets.dims() != [logits.dims()[0]] {
         return Err(format!("needs logits [N, V] and targets [N], got {} and {}", logits.shape, targets.shape));
+    }
+    Ok(())
+}
+
+fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usize) -> Result<(), String> {
+    float(x)?;
+    if x.dtype != w.dtype || x.rank() != 2 || w.rank() != 2 || x.dims()[1] != w.dims()[1] {
+        return Err(format!("needs x [N, C] and w [V, C] of one dtype, got {x} and {w}"));
+    }
+    ce_operands(&x.with_shape([x.dims()[0], w.dims()[0]]), t)?;
+    if chunk == 0 {
+        return Err("chunk must be at least 1 row".into());
     }
     Ok(())
 }

@@ -3,11 +3,13 @@
 //! took and what it changed.
 //!
 //! - [`dce`], [`cse`]: dead code and common subexpressions;
+//! - [`fuse`]: elementwise fusion;
 //! - [`schedule`]: a memory-aware topological reorder that lowers LOAD;
 //! - [`remat`]: recompute cheap forward values in the backward instead of saving them.
 
 mod cse;
 mod dce;
+mod fuse;
 pub mod remat;
 pub mod schedule;
 
@@ -15,6 +17,7 @@ use std::time::Instant;
 
 pub use cse::cse;
 pub use dce::dce;
+pub use fuse::fuse;
 
 use crate::Result;
 use crate::ir::{Trace, verify};

@@ -36,8 +36,8 @@ pub enum Remat {
     Budget { peak_bytes: usize },
 }
 
-/// True for ops cheap enough to run twice: everything but matmul, attention and the fused
-/// loss (whose result is a scalar anyway).
+/// True for ops cheap enough to run twice: everything but matmul, attention and the losses
+/// (whose results are scalars anyway).
 pub fn is_cheap(op: &Op) -> bool {
     !matches!(
         op,
@@ -46,6 +46,8 @@ pub fn is_cheap(op: &Op) -> bool {
             | Op::AttentionBackward { .. }
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
+            | Op::LinearCrossEntropy { .. }
+            | Op::LinearCrossEntropyBackward { .. }
     )
 }
 
@@ -73,6 +75,14 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
         Op::Swiglu => 5 * out,
         Op::SwigluBackward => 10 * inp,
         Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => 6 * inp,
+        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyBackward { .. } => {
+            // x [N, C], w [V, C]: the logits' matmul, and in the backward their recomputation
+            // and the two gradient matmuls.
+            let (x, w) = (args[0].dims(), args[1].dims());
+            let f = 2 * (x[0] * x[1] * w[0]) as u64;
+            if matches!(op, Op::LinearCrossEntropy { .. }) { f } else { 3 * f }
+        }
+        Op::Fused(body) => (body.body.len() * body.shape.numel()) as u64,
         Op::Matmul { ta, .. } => {
             let a = args[0].dims();
             let k = if *ta { a[a.len() - 2] } else { a[a.len() - 1] };

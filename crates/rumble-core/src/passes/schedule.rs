@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use crate::Result;
 use crate::ir::{Def, OutputRole, Phase, Trace, ValueId};
-use crate::plan::lifetimes::{LifetimeOptions, lifetimes, view_offset};
+use crate::plan::lifetimes::{LifetimeOptions, is_pointwise, lifetimes, view_offset};
 use crate::plan::report::PassReport;
 use crate::plan::{ALIGN, align_up};
 
@@ -294,8 +294,8 @@ fn descendants(succs: &[Vec<usize>], from: usize) -> Vec<bool> {
     seen
 }
 
-/// For each persistent input updated by an elementwise chain (each link reading the one before
-/// with the same size, each intermediate read only by the next link): `(input root, first node
+/// For each persistent input updated by a pointwise chain (each link reading the one before
+/// with the same shape, each intermediate read only by the next link): `(input root, first node
 /// of the chain, values of the chain)`.
 fn inplace_chains(
     trace: &Trace,
@@ -322,12 +322,15 @@ fn inplace_chains(
         for _ in 0..16 {
             let Some(k) = node_of(cur) else { break };
             let node = &trace.nodes[k];
-            if !node.op.is_elementwise() || root[cur.index()] != cur.index() {
+            if !is_pointwise(&node.op) || root[cur.index()] != cur.index() {
                 break;
             }
             members.push(cur.index());
-            let size = trace.ty(cur).size_in_bytes();
-            let same = |a: &ValueId| trace.ty(*a).size_in_bytes() == size;
+            let ty = trace.ty(cur);
+            let same = |a: &ValueId| {
+                let t = trace.ty(*a);
+                t.shape == ty.shape && t.dtype.size_in_bytes() == ty.dtype.size_in_bytes()
+            };
             if node.args.iter().any(|a| root[a.index()] == p && same(a)) {
                 out.push((p, k, members));
                 break;

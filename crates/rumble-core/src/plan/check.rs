@@ -10,12 +10,13 @@
 //! 3. aliases: a value with `alias_of = s` is defined by a view op (`reshape`, contiguous
 //!    `slice`, a `permute` of size-1 axes, a `broadcast` adding size-1 axes) of `s`, lies in
 //!    `s`'s region at `s`'s offset plus the view's byte offset, and within `s`'s bytes;
-//! 4. in place: a value with `inplace_of = a` is the result of an elementwise node reading `a`,
-//!    has `a`'s exact slot and element size, and every operand of that node that touches those
-//!    bytes reads them with the same layout;
-//! 5. the arena: any two storage groups (a value owning bytes plus every view of it) whose byte
-//!    ranges meet are never live at the same step, except an operand and the result computed in
-//!    place over it, which meet at exactly the step of that node;
+//! 4. in place: a value with `inplace_of = a` is a result of a pointwise node (elementwise or
+//!    fused) reading `a` unbroadcast (same shape), has `a`'s exact slot and element size, and
+//!    every operand of that node that touches those bytes reads them with the same layout;
+//! 5. the arena: any two storage groups (a value owning bytes plus every view of it, or a
+//!    node's scratch, live at its step) whose byte ranges meet are never live at the same step,
+//!    except an operand and the result computed in place over it, which meet at exactly the
+//!    step of that node; scratch has the size its op asks for;
 //! 6. the persistent region: inputs' slots are disjoint; every other value there sits exactly
 //!    in one input's slot as a chain of in-place results that starts at the input, where each
 //!    link dies at the step the next is written, and ends in that input's `update_of` output;
@@ -159,9 +160,13 @@ impl<'a> Checker<'a> {
         for (i, a) in self.plan.inplace_of.iter().enumerate() {
             let Some(a) = *a else { continue };
             let nd = self.node[i].map(|k| &self.trace.nodes[k]);
-            let Some(nd) = nd.filter(|nd| nd.op.is_elementwise() && nd.args.contains(&a)) else {
-                return Err(err(format!("%{i} is marked in place over {a}, but is not elementwise on it")));
+            let pointwise = |op: &Op| op.is_elementwise() || matches!(op, Op::Fused(_));
+            let Some(nd) = nd.filter(|nd| pointwise(&nd.op) && nd.args.contains(&a)) else {
+                return Err(err(format!("%{i} is marked in place over {a}, but is not pointwise on it")));
             };
+            if self.trace.ty(a).shape != self.trace.types[i].shape {
+                return Err(err(format!("%{i} is computed in place over {a}, which its node broadcasts")));
+            }
             let v = self.slots[i];
             let esize = |x: ValueId| self.trace.ty(x).dtype.size_in_bytes();
             if self.slots[a.index()] != v || esize(a) != self.trace.types[i].dtype.size_in_bytes() {
@@ -205,29 +210,65 @@ impl<'a> Checker<'a> {
 
     /// Rule 5.
     fn arena(&self, root: &[ValueId], group_end: &[usize]) -> Result<()> {
-        let mut owners: Vec<usize> = (0..self.slots.len())
+        // (slot, first step, last step, value or `None` for scratch, node of scratch)
+        let mut owners: Vec<(Slot, usize, usize, Option<usize>, usize)> = (0..self.slots.len())
             .filter(|&i| self.plan.alias_of[i].is_none() && self.slots[i].region == Region::Arena)
+            .map(|i| (self.slots[i], self.step[i], group_end[i], Some(i), 0))
             .collect();
-        owners.sort_by_key(|&i| self.slots[i].offset);
-        let succeeds = |later: usize, earlier: usize| {
-            self.plan.inplace_of[later].is_some_and(|a| root[a.index()].index() == earlier)
-                && group_end[earlier] == self.step[later]
+        if self.plan.scratch.len() != self.trace.nodes.len() {
+            return Err(err(format!("{} scratch entries for {} nodes", self.plan.scratch.len(), self.trace.nodes.len())));
+        }
+        let values_end = self.plan.arena_bytes - self.plan.workspace_bytes;
+        for (n, node) in self.trace.nodes.iter().enumerate() {
+            let at: Vec<&crate::ir::TensorType> = node.args.iter().map(|a| self.trace.ty(*a)).collect();
+            let want = node.op.scratch_bytes(&at);
+            match self.plan.scratch[n] {
+                None if want == 0 => {}
+                Some(s) if s.bytes == want && s.region == Region::Arena && s.offset % ALIGN == 0 => {
+                    if s.offset + s.bytes > values_end {
+                        return Err(err(format!("scratch of node {n} overruns the arena")));
+                    }
+                    owners.push((s, n + 1, n + 1, None, n));
+                }
+                s => {
+                    return Err(err(format!(
+                        "node {n} ({}) needs {want} bytes of aligned arena scratch, the plan gives {s:?}",
+                        node.op.name()
+                    )));
+                }
+            }
+        }
+        owners.sort_by_key(|o| o.0.offset);
+        let succeeds = |later: Option<usize>, earlier: Option<usize>| match (later, earlier) {
+            (Some(l), Some(e)) => {
+                self.plan.inplace_of[l].is_some_and(|a| root[a.index()].index() == e) && group_end[e] == self.step[l]
+            }
+            _ => false,
         };
-        for (k, &i) in owners.iter().enumerate() {
-            let si = self.slots[i];
-            for &j in &owners[k + 1..] {
-                let sj = self.slots[j];
-                if sj.offset >= si.offset + si.bytes.max(1) {
+        let name = |o: &(Slot, usize, usize, Option<usize>, usize)| match o.3 {
+            Some(i) => format!("%{i}"),
+            None => format!("the scratch of node {}", o.4),
+        };
+        for (k, a) in owners.iter().enumerate() {
+            for b in &owners[k + 1..] {
+                if b.0.offset >= a.0.offset + a.0.bytes.max(1) {
                     break;
                 }
-                let (ai, bi) = (self.step[i], group_end[i]);
-                let (aj, bj) = (self.step[j], group_end[j]);
-                if bi < aj || bj < ai || succeeds(j, i) || succeeds(i, j) {
+                if a.2 < b.1 || b.2 < a.1 || succeeds(b.3, a.3) || succeeds(a.3, b.3) {
                     continue;
                 }
                 return Err(err(format!(
-                    "%{i} (steps {ai}..{bi}, bytes {}+{}) and %{j} (steps {aj}..{bj}, bytes {}+{}) share arena bytes while both live",
-                    si.offset, si.bytes, sj.offset, sj.bytes
+                    "{} (steps {}..{}, bytes {}+{}) and {} (steps {}..{}, bytes {}+{}) share arena bytes while both live",
+                    name(a),
+                    a.1,
+                    a.2,
+                    a.0.offset,
+                    a.0.bytes,
+                    name(b),
+                    b.1,
+                    b.2,
+                    b.0.offset,
+                    b.0.bytes
                 )));
             }
         }

@@ -10,15 +10,16 @@
 //! their operand's bytes in place: they get no buffer, only a byte offset into their source's,
 //! and they keep the source alive as long as they are read.
 //!
-//! **Buffers.** A buffer holds one value, or a chain of values computed in place: an
-//! elementwise node may write its result over an operand of the same size whose last read is
-//! that node. A parameter's or optimizer state's buffer is persistent; the chain in it must end
+//! **Buffers.** A buffer holds one value, or a chain of values computed in place: a pointwise
+//! node (elementwise, or a fused body) may write a result over an operand of the same shape
+//! whose last read is that node. A parameter's or optimizer state's buffer is persistent; the chain in it must end
 //! in the input's `update_of` output, so that the new value is found there after the step.
-//! Everything else lives in the transient arena.
+//! Everything else lives in the transient arena, and so does the scratch memory an op asks for
+//! (`Op::scratch_bytes`): a buffer of no value, live at its node's step only.
 //!
 //! **Classes** are derived, not declared: see [`Class`].
 
-use crate::ir::{Def, InputRole, Op, OutputRole, Phase, Trace, ValueId};
+use crate::ir::{Def, InputRole, Op, OutputRole, Phase, TensorType, Trace, ValueId};
 use crate::plan::{ALIGN, Region, align_up};
 
 /// What a buffer is for, as the memory report groups bytes.
@@ -38,11 +39,21 @@ pub enum Class {
     Output,
     /// Everything else: dies within its phase.
     Temporary,
+    /// An op's scratch memory (`Op::scratch_bytes`), live during its node only.
+    Scratch,
 }
 
 impl Class {
-    pub const ALL: [Class; 7] =
-        [Class::Param, Class::OptState, Class::Input, Class::Saved, Class::Gradient, Class::Output, Class::Temporary];
+    pub const ALL: [Class; 8] = [
+        Class::Param,
+        Class::OptState,
+        Class::Input,
+        Class::Saved,
+        Class::Gradient,
+        Class::Output,
+        Class::Temporary,
+        Class::Scratch,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Class::Param => "parameter",
@@ -52,6 +63,7 @@ impl Class {
             Class::Gradient => "gradient",
             Class::Output => "output",
             Class::Temporary => "temporary",
+            Class::Scratch => "scratch",
         }
     }
 }
@@ -88,7 +100,10 @@ pub struct Buffer {
     pub start: usize,
     pub end: usize,
     /// Members in time order; each after the first is computed in place over the one before.
+    /// Empty for scratch.
     pub members: Vec<ValueId>,
+    /// For an op's scratch memory: the node (index) it belongs to.
+    pub scratch_of: Option<usize>,
 }
 
 impl Buffer {
@@ -114,7 +129,7 @@ pub struct Lifetimes {
 /// Options that change how buffers are formed.
 #[derive(Clone, Copy, Debug)]
 pub struct LifetimeOptions {
-    /// Let elementwise nodes write over a dying operand of the same size.
+    /// Let pointwise nodes write over a dying operand of the same shape.
     pub inplace: bool,
 }
 
@@ -124,9 +139,16 @@ impl Default for LifetimeOptions {
     }
 }
 
+/// True for ops that compute each result element from the same-index elements of their
+/// operands: elementwise ops and fused elementwise bodies. Such a node may write a result over
+/// an operand read unbroadcast (same shape) with the same element size.
+pub fn is_pointwise(op: &Op) -> bool {
+    op.is_elementwise() || matches!(op, Op::Fused(_))
+}
+
 /// Byte offset into its operand at which a view op's result starts, or `None` if the op
 /// copies. `arg` and `out` are the operand and result types.
-pub fn view_offset(op: &Op, arg: &crate::ir::TensorType, out: &crate::ir::TensorType) -> Option<usize> {
+pub fn view_offset(op: &Op, arg: &TensorType, out: &TensorType) -> Option<usize> {
     match op {
         Op::Reshape { .. } => Some(0),
         Op::Slice { axis, start, .. } => {
@@ -233,7 +255,7 @@ pub fn lifetimes(trace: &Trace, opts: LifetimeOptions) -> Lifetimes {
             if view[o.index()].is_some() || b.values[o.index()].storage != Storage::Buffer(usize::MAX) {
                 continue;
             }
-            let over = if opts.inplace && node.op.is_elementwise() { b.arena_inplace(i, o) } else { None };
+            let over = if opts.inplace && is_pointwise(&node.op) { b.arena_inplace(i, o) } else { None };
             match over {
                 Some((arg, buf)) => {
                     b.values[o.index()].inplace_of = Some(arg);
@@ -245,7 +267,15 @@ pub fn lifetimes(trace: &Trace, opts: LifetimeOptions) -> Lifetimes {
             }
         }
     }
-    let buffers = b.buffers;
+    let mut buffers = b.buffers;
+    for (i, node) in trace.nodes.iter().enumerate() {
+        let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+        let bytes = node.op.scratch_bytes(&at);
+        if bytes > 0 {
+            let (start, end) = (i + 1, i + 1);
+            buffers.push(Buffer { region: Region::Arena, bytes, start, end, members: Vec::new(), scratch_of: Some(i) });
+        }
+    }
 
     // Updates not found in their input's buffer are copied back after the last node (only the
     // first update of an input counts).
@@ -287,7 +317,8 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
 
     fn new_buffer(&mut self, region: Region, v: ValueId) -> usize {
         let life = &self.values[v.index()];
-        self.buffers.push(Buffer { region, bytes: self.bytes(v), start: life.def, end: life.last, members: vec![v] });
+        let (start, end) = (life.def, life.last);
+        self.buffers.push(Buffer { region, bytes: self.bytes(v), start, end, members: vec![v], scratch_of: None });
         self.values[v.index()].storage = Storage::Buffer(self.buffers.len() - 1);
         self.buffers.len() - 1
     }
@@ -305,17 +336,17 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
         self.view[a.index()].map_or((a, 0), |(_, r, off)| (r, off))
     }
 
-    /// True if `a` may be overwritten in place by `o`, the result of elementwise node `node`
-    /// whose last read of `a`'s root `r` is this node: `a` covers all of `r` at offset 0 with
-    /// `o`'s byte size and element size, and every other operand of the node that reads `r`
-    /// does so with the same layout.
+    /// True if `a` may be overwritten in place by `o`, a result of pointwise node `node` whose
+    /// last read of `a`'s root `r` is this node: `a` has `o`'s shape and element size (it is
+    /// read unbroadcast) and covers all of `r` at offset 0, and every other operand of the node
+    /// that reads `r` does so with the same layout.
     fn overwritable(&self, node: usize, a: ValueId, o: ValueId, r: ValueId) -> bool {
         let (ta, to) = (self.trace.ty(a), self.trace.ty(o));
         let same = |x: ValueId| {
             let (xr, off) = self.resolve(x);
             xr != r || (off == 0 && self.bytes(x) == self.bytes(r) && self.trace.ty(x).dtype == ta.dtype)
         };
-        ta.size_in_bytes() == to.size_in_bytes()
+        ta.shape == to.shape
             && ta.dtype.size_in_bytes() == to.dtype.size_in_bytes()
             && self.values[r.index()].last == node + 1
             && self.trace.nodes[node].args.iter().all(|&x| same(x))
@@ -340,7 +371,7 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
         None
     }
 
-    /// A chain `p -> t1 -> ... -> u` of elementwise nodes, each computing its value in place
+    /// A chain `p -> t1 -> ... -> u` of pointwise nodes, each computing its value in place
     /// over the one before, ending in `u`, the update of persistent input `p`. Returns the
     /// `(operand, value)` pairs from `t1` on, or `None` if there is none.
     fn persistent_chain(&self, p: ValueId, u: ValueId) -> Option<Vec<(ValueId, ValueId)>> {
@@ -354,7 +385,7 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
     fn chain_to(&self, p: ValueId, cur: ValueId, chain: &mut Vec<(ValueId, ValueId)>, depth: usize) -> bool {
         let Some(node) = (self.node_of)(cur) else { return false };
         let nd = &self.trace.nodes[node];
-        if depth > 16 || !nd.op.is_elementwise() || nd.outs.len() != 1 || self.view[cur.index()].is_some() {
+        if depth > 16 || !is_pointwise(&nd.op) || self.view[cur.index()].is_some() {
             return false;
         }
         if self.values[cur.index()].storage != Storage::Buffer(usize::MAX) {

@@ -30,7 +30,7 @@ pub use lifetimes::{Class, LifetimeOptions, Lifetimes, view_offset};
 pub use pipeline::{PlanOptions, Planned, plan, plan_order};
 pub use report::PlanReport;
 
-use crate::ir::{InputRole, OutputRole, Trace, ValueId};
+use crate::ir::{OutputRole, Trace, ValueId};
 use crate::{Error, Result};
 
 /// GPU-friendly alignment of every slot, in bytes.
@@ -75,6 +75,9 @@ pub struct MemoryPlan {
     /// `(value, input)`: after the last node, copy `value`'s bytes into persistent `input`'s
     /// slot (an `update_of` output that could not be computed in place).
     pub copy_back: Vec<(ValueId, ValueId)>,
+    /// Indexed by node: the arena range of the node's scratch memory (`Op::scratch_bytes`),
+    /// `None` for nodes that need none.
+    pub scratch: Vec<Option<Slot>>,
 }
 
 impl MemoryPlan {
@@ -107,24 +110,27 @@ pub fn align_up(n: usize, a: usize) -> usize {
 pub fn plan_naive(trace: &Trace, workspace_bytes: usize) -> MemoryPlan {
     let mut slots = vec![None; trace.num_values()];
     let (mut arena, mut persistent) = (0, 0);
-    let mut place = |v: ValueId, region: Region| {
-        let bytes = trace.ty(v).size_in_bytes();
-        let cursor = if region == Region::Arena { &mut arena } else { &mut persistent };
-        slots[v.index()] = Some(Slot { region, offset: *cursor, bytes });
+    let take = |cursor: &mut usize, region: Region, bytes: usize| {
+        let s = Slot { region, offset: *cursor, bytes };
         *cursor += align_up(bytes.max(1), ALIGN);
+        s
     };
     for inp in &trace.inputs {
-        let region = if inp.role == InputRole::Param || inp.role == InputRole::OptState {
-            Region::Persistent
+        let bytes = trace.ty(inp.value).size_in_bytes();
+        slots[inp.value.index()] = Some(if inp.role.is_persistent() {
+            take(&mut persistent, Region::Persistent, bytes)
         } else {
-            Region::Arena
-        };
-        place(inp.value, region);
+            take(&mut arena, Region::Arena, bytes)
+        });
     }
+    let mut scratch = Vec::with_capacity(trace.nodes.len());
     for node in &trace.nodes {
         for o in &node.outs {
-            place(*o, Region::Arena);
+            slots[o.index()] = Some(take(&mut arena, Region::Arena, trace.ty(*o).size_in_bytes()));
         }
+        let at: Vec<&crate::ir::TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+        let bytes = node.op.scratch_bytes(&at);
+        scratch.push((bytes > 0).then(|| take(&mut arena, Region::Arena, bytes)));
     }
     let load = arena;
     let workspace = align_up(workspace_bytes, ALIGN);
@@ -146,5 +152,6 @@ pub fn plan_naive(trace: &Trace, workspace_bytes: usize) -> MemoryPlan {
         alias_of: vec![None; trace.num_values()],
         inplace_of: vec![None; trace.num_values()],
         copy_back,
+        scratch,
     }
 }

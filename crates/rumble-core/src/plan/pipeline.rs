@@ -113,6 +113,7 @@ pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
     let mut inplace_of = vec![None; n];
     for (i, life) in lt.values.iter().enumerate() {
         let bytes = trace.types[i].size_in_bytes();
+        // (Scratch buffers have no members, so no value refers to them.)
         let (buf, extra) = match life.storage {
             Storage::Buffer(b) => (b, 0),
             Storage::View { of, root, byte_offset } => {
@@ -129,6 +130,12 @@ pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
         slots[i] = Some(Slot { region: b.region, offset: buf_offset[buf] + extra, bytes });
         inplace_of[i] = life.inplace_of;
     }
+    let mut scratch = vec![None; trace.nodes.len()];
+    for (i, b) in lt.buffers.iter().enumerate() {
+        if let Some(n) = b.scratch_of {
+            scratch[n] = Some(Slot { region: Region::Arena, offset: buf_offset[i], bytes: b.bytes });
+        }
+    }
     let workspace = align_up(opts.workspace_bytes, ALIGN);
     let plan = MemoryPlan {
         arena_bytes: placement.size + workspace,
@@ -139,6 +146,7 @@ pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
         alias_of,
         inplace_of,
         copy_back: lt.copy_back.clone(),
+        scratch,
     };
     check_copy_back(trace, &plan)?;
     let mut report = PlanReport::new(trace, &lt, &plan, placement.order, opts.peak_buffers);

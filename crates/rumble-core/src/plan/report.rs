@@ -25,7 +25,8 @@ pub struct ClassBytes {
 /// One buffer live at the LOAD step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PeakBuffer {
-    pub value: ValueId,
+    /// `None` for an op's scratch memory.
+    pub value: Option<ValueId>,
     /// `%12`, or the input's or output's name.
     pub name: String,
     /// The op that defines it (`input` for trace inputs).
@@ -91,6 +92,16 @@ impl PlanReport {
             Class::ALL.iter().map(|&class| ClassBytes { class, values: 0, bytes: 0, at_peak: 0 }).collect();
         let mut no_reuse = 0;
         for (bi, b) in lt.buffers.iter().enumerate() {
+            if b.scratch_of.is_some() {
+                let c = &mut classes[class_index(Class::Scratch)];
+                c.values += 1;
+                c.bytes += b.aligned();
+                no_reuse += b.aligned();
+                if b.start <= load_step && load_step <= b.end {
+                    c.at_peak += b.aligned();
+                }
+                continue;
+            }
             let live_member = lt.member_at(bi, load_step).filter(|_| b.region == Region::Arena);
             for &m in &b.members {
                 let aligned = align_up(trace.ty(m).size_in_bytes().max(1), ALIGN);
@@ -116,6 +127,21 @@ impl PlanReport {
             .enumerate()
             .filter(|(_, b)| b.region == Region::Arena && b.start <= load_step && load_step <= b.end)
             .filter_map(|(bi, b)| {
+                if let Some(n) = b.scratch_of {
+                    let offset = plan.scratch.get(n).copied().flatten().map_or(0, |s| s.offset);
+                    return Some(PeakBuffer {
+                        value: None,
+                        name: format!("scratch of node {n}"),
+                        op: trace.nodes[n].op.name().to_string(),
+                        ty: format!("{} bytes", b.bytes),
+                        class: Class::Scratch,
+                        phase: trace.nodes[n].phase.name().to_string(),
+                        bytes: b.aligned(),
+                        def: b.start,
+                        last: b.end,
+                        offset,
+                    });
+                }
                 let m = lt.member_at(bi, load_step)?;
                 let offset = plan.slots[m.index()].map_or(0, |s| s.offset);
                 Some(describe(trace, &defs, lt, m, b.aligned(), offset))
@@ -195,7 +221,10 @@ impl PlanReport {
             .iter()
             .map(|p| {
                 let mut j = Obj::default();
-                j.str("value", &p.value.to_string());
+                match p.value {
+                    Some(v) => j.str("value", &v.to_string()),
+                    None => j.raw("value", "null"),
+                }
                 j.str("name", &p.name);
                 j.str("op", &p.op);
                 j.str("type", &p.ty);
@@ -261,7 +290,7 @@ fn describe(
     };
     let life = &lt.values[v.index()];
     PeakBuffer {
-        value: v,
+        value: Some(v),
         name: value_name(trace, v),
         op,
         ty: trace.ty(v).to_string(),

@@ -19,7 +19,8 @@ const Y1: f64 = 540.0;
 const MAX_COLUMNS: usize = 1200;
 
 /// Stacking order, bottom first: what lives long sits low.
-const STACK: [Class; 5] = [Class::Input, Class::Saved, Class::Gradient, Class::Output, Class::Temporary];
+const STACK: [Class; 6] =
+    [Class::Input, Class::Saved, Class::Gradient, Class::Output, Class::Temporary, Class::Scratch];
 
 pub fn class_color(c: Class) -> &'static str {
     match c {
@@ -30,6 +31,7 @@ pub fn class_color(c: Class) -> &'static str {
         Class::Gradient => "#e15759",
         Class::Output => "#b07aa1",
         Class::Temporary => "#bab0ac",
+        Class::Scratch => "#76b7b2",
     }
 }
 
@@ -43,10 +45,15 @@ fn phase_color(p: Phase) -> &'static str {
 
 /// Live arena bytes of each class at each step `0..=end` (a buffer counts once per step, for
 /// the member live there: the later one where two meet).
-pub fn live_by_class(trace: &Trace, lt: &Lifetimes) -> Vec<[usize; 7]> {
+pub fn live_by_class(trace: &Trace, lt: &Lifetimes) -> Vec<[usize; 8]> {
     let steps = lt.end + 1;
-    let mut diff = vec![[0i64; 7]; steps + 1];
+    let mut diff = vec![[0i64; 8]; steps + 1];
+    let scratch = Class::ALL.iter().position(|&c| c == Class::Scratch).unwrap_or(7);
     for b in lt.buffers.iter().filter(|b| b.region == Region::Arena) {
+        if b.scratch_of.is_some() {
+            diff[b.start][scratch] += b.aligned() as i64;
+            diff[b.end + 1][scratch] -= b.aligned() as i64;
+        }
         for (k, &m) in b.members.iter().enumerate() {
             let life = &lt.values[m.index()];
             let stop = match b.members.get(k + 1) {
@@ -59,12 +66,12 @@ pub fn live_by_class(trace: &Trace, lt: &Lifetimes) -> Vec<[usize; 7]> {
             diff[stop + 1][c] -= bytes;
         }
     }
-    let mut acc = [0i64; 7];
+    let mut acc = [0i64; 8];
     diff[..steps]
         .iter()
         .map(|d| {
-            let mut row = [0usize; 7];
-            for c in 0..7 {
+            let mut row = [0usize; 8];
+            for c in 0..8 {
                 acc[c] += d[c];
                 row[c] = acc[c].max(0) as usize;
             }
