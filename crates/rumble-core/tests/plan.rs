@@ -269,3 +269,68 @@ fn plan_order_keeps_the_order_and_updates_in_place() {
         }
     }
 }
+
+#[test]
+fn fused_training_steps_update_in_place_and_match_bit_for_bit() {
+    let cfg = TinyLlama { layers: 2, dtype: DType::F32, ..TinyLlama::default() };
+    for opt in optimizers() {
+        let trace = rumble_core::passes::fuse(&cfg.train_step(opt).unwrap()).unwrap();
+        assert!(trace.nodes.iter().any(|n| n.op.name() == "fused"));
+        let p = plan(&trace, &PlanOptions::default()).unwrap();
+        check(&p.trace, &p.plan).unwrap();
+        if opt != Optimizer::None {
+            // AdamW's update of a parameter and its two moments is one fused node with three
+            // results, each written over its own input.
+            assert!(p.plan.copy_back.is_empty(), "{opt:?}: {:?}", p.plan.copy_back);
+        }
+        for opts in [PlanOptions::default(), PlanOptions { remat: Remat::Auto, ..Default::default() }] {
+            assert_arena_matches_eval(&trace, &opts, cfg.vocab as u64);
+        }
+    }
+    let big = rumble_core::passes::fuse(&proportioned(3, DType::BF16).train_step(Optimizer::adamw(1e-3)).unwrap());
+    let r = plan(&big.unwrap(), &PlanOptions::default()).unwrap().report;
+    assert!(r.ratio() <= 1.02, "fused: arena {} vs LOAD {}", r.arena_bytes, r.load_bytes);
+}
+
+#[test]
+fn op_scratch_is_planned_live_at_its_node_only() {
+    use rumble_core::ir::Graph;
+    let g = Graph::new("lce");
+    let (n, c, v) = (24, 16, 40);
+    let tokens = g.data("tokens", DType::I64, &[n]).unwrap();
+    let targets = g.data("targets", DType::I64, &[n]).unwrap();
+    let embed = g.param("embed", DType::F32, &[v, c]).unwrap();
+    let norm = g.param("norm", DType::F32, &[c]).unwrap();
+    let head = g.param("head", DType::F32, &[v, c]).unwrap();
+    let x = embed.gather(&tokens).unwrap().rms_norm(&norm, 1e-6).unwrap();
+    let loss = x.linear_cross_entropy(&head, &targets, -100, 8).unwrap();
+    g.output(&loss, "loss").unwrap();
+    let params = [&embed, &norm, &head];
+    let grads = rumble_core::autodiff::backward(&loss, &params).unwrap();
+    g.set_phase(Phase::Optimizer);
+    for (p, gr) in params.iter().zip(&grads) {
+        let new = p.sub(&gr.mul_scalar(0.1).unwrap()).unwrap();
+        g.output_with_role(&new, &format!("new.{}", p.id()), OutputRole::Update { of: p.id() }).unwrap();
+    }
+    let trace = g.finish().unwrap();
+    let p = plan(&trace, &PlanOptions::default()).unwrap();
+    check(&p.trace, &p.plan).unwrap();
+    let with_scratch: Vec<usize> = (0..p.trace.nodes.len()).filter(|&i| p.plan.scratch[i].is_some()).collect();
+    assert_eq!(with_scratch.len(), 2, "forward and backward of linear_cross_entropy");
+    for &i in &with_scratch {
+        let node = &p.trace.nodes[i];
+        let at: Vec<_> = node.args.iter().map(|a| p.trace.ty(*a)).collect();
+        assert_eq!(p.plan.scratch[i].unwrap().bytes, node.op.scratch_bytes(&at));
+    }
+    assert!(p.report.classes.iter().any(|c| c.class == Class::Scratch && c.bytes > 0));
+    assert_arena_matches_eval(&trace, &PlanOptions::default(), v as u64);
+    // Scratch moved onto an operand of its own node is caught.
+    let i = with_scratch[1];
+    let arg =
+        p.trace.nodes[i].args.iter().find(|a| p.plan.slot(**a).unwrap().region == rumble_core::plan::Region::Arena);
+    let mut bad = p.plan.clone();
+    let s = bad.scratch[i].as_mut().unwrap();
+    s.offset = p.plan.slot(*arg.unwrap()).unwrap().offset;
+    let e = check(&p.trace, &bad).unwrap_err().to_string();
+    assert!(e.contains("scratch"), "{e}");
+}

@@ -216,7 +216,11 @@ impl<'a> Checker<'a> {
             .map(|i| (self.slots[i], self.step[i], group_end[i], Some(i), 0))
             .collect();
         if self.plan.scratch.len() != self.trace.nodes.len() {
-            return Err(err(format!("{} scratch entries for {} nodes", self.plan.scratch.len(), self.trace.nodes.len())));
+            return Err(err(format!(
+                "{} scratch entries for {} nodes",
+                self.plan.scratch.len(),
+                self.trace.nodes.len()
+            )));
         }
         let values_end = self.plan.arena_bytes - self.plan.workspace_bytes;
         for (n, node) in self.trace.nodes.iter().enumerate() {
