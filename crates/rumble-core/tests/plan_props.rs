@@ -122,7 +122,7 @@ proptest! {
         let fused = rumble_core::passes::fuse(&unfused).ok();
         let variants = option_sets().into_iter().map(|o| (&unfused, o));
         for (trace, opts) in variants.chain(fused.iter().map(|f| (f, PlanOptions::default()))) {
-            let p = plan(&trace, &opts).unwrap();
+            let p = plan(trace, &opts).unwrap();
             verify(&p.trace).unwrap();
             check(&p.trace, &p.plan).map_err(|e| TestCaseError::fail(format!("{e}\n{}", p.trace)))?;
             let r = &p.report;
