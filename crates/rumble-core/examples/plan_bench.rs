@@ -1,7 +1,7 @@
 //! Planner benchmark: plans one training step (forward, backward, AdamW) of a 32-layer
 //! LLaMA-7B-shaped model and prints how long each stage takes and the memory report.
 //!
-//! `cargo run --release -p rumble-core --example plan_bench [-- LAYERS [SVG_FILE]]`
+//! `cargo run --release -p rumble-core --example plan_bench [-- LAYERS [SVG_FILE [none|sgd|adamw]]]`
 
 use std::time::Instant;
 
@@ -13,7 +13,13 @@ use rumble_core::testing::{Optimizer, TinyLlama};
 fn main() -> rumble_core::Result<()> {
     let mut args = std::env::args().skip(1);
     let layers = args.next().and_then(|a| a.parse().ok()).unwrap_or(32);
-    let svg = args.next();
+    let svg = args.next().filter(|s| s != "-");
+    let opt = match args.next().as_deref() {
+        None | Some("adamw") => Optimizer::adamw(1e-4),
+        Some("sgd") => Optimizer::Sgd { lr: 1e-3 },
+        Some("none") => Optimizer::None,
+        Some(o) => return Err(rumble_core::Error::msg(format!("unknown optimizer `{o}` (none, sgd, adamw)"))),
+    };
     // LLaMA-2-7B's proportions: width 4096, 32 heads of 128, SwiGLU MLP 11008, vocab 32000.
     let cfg = TinyLlama {
         vocab: 32000,
@@ -27,10 +33,10 @@ fn main() -> rumble_core::Result<()> {
         dtype: DType::BF16,
     };
     let t0 = Instant::now();
-    let trace = cfg.train_step(Optimizer::adamw(1e-4))?;
+    let trace = cfg.train_step(opt)?;
     let build = t0.elapsed();
     println!(
-        "{layers}-layer step traced with its backward and AdamW in {:.1} ms: {} nodes",
+        "{layers}-layer step traced with its backward and {opt:?} in {:.1} ms: {} nodes",
         ms(build),
         trace.nodes.len()
     );

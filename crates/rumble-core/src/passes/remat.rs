@@ -173,6 +173,11 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
     Ok((out, report))
 }
 
+/// [`remat`] in [`Remat::Auto`] mode with default options, as a plain pass for `passes::run`.
+pub fn remat_pass(trace: &Trace) -> Result<Trace> {
+    Ok(remat(trace, Remat::Auto, 0, LifetimeOptions::default())?.0)
+}
+
 /// Clones the node defining `v` into the backward before its first non-forward reader and
 /// points those readers (through cloned views) at the clone. Returns the clone's FLOPs.
 fn rematerialise(t: &mut Trace, v: ValueId) -> Result<u64> {

@@ -57,6 +57,11 @@ pub fn schedule(trace: &Trace, opts: LifetimeOptions) -> Result<(Trace, PassRepo
     Ok((t.unwrap_or_else(|| trace.clone()), report))
 }
 
+/// [`schedule`] with default options, as a plain pass for `passes::run`.
+pub fn schedule_pass(trace: &Trace) -> Result<Trace> {
+    Ok(schedule(trace, LifetimeOptions::default())?.0)
+}
+
 /// `trace` with its nodes in `order` (a permutation of node indices), renumbered.
 pub fn reorder(trace: &Trace, order: &[usize]) -> Result<Trace> {
     let mut t = trace.clone();

@@ -18,6 +18,15 @@
 //! **Architecture Invariant**: an executor runs no kernel for a value with `alias_of` set (a
 //! view: its slot lies inside its source's), and after the last node it copies each
 //! `copy_back` value into its persistent input's slot; nothing else moves.
+//!
+//! How an executor uses a plan: allocate `arena_bytes` and `persistent_bytes`; write each input
+//! at its slot (parameters and optimizer state once, per-step data before every step: a step
+//! may overwrite dead inputs); run the nodes in order, each reading its operands' slots and
+//! writing its results at theirs (a result with `inplace_of` set shares its operand's slot: the
+//! node is pointwise, so element `i` is read before it is written), skipping views, and giving
+//! a node with `scratch[node]` that range as scratch; library calls get the workspace at
+//! `workspace_offset()`; then copy back. Every `update_of` output not in `copy_back` already
+//! sits in its input's slot. `cpu::arena` is the reference implementation.
 
 pub mod assign;
 pub mod check;
@@ -27,7 +36,7 @@ pub mod report;
 pub mod svg;
 
 pub use lifetimes::{Class, LifetimeOptions, Lifetimes, view_offset};
-pub use pipeline::{PlanOptions, Planned, plan, plan_order};
+pub use pipeline::{PlanOptions, Planned, plan, plan_in_order, plan_order};
 pub use report::PlanReport;
 
 use crate::ir::{OutputRole, Trace, ValueId};

@@ -79,6 +79,13 @@ pub fn plan(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
     Ok(planned)
 }
 
+/// The plan of `trace` in its own node order with in-place results, and nothing else: the
+/// drop-in replacement for `plan_naive` where the trace's order must not change.
+pub fn plan_in_order(trace: &Trace, workspace_bytes: usize) -> Result<MemoryPlan> {
+    let opts = PlanOptions { workspace_bytes, schedule: false, ..Default::default() };
+    Ok(plan_order(trace, &opts)?.plan)
+}
+
 /// Places every value of `trace` in its node order (no passes run). The trace must verify.
 pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
     let t0 = Instant::now();
