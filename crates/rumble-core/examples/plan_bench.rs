@@ -62,6 +62,15 @@ fn main() -> rumble_core::Result<()> {
     let remat = plan(&trace, &PlanOptions { remat: Remat::Auto, ..Default::default() })?;
     println!("remat + schedule + plan: {:.1} ms", ms(t.elapsed()));
 
+    // A budget halfway between the plain and the fully rematerialised peak.
+    let budget = (planned.report.peak_bytes + remat.report.peak_bytes) / 2;
+    let t = Instant::now();
+    let fit = plan(&trace, &PlanOptions { remat: Remat::Budget { peak_bytes: budget }, ..Default::default() })?;
+    println!("remat to a budget of {budget} bytes + schedule + plan: {:.1} ms", ms(t.elapsed()));
+    if let Some(r) = fit.report.passes.iter().find(|p| p.pass == "remat") {
+        println!("  {}; peak {} bytes", r.detail, fit.report.peak_bytes);
+    }
+
     println!("\n{}", planned.report);
     println!("with remat:\n{}", remat.report);
     if let Some(path) = svg {

@@ -127,10 +127,13 @@ fn remat_budget_reports_fit_and_cost() {
     println!("{}", p.report);
     assert!(r.extra_flops > 0 && r.load_after < r.load_before, "{r:?}");
     assert!(r.detail.contains("budget"), "{}", r.detail);
+    assert_eq!(p.report.budget_bytes, Some(budget));
+    assert!(p.report.peak_bytes <= budget, "{} > {budget}", p.report.peak_bytes);
+    assert!(p.report.to_json().contains("\"fits_budget\":true"));
     // A budget below the persistent bytes cannot be met, and says so.
     let p = plan(&trace, &PlanOptions { remat: Remat::Budget { peak_bytes: 1 }, ..Default::default() }).unwrap();
-    let r = p.report.passes.iter().find(|r| r.pass == "remat").unwrap();
-    assert!(r.detail.contains("NOT fit"), "{}", r.detail);
+    assert!(p.report.to_string().contains("does NOT fit"), "{}", p.report);
+    assert!(p.report.to_json().contains("\"fits_budget\":false"));
 }
 
 /// Random inputs for `trace` (ids within the vocabulary, floats ~ N(0, 0.5)).

@@ -8,10 +8,12 @@
 //! which may cost bytes of its own.
 //!
 //! Choosing is done on a model of the live-bytes curve (a segment tree with range add and
-//! global max): removing a value's gap between forward and backward subtracts its bytes there;
-//! keeping an operand alive longer adds its bytes. [`Remat::Auto`] takes every candidate, the
-//! largest first, that lowers LOAD; [`Remat::Budget`] takes, until the step fits the budget,
-//! the candidate that lowers LOAD most per extra FLOP. Rewrites go latest value first, so a
+//! global max, and how many steps reach it): removing a value's gap between forward and
+//! backward subtracts its bytes there; keeping an operand alive longer adds its bytes. Both
+//! modes take one candidate at a time while one lowers (LOAD, steps at LOAD), the count letting
+//! a run of takes wear down a plateau no single one can lower, and keep the takes up to the
+//! last that lowered LOAD. [`Remat::Auto`] takes the candidate removing most LOAD;
+//! [`Remat::Budget`] the one removing most per extra FLOP, and stops once the step fits. Rewrites go latest value first, so a
 //! recomputed value may itself read recomputed operands. The exact LOAD of the result is
 //! measured, and the input is returned unchanged if it is not lower.
 
@@ -121,18 +123,72 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
         report.detail = "off".into();
         return Ok((trace.clone(), report));
     }
-    let mut model = Model::new(trace, &lt);
     let persistent: usize = lt.buffers.iter().filter(|b| b.region == Region::Persistent).map(|b| b.aligned()).sum();
-    let chosen = match mode {
-        Remat::Off => Vec::new(),
-        Remat::Auto => model.choose_auto(),
+    let fixed = persistent + align_up(workspace_bytes, ALIGN);
+    // Auto: the most LOAD removed first; budget: the most per FLOP (copies count one FLOP per
+    // 64 bytes moved). The model is an estimate, so a budget that the measured result misses
+    // is tried again with a goal lowered by the miss.
+    let (target, cost): (usize, &dyn Fn(&Cand) -> f64) = match mode {
         Remat::Budget { peak_bytes } => {
-            let target = peak_bytes.saturating_sub(persistent + align_up(workspace_bytes, ALIGN));
-            model.choose_budget(target)
+            (peak_bytes.saturating_sub(fixed), &|c: &Cand| c.flops as f64 + c.bytes as f64 / 64.0 + 1.0)
         }
+        _ => (0, &|_: &Cand| 1.0),
     };
+    let mut goal = target;
+    let mut best: Option<(Trace, usize, u64, Vec<(&'static str, usize)>, usize)> = None;
+    let mut candidates = 0;
+    for _round in 0..4 {
+        let mut model = Model::new(trace, &lt);
+        candidates = model.cands.len();
+        let chosen = model.choose(goal, cost);
+        let (out, extra, counts) = apply(trace, &model, &chosen)?;
+        let after = lifetimes(&out, opts).load().0;
+        let better = best.as_ref().is_none_or(|b| after < b.1);
+        let done = after <= target || chosen.len() == candidates || mode == Remat::Auto;
+        if better {
+            best = Some((out, after, extra, counts, chosen.len()));
+        }
+        if done || !better {
+            break;
+        }
+        goal = goal.saturating_sub(after - target);
+    }
+    let Some((out, after, extra, counts, n_chosen)) = best else {
+        return Err(Error::Plan("remat: no round ran".into()));
+    };
+    let kinds: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    let fits = match mode {
+        Remat::Budget { peak_bytes } => format!(
+            "; peak about {} (before rescheduling) for a budget of {}",
+            fmt_bytes(fixed + after.min(before)),
+            fmt_bytes(peak_bytes)
+        ),
+        _ => String::new(),
+    };
+    report.millis = t0.elapsed().as_secs_f64() * 1e3;
+    if n_chosen == 0 || after >= before {
+        report.detail = format!("recomputed nothing ({candidates} candidates){fits}");
+        return Ok((trace.clone(), report));
+    }
+    let total = trace_flops(trace).max(1);
+    report.load_after = after;
+    report.extra_flops = extra;
+    report.detail = format!(
+        "recomputed {} values ({}), +{:.2}% of the step's {:.3e} FLOPs{fits}",
+        n_chosen,
+        kinds.join(", "),
+        100.0 * extra as f64 / total as f64,
+        total as f64
+    );
+    Ok((out, report))
+}
+
+/// `trace` with the candidates `chosen` recomputed: the new trace, the extra FLOPs, and how
+/// many values of each op were recomputed.
+#[allow(clippy::type_complexity)]
+fn apply(trace: &Trace, model: &Model, chosen: &[usize]) -> Result<(Trace, u64, Vec<(&'static str, usize)>)> {
     let mut out = trace.clone();
-    let mut order = chosen.clone();
+    let mut order = chosen.to_vec();
     order.sort_by_key(|&c| std::cmp::Reverse(model.cands[c].def));
     let mut extra = 0;
     let mut counts: HashMap<&'static str, usize> = HashMap::new();
@@ -141,36 +197,9 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
         *counts.entry(model.cands[c].op).or_default() += 1;
     }
     out.compact()?;
-    let after = lifetimes(&out, opts).load().0;
-    let mut kinds: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    kinds.sort();
-    let fits = match mode {
-        Remat::Budget { peak_bytes } => {
-            let need = persistent + align_up(workspace_bytes, ALIGN) + after.min(before);
-            if need <= peak_bytes {
-                format!("; fits the budget of {}", fmt_bytes(peak_bytes))
-            } else {
-                format!("; does NOT fit the budget of {} (needs about {})", fmt_bytes(peak_bytes), fmt_bytes(need))
-            }
-        }
-        _ => String::new(),
-    };
-    report.millis = t0.elapsed().as_secs_f64() * 1e3;
-    if chosen.is_empty() || after >= before {
-        report.detail = format!("recomputed nothing ({} candidates){fits}", model.cands.len());
-        return Ok((trace.clone(), report));
-    }
-    let total = trace_flops(trace).max(1);
-    report.load_after = after;
-    report.extra_flops = extra;
-    report.detail = format!(
-        "recomputed {} values ({}), +{:.2}% of the step's {:.3e} FLOPs{fits}",
-        chosen.len(),
-        kinds.join(", "),
-        100.0 * extra as f64 / total as f64,
-        total as f64
-    );
-    Ok((out, report))
+    let mut counts: Vec<(&'static str, usize)> = counts.into_iter().collect();
+    counts.sort();
+    Ok((out, extra, counts))
 }
 
 /// [`remat`] in [`Remat::Auto`] mode with default options, as a plain pass for `passes::run`.
@@ -371,19 +400,6 @@ impl Model {
         (adds, new_segs)
     }
 
-    /// LOAD if candidate `c` were taken.
-    fn try_load(&mut self, c: usize) -> usize {
-        let (adds, _) = self.effect(c);
-        for &(a, b, d) in &adds {
-            self.tree.add(a, b, d);
-        }
-        let load = self.tree.max();
-        for &(a, b, d) in &adds {
-            self.tree.add(a, b, -d);
-        }
-        load.max(0) as usize
-    }
-
     fn take(&mut self, c: usize) {
         let (adds, segs) = self.effect(c);
         for (a, b, d) in adds {
@@ -399,44 +415,41 @@ impl Model {
         !self.taken[self.cands[c].value.index()]
     }
 
-    fn choose_auto(&mut self) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.cands.len()).collect();
-        order.sort_by_key(|&c| (std::cmp::Reverse(self.cands[c].bytes), c));
-        let mut chosen = Vec::new();
-        for _sweep in 0..4 {
-            let mut any = false;
-            for &c in &order {
-                let now = self.tree.max().max(0) as usize;
-                if self.is_open(c) && self.try_load(c) < now {
-                    self.take(c);
-                    chosen.push(c);
-                    any = true;
-                }
-            }
-            if !any {
-                break;
-            }
+    /// `(LOAD, steps at LOAD)` if candidate `c` were taken.
+    fn try_load(&mut self, c: usize) -> (usize, usize) {
+        let (adds, _) = self.effect(c);
+        for &(a, b, d) in &adds {
+            self.tree.add(a, b, d);
         }
-        chosen
+        let now = self.tree.top();
+        for &(a, b, d) in &adds {
+            self.tree.add(a, b, -d);
+        }
+        now
     }
 
-    fn choose_budget(&mut self, target: usize) -> Vec<usize> {
+    /// Takes candidates one at a time while one lowers `(LOAD, steps at LOAD)`; the count lets
+    /// a run of takes wear down a plateau that no single one can lower. Among the improving
+    /// candidates it takes the one removing most LOAD (else most peak steps) per unit of
+    /// `cost`. Stops once LOAD is at most `target`, and drops the takes after the last one that
+    /// lowered LOAD.
+    fn choose(&mut self, target: usize, cost: &dyn Fn(&Cand) -> f64) -> Vec<usize> {
         let mut chosen = Vec::new();
+        let mut best_at = (self.tree.top().0, 0); // (LOAD, takes that reached it)
         loop {
-            let now = self.tree.max().max(0) as usize;
-            if now <= target {
+            let now = self.tree.top();
+            if now.0 <= target {
                 break;
             }
-            // Most LOAD removed per FLOP spent (copies count as one FLOP per byte / 64).
-            let mut best: Option<(f64, usize)> = None;
+            let mut best: Option<((f64, f64), usize)> = None;
             for c in 0..self.cands.len() {
                 if !self.is_open(c) {
                     continue;
                 }
-                let load = self.try_load(c);
-                if load < now {
-                    let cost = self.cands[c].flops as f64 + self.cands[c].bytes as f64 / 64.0 + 1.0;
-                    let score = (now - load) as f64 / cost;
+                let after = self.try_load(c);
+                if after < now {
+                    let k = cost(&self.cands[c]);
+                    let score = ((now.0 - after.0) as f64 / k, (now.1 as f64 - after.1 as f64) / k);
                     if best.is_none_or(|(s, _)| score > s) {
                         best = Some((score, c));
                     }
@@ -445,34 +458,47 @@ impl Model {
             let Some((_, c)) = best else { break };
             self.take(c);
             chosen.push(c);
+            if self.tree.top().0 < best_at.0 {
+                best_at = (self.tree.top().0, chosen.len());
+            }
         }
+        chosen.truncate(best_at.1);
         chosen
     }
 }
 
-/// A segment tree over steps with range add and global maximum.
+/// A segment tree over steps with range add, global maximum and how many steps reach it.
 struct MaxTree {
     n: usize,
     max: Vec<i64>,
+    count: Vec<usize>,
     lazy: Vec<i64>,
 }
 
 impl MaxTree {
     fn new(values: &[usize]) -> Self {
         let n = values.len().max(1);
-        let mut t = MaxTree { n, max: vec![0; 4 * n], lazy: vec![0; 4 * n] };
+        let mut t = MaxTree { n, max: vec![0; 4 * n], count: vec![0; 4 * n], lazy: vec![0; 4 * n] };
         t.build(1, 0, n - 1, values);
         t
+    }
+    fn pull(&mut self, i: usize) {
+        let (l, r) = (2 * i, 2 * i + 1);
+        let m = self.max[l].max(self.max[r]);
+        let c = if self.max[l] == m { self.count[l] } else { 0 } + if self.max[r] == m { self.count[r] } else { 0 };
+        self.max[i] = m + self.lazy[i];
+        self.count[i] = c;
     }
     fn build(&mut self, i: usize, lo: usize, hi: usize, v: &[usize]) {
         if lo == hi {
             self.max[i] = v.get(lo).copied().unwrap_or(0) as i64;
+            self.count[i] = 1;
             return;
         }
         let mid = (lo + hi) / 2;
         self.build(2 * i, lo, mid, v);
         self.build(2 * i + 1, mid + 1, hi, v);
-        self.max[i] = self.max[2 * i].max(self.max[2 * i + 1]);
+        self.pull(i);
     }
     fn add(&mut self, a: usize, b: usize, d: i64) {
         if a <= b && a < self.n {
@@ -491,9 +517,32 @@ impl MaxTree {
         let mid = (lo + hi) / 2;
         self.add_at(2 * i, lo, mid, a, b, d);
         self.add_at(2 * i + 1, mid + 1, hi, a, b, d);
-        self.max[i] = self.max[2 * i].max(self.max[2 * i + 1]) + self.lazy[i];
+        self.pull(i);
     }
-    fn max(&self) -> i64 {
-        self.max[1]
+    /// `(max, steps at max)`.
+    fn top(&self) -> (usize, usize) {
+        (self.max[1].max(0) as usize, self.count[1])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MaxTree;
+
+    #[test]
+    fn max_tree_tracks_max_and_its_count_under_range_adds() {
+        let v = [3, 1, 4, 1, 5, 9, 2, 6];
+        let mut t = MaxTree::new(&v);
+        assert_eq!(t.top(), (9, 1));
+        t.add(0, 3, 5); // 8 6 9 6 5 9 2 6
+        assert_eq!(t.top(), (9, 2));
+        t.add(5, 5, -3); // 8 6 9 6 5 6 2 6
+        assert_eq!(t.top(), (9, 1));
+        t.add(2, 2, -1); // 8 6 8 6 5 6 2 6
+        assert_eq!(t.top(), (8, 2));
+        t.add(2, 2, 1);
+        t.add(5, 5, 3);
+        t.add(0, 3, -5);
+        assert_eq!(t.top(), (9, 1));
     }
 }

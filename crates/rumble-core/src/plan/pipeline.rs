@@ -76,6 +76,9 @@ pub fn plan(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
     }
     let mut planned = plan_order(&t, opts)?;
     planned.report.passes = passes;
+    if let Remat::Budget { peak_bytes } = opts.remat {
+        planned.report.budget_bytes = Some(peak_bytes);
+    }
     Ok(planned)
 }
 

@@ -80,6 +80,8 @@ pub struct PlanReport {
     pub classes: Vec<ClassBytes>,
     pub at_peak: Vec<PeakBuffer>,
     pub passes: Vec<PassReport>,
+    /// The memory budget asked for (`Remat::Budget`), if any; compare with `peak_bytes`.
+    pub budget_bytes: Option<usize>,
     pub plan_millis: f64,
 }
 
@@ -171,6 +173,7 @@ impl PlanReport {
             classes,
             at_peak,
             passes: Vec::new(),
+            budget_bytes: None,
             plan_millis: 0.0,
         }
     }
@@ -202,6 +205,10 @@ impl PlanReport {
             o.num(k, v as u64);
         }
         o.float("arena_over_load", self.ratio());
+        if let Some(b) = self.budget_bytes {
+            o.num("budget_bytes", b as u64);
+            o.raw("fits_budget", if self.peak_bytes <= b { "true" } else { "false" });
+        }
         o.str("order", &self.order);
         let classes: Vec<String> = self
             .classes
@@ -338,6 +345,10 @@ impl fmt::Display for PlanReport {
         writeln!(f, "  workspace   {:>11}", b(self.workspace_bytes))?;
         writeln!(f, "  persistent  {:>11}  (parameters, optimizer state)", b(self.persistent_bytes))?;
         writeln!(f, "  peak        {:>11}  = persistent + arena + workspace", b(self.peak_bytes))?;
+        if let Some(budget) = self.budget_bytes {
+            let verdict = if self.peak_bytes <= budget { "fits" } else { "does NOT fit" };
+            writeln!(f, "  budget      {:>11}  {verdict}", b(budget))?;
+        }
         writeln!(f, "  no reuse    {:>11}  (the arena if every buffer had its own bytes)", b(self.no_reuse_bytes))?;
         writeln!(
             f,
