@@ -135,25 +135,25 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
         _ => (0, &|_: &Cand| 1.0),
     };
     let mut goal = target;
-    let mut best: Option<(Trace, usize, u64, Vec<(&'static str, usize)>, usize)> = None;
+    let mut best: Option<Outcome> = None;
     let mut candidates = 0;
     for _round in 0..4 {
         let mut model = Model::new(trace, &lt);
         candidates = model.cands.len();
         let chosen = model.choose(goal, cost);
-        let (out, extra, counts) = apply(trace, &model, &chosen)?;
-        let after = lifetimes(&out, opts).load().0;
-        let better = best.as_ref().is_none_or(|b| after < b.1);
+        let round = apply(trace, &model, &chosen, opts)?;
+        let after = round.load;
+        let better = best.as_ref().is_none_or(|b| after < b.load);
         let done = after <= target || chosen.len() == candidates || mode == Remat::Auto;
         if better {
-            best = Some((out, after, extra, counts, chosen.len()));
+            best = Some(round);
         }
         if done || !better {
             break;
         }
         goal = goal.saturating_sub(after - target);
     }
-    let Some((out, after, extra, counts, n_chosen)) = best else {
+    let Some(Outcome { trace: out, load: after, extra, counts, chosen: n_chosen }) = best else {
         return Err(Error::Plan("remat: no round ran".into()));
     };
     let kinds: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
@@ -183,10 +183,19 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
     Ok((out, report))
 }
 
-/// `trace` with the candidates `chosen` recomputed: the new trace, the extra FLOPs, and how
-/// many values of each op were recomputed.
-#[allow(clippy::type_complexity)]
-fn apply(trace: &Trace, model: &Model, chosen: &[usize]) -> Result<(Trace, u64, Vec<(&'static str, usize)>)> {
+/// A trace with some values recomputed, and what it cost.
+struct Outcome {
+    trace: Trace,
+    /// Its exact LOAD.
+    load: usize,
+    extra: u64,
+    /// Values recomputed per op.
+    counts: Vec<(&'static str, usize)>,
+    chosen: usize,
+}
+
+/// `trace` with the candidates `chosen` recomputed.
+fn apply(trace: &Trace, model: &Model, chosen: &[usize], opts: LifetimeOptions) -> Result<Outcome> {
     let mut out = trace.clone();
     let mut order = chosen.to_vec();
     order.sort_by_key(|&c| std::cmp::Reverse(model.cands[c].def));
@@ -199,7 +208,8 @@ fn apply(trace: &Trace, model: &Model, chosen: &[usize]) -> Result<(Trace, u64, 
     out.compact()?;
     let mut counts: Vec<(&'static str, usize)> = counts.into_iter().collect();
     counts.sort();
-    Ok((out, extra, counts))
+    let load = lifetimes(&out, opts).load().0;
+    Ok(Outcome { trace: out, load, extra, counts, chosen: chosen.len() })
 }
 
 /// [`remat`] in [`Remat::Auto`] mode with default options, as a plain pass for `passes::run`.
