@@ -212,3 +212,54 @@ fn random_dags_exercise_views_inplace_and_updates() {
         assert!(n >= 30, "only {n} of 300 random traces have {what}");
     }
 }
+
+#[test]
+fn degenerate_traces_plan_and_run() {
+    let texts = [
+        // No nodes: an input returned as is, a parameter "updated" to itself.
+        r#"trace "empty" {
+  input %0: f32[3] "x" input
+  input %1: f32[2,2] "p" param
+  output %0 "y"
+  output %1 "new.p" update_of=%1
+}"#,
+        // An update that is a view of all of its parameter, and one that is another parameter.
+        r#"trace "views" {
+  input %0: f32[2,2] "p" param
+  input %1: f32[4] "q" param
+  input %2: f32[4] "r" param
+  %3: f32[4] = reshape(%0) shape=[4]
+  %4: f32[2,2] = reshape(%3) shape=[2,2]
+  output %4 "new.p" update_of=%0
+  output %2 "new.q" update_of=%1
+  output %3 "flat"
+}"#,
+        // A parameter read after its update is computed: no in-place update, a copy back.
+        r#"trace "late" {
+  input %0: f32[4] "p" param
+  %1: f32[4] = mul_scalar(%0) value=0.5
+  %2: f32[4] = add(%1, %0)
+  output %1 "new.p" update_of=%0
+  output %2 "sum"
+}"#,
+    ];
+    for text in texts {
+        let t = rumble_core::ir::parse(text).unwrap();
+        for opts in option_sets() {
+            let p = plan(&t, &opts).unwrap();
+            check(&p.trace, &p.plan).unwrap();
+            let ins = inputs(&p.trace, 1);
+            let want = cpu::eval(&p.trace, &ins).unwrap();
+            let mut ex = cpu::arena::ArenaExecutor::new(&p.trace, &p.plan).unwrap();
+            ex.load(&ins).unwrap();
+            let got = ex.step().unwrap();
+            assert!(want.iter().zip(&got).all(|(a, b)| a.bytes == b.bytes), "{}", t.name);
+            // After the step each parameter holds its update.
+            let mut next = ins.clone();
+            cpu::apply_updates(&p.trace, &mut next, &want);
+            for (i, inp) in p.trace.inputs.iter().enumerate() {
+                assert!(ex.value(inp.value).unwrap().bytes == next[i].bytes, "{}: \"{}\"", t.name, inp.name);
+            }
+        }
+    }
+}

@@ -9,7 +9,7 @@ use super::report::{PlanReport, fmt_bytes};
 use super::{ALIGN, Region, align_up};
 use crate::ir::{Phase, Trace};
 
-const W: f64 = 1400.0;
+const W: f64 = 1500.0;
 const H: f64 = 640.0;
 const X0: f64 = 90.0; // plot area
 const X1: f64 = 940.0;
@@ -266,7 +266,7 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
     let _ = writeln!(s, r#"<text x="{rx}" y="{ry}" font-weight="bold">bytes at the peak, by class</text>"#);
     ry += 8.0;
     for class in STACK.iter().rev() {
-        let Some(cb) = report.classes.iter().find(|c| c.class == *class) else { continue };
+        let Some(cb) = report.classes.iter().find(|c| c.class == *class && c.values > 0) else { continue };
         ry += 20.0;
         let _ = writeln!(
             s,
