@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use rumble_core::cpu::Rng;
 use rumble_core::ir::DType;
-use rumble_core::plan::plan_naive;
+use rumble_core::plan::{PlanOptions, plan_in_order};
 use rumble_core::testing::TinyLlama;
 use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
 
@@ -102,7 +102,7 @@ fn main() {
     for (name, cfg) in configs().into_iter().filter(|(n, _)| pick.split(',').any(|p| p == *n)) {
         let trace = common::training_step(&cfg, None);
         let t0 = Instant::now();
-        let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).expect("compile"));
+        let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_in_order).expect("compile"));
         let compile_s = t0.elapsed().as_secs_f64();
         let params = common::init_params(&trace, &mut Rng::new(1));
         let v = cfg.vocab as u64;
@@ -139,8 +139,27 @@ fn main() {
                 mb(m.device_rise_bytes)
             ));
         }
-        for (label, mode) in [("graphed-whole  ", GraphMode::Whole), ("graphed-fwd-bwd", GraphMode::ForwardBackward)] {
-            let mut g = GraphedExecutor::new(prog.clone(), &params, mode).expect("graphed");
+        // The same step planned with the memory-aware schedule (reordered nodes).
+        let sched = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("plan"));
+        println!(
+            "{name}: scheduled plan arena {:.1} MiB (load {:.1}), in-order plan arena {:.1} MiB (load {:.1})",
+            mb(sched.plan.arena_bytes),
+            mb(sched.plan.load_bytes),
+            mb(prog.plan.arena_bytes),
+            mb(prog.plan.load_bytes)
+        );
+        for (label, mode, p) in [
+            ("graphed-whole  ", GraphMode::Whole, &prog),
+            ("graphed-fwd-bwd", GraphMode::ForwardBackward, &prog),
+            ("graphed-sched  ", GraphMode::Whole, &sched),
+        ] {
+            let mut g = match GraphedExecutor::new(p.clone(), &params, mode) {
+                Ok(g) => g,
+                Err(e) => {
+                    rows.push(format!("{name:<6} {label} failed: {e}"));
+                    continue;
+                }
+            };
             let (ms, loss) = time(&mut g, &trace, v, steps);
             let m = g.memory();
             rows.push(format!(

@@ -161,11 +161,12 @@ impl Fused {
             .inputs
             .iter()
             .enumerate()
-            .map(|(i, d)| format!("const {}* __restrict__ in{i}", storage_type(*d)))
+            // No __restrict__: the planner may compute a result in place over an operand.
+            .map(|(i, d)| format!("const {}* in{i}", storage_type(*d)))
             .collect();
         let mut stores = String::new();
         for (k, &o) in self.outputs.iter().enumerate() {
-            params.push(format!("{}* __restrict__ out{k}", storage_type(self.nodes[o].dtype)));
+            params.push(format!("{}* out{k}", storage_type(self.nodes[o].dtype)));
             stores.push_str(&format!("    st(&out{k}[i], v{o});\n"));
         }
         for (i, ix) in self.scalar_inputs.iter().enumerate() {

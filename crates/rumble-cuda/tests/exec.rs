@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::{compare, device, init_params, step_inputs, tolerance, training_step};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, OutputRole};
-use rumble_core::plan::plan_naive;
+use rumble_core::plan::{PlanOptions, plan_in_order, plan_naive};
 use rumble_core::testing::TinyLlama;
 use rumble_cuda::exec::split_inputs;
 use rumble_cuda::{CudaError, EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
@@ -45,30 +45,50 @@ fn executors_agree_bit_for_bit_over_100_steps() {
     for dtype in [DType::F32, DType::BF16] {
         let c = cfg(dtype);
         let trace = training_step(&c, Some(0.05));
-        let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).expect("compile"));
         let params = init_params(&trace, &mut Rng::new(1));
         let steps = 100;
-        let mut eager = EagerExecutor::new(prog.clone(), &params).expect("eager");
-        let (l_e, f_e) = train(&mut eager, &trace, steps, c.vocab as u64);
-        let mut runs: Vec<(&str, Box<dyn Executor>)> = vec![
-            ("planned", Box::new(PlannedExecutor::new(prog.clone(), &params).expect("planned"))),
-            (
-                "graphed-whole",
-                Box::new(GraphedExecutor::new(prog.clone(), &params, GraphMode::Whole).expect("graphed")),
-            ),
-            (
-                "graphed-fwd-bwd",
-                Box::new(GraphedExecutor::new(prog.clone(), &params, GraphMode::ForwardBackward).expect("graphed 2")),
-            ),
+        // Three plans of the same step: no reuse; reuse + views + in-place in trace order;
+        // and the memory-aware schedule (a reordered trace).
+        let programs = [
+            ("naive", Program::compile(dev.clone(), trace.clone(), |t, ws| Ok(plan_naive(t, ws)))),
+            ("in-order", Program::compile(dev.clone(), trace.clone(), plan_in_order)),
+            ("scheduled", Program::planned(dev.clone(), &trace, &PlanOptions::default())),
         ];
-        for (name, ex) in runs.iter_mut() {
-            let (l, f) = train(ex.as_mut(), &trace, steps, c.vocab as u64);
-            assert_eq!(l, l_e, "{dtype} {name}: losses differ from eager");
-            for (k, (a, b)) in f.iter().zip(&f_e).enumerate() {
-                assert!(a == b, "{dtype} {name}: final tensor {k} ({}) differs from eager", a.ty);
+        let mut reference: Option<(Vec<Vec<u8>>, Vec<HostTensor>)> = None;
+        for (plan_name, prog) in programs {
+            let prog = Arc::new(prog.expect("compile"));
+            let mut eager = EagerExecutor::new(prog.clone(), &params).expect("eager");
+            let (l_e, f_e) = train(&mut eager, &prog.trace, steps, c.vocab as u64);
+            if let Some((l0, _)) = &reference {
+                // Every plan runs the same kernels on the same values: the same losses.
+                assert_eq!(&l_e, l0, "{dtype} {plan_name}: eager losses differ between plans");
+            } else {
+                reference = Some((l_e.clone(), f_e.clone()));
             }
-            println!("{dtype} {name}: {steps} steps bit-identical to eager");
+            let mut runs: Vec<(&str, Box<dyn Executor>)> = vec![
+                ("planned", Box::new(PlannedExecutor::new(prog.clone(), &params).expect("planned"))),
+                (
+                    "graphed-whole",
+                    Box::new(GraphedExecutor::new(prog.clone(), &params, GraphMode::Whole).expect("graphed")),
+                ),
+            ];
+            match GraphedExecutor::new(prog.clone(), &params, GraphMode::ForwardBackward) {
+                Ok(g) => runs.push(("graphed-fwd-bwd", Box::new(g))),
+                Err(e) => println!("{dtype} {plan_name}: no forward/backward split ({e})"),
+            }
+            for (name, ex) in runs.iter_mut() {
+                let (l, f) = train(ex.as_mut(), &prog.trace, steps, c.vocab as u64);
+                assert_eq!(l, l_e, "{dtype} {plan_name} {name}: losses differ from eager");
+                for (k, (a, b)) in f.iter().zip(&f_e).enumerate() {
+                    assert!(a == b, "{dtype} {plan_name} {name}: final tensor {k} ({}) differs from eager", a.ty);
+                }
+                println!(
+                    "{dtype} {plan_name} {name}: {steps} steps bit-identical to eager (arena {} bytes)",
+                    prog.plan.arena_bytes
+                );
+            }
         }
+        let (l_e, _) = reference.expect("ran");
         let first = f32::from_le_bytes(l_e[0][..4].try_into().unwrap());
         let last = f32::from_le_bytes(l_e[steps - 1][..4].try_into().unwrap());
         println!("{dtype}: loss step 1 {first:.4}, step {steps} {last:.4}");
@@ -92,7 +112,7 @@ fn first_step_matches_the_cpu_reference() {
     let (p2, s2) = split_inputs(&trace, &all);
     assert_eq!((p2.len(), s2.len()), (params.len(), data.len()));
     let want = cpu::eval(&trace, &all).expect("cpu");
-    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).expect("compile"));
+    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_in_order).expect("compile"));
     let mut ex = GraphedExecutor::new(prog, &params, GraphMode::Whole).expect("graphed");
     ex.step(&data).expect("step");
     let mut worst = 0f64;
@@ -111,7 +131,8 @@ fn memory_figures_and_refusal() {
     let Some(dev) = device() else { return };
     let c = cfg(DType::BF16);
     let trace = training_step(&c, Some(0.05));
-    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).expect("compile"));
+    let prog = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile"));
+    let trace = prog.trace.clone();
     let params = init_params(&trace, &mut Rng::new(1));
     let data = step_inputs(&trace, c.vocab as u64, &mut Rng::new(9));
     let plan_peak = prog.plan.peak_bytes();
@@ -152,7 +173,7 @@ fn forward_and_backward_graphs_can_run_separately() {
     let Some(dev) = device() else { return };
     let c = cfg(DType::F32);
     let trace = training_step(&c, None);
-    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).expect("compile"));
+    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_in_order).expect("compile"));
     let params = init_params(&trace, &mut Rng::new(4));
     let data = step_inputs(&trace, c.vocab as u64, &mut Rng::new(5));
     let mut two = GraphedExecutor::new(prog.clone(), &params, GraphMode::ForwardBackward).expect("graphed");
@@ -177,8 +198,8 @@ fn fused_step_is_bit_identical_to_unfused() {
         let n_fused = fused.nodes.iter().filter(|n| n.op.name() == "fused").count();
         assert!(n_fused > 0, "the fusion pass made no fused node");
         let params = init_params(&trace, &mut Rng::new(6));
-        let pa = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).expect("compile"));
-        let pb = Arc::new(Program::compile(dev.clone(), fused.clone(), plan_naive).expect("compile fused"));
+        let pa = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_in_order).expect("compile"));
+        let pb = Arc::new(Program::compile(dev.clone(), fused.clone(), plan_in_order).expect("compile fused"));
         let mut a = EagerExecutor::new(pa, &params).expect("eager");
         let mut b = GraphedExecutor::new(pb, &params, GraphMode::Whole).expect("graphed fused");
         let (la, fa) = train(&mut a, &trace, 10, c.vocab as u64);

@@ -47,7 +47,9 @@ fn trace_of(c: &Case) -> Result<rumble_core::Trace, String> {
 /// Runs `c` on the GPU alone (planned executor, poisoned arena).
 fn run_gpu(dev: &Arc<Device>, c: &Case) -> Result<Vec<HostTensor>, String> {
     let trace = trace_of(c)?;
-    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).map_err(|e| e.to_string())?);
+    let prog = Arc::new(
+        Program::compile(dev.clone(), trace.clone(), |t, ws| Ok(plan_naive(t, ws))).map_err(|e| e.to_string())?,
+    );
     let mut ex = PlannedExecutor::new(prog, &[]).map_err(|e| e.to_string())?;
     ex.poison(0xff).map_err(|e| e.to_string())?;
     ex.step(&c.inputs).map_err(|e| e.to_string())?;

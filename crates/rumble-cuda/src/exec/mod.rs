@@ -84,11 +84,26 @@ impl Program {
         Ok(most)
     }
 
-    /// Plans `trace` with `planner(trace, workspace_bytes)` and prepares it.
-    pub fn compile(dev: Arc<Device>, trace: Trace, planner: impl Fn(&Trace, usize) -> MemoryPlan) -> Result<Program> {
+    /// Plans `trace` with `planner(trace, workspace_bytes)` (e.g. `plan_in_order`, or
+    /// `|t, ws| Ok(plan_naive(t, ws))`) and prepares it.
+    pub fn compile(
+        dev: Arc<Device>,
+        trace: Trace,
+        planner: impl Fn(&Trace, usize) -> rumble_core::Result<MemoryPlan>,
+    ) -> Result<Program> {
         let ws = Self::workspace_bytes(&dev, &trace)?;
-        let plan = planner(&trace, ws);
+        let plan = planner(&trace, ws)?;
         Self::new(dev, trace, plan)
+    }
+
+    /// Plans `trace` with the core planner (`plan::plan`: memory-aware schedule, views,
+    /// in-place results, best-fit reuse; `opts.workspace_bytes` is raised to what the kernels
+    /// need) and prepares the trace as planned (its node order may differ).
+    pub fn planned(dev: Arc<Device>, trace: &Trace, opts: &rumble_core::plan::PlanOptions) -> Result<Program> {
+        let ws = Self::workspace_bytes(&dev, trace)?;
+        let opts = rumble_core::plan::PlanOptions { workspace_bytes: opts.workspace_bytes.max(ws), ..opts.clone() };
+        let planned = rumble_core::plan::plan(trace, &opts)?;
+        Self::new(dev, planned.trace, planned.plan)
     }
 
     /// Prepares every node of `trace` (compiling kernels) and checks `plan` against it.
@@ -176,6 +191,19 @@ impl Program {
             }
         }
         Ok(())
+    }
+
+    /// `(value, persistent input)` pairs to copy after the last node: the plan's `copy_back`
+    /// (updates it could not compute in their input's slot).
+    fn copy_backs(&self) -> Vec<(ValueId, ValueId)> {
+        self.plan.copy_back.clone()
+    }
+
+    /// True when node `n` computes only views (its outputs alias an operand's bytes): the
+    /// planned executors run nothing for it.
+    fn is_view_node(&self, n: usize) -> bool {
+        let outs = &self.trace.nodes[n].outs;
+        !outs.is_empty() && outs.iter().all(|o| self.plan.is_alias(*o))
     }
 
     /// `(output value, persistent input value)` of every `Update` output.

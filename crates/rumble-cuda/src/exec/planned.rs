@@ -72,6 +72,9 @@ impl Placed {
         let p = &self.prog;
         let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
         for n in range {
+            if p.is_view_node(n) {
+                continue;
+            }
             let (args, outs) = &self.addrs[n];
             let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes };
             unsafe { p.recipes[n].launch(&p.dev, n + 1, &b)? };
@@ -79,10 +82,10 @@ impl Placed {
         Ok(())
     }
 
-    /// Enqueues the copies of `Update` outputs into their persistent slots (where the plan put
-    /// them elsewhere).
+    /// Enqueues the plan's copy-backs of `Update` outputs into their persistent slots (an
+    /// update computed elsewhere than its parameter's slot), one after another.
     pub fn write_back_updates(&self) -> Result<()> {
-        for (out, of) in self.prog.updates() {
+        for (out, of) in self.prog.copy_backs() {
             let (src, dst) = (self.ptr(out)?, self.ptr(of)?);
             let bytes = self.prog.trace.ty(of).size_in_bytes();
             if src != dst && bytes > 0 {
