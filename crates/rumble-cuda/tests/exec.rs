@@ -213,3 +213,22 @@ fn fused_step_is_bit_identical_to_unfused() {
         );
     }
 }
+
+/// (No GPU.) The executors take persistent inputs in trace order: planning must not reorder
+/// inputs, and the scheduled trace still runs on the CPU reference.
+#[test]
+fn planned_traces_keep_their_inputs() {
+    let c = cfg(DType::F32);
+    let trace = training_step(&c, Some(0.05));
+    let planned = rumble_core::plan::plan(&trace, &PlanOptions::default()).expect("plan");
+    let names = |t: &rumble_core::Trace| t.inputs.iter().map(|i| (i.name.clone(), i.role)).collect::<Vec<_>>();
+    assert_eq!(names(&planned.trace), names(&trace));
+    let outs = |t: &rumble_core::Trace| t.outputs.iter().map(|o| o.name.clone()).collect::<Vec<_>>();
+    assert_eq!(outs(&planned.trace), outs(&trace));
+    println!(
+        "scheduled plan: arena {} load {} (in-order arena {})",
+        planned.plan.arena_bytes,
+        planned.plan.load_bytes,
+        plan_in_order(&trace, 0).expect("plan").arena_bytes
+    );
+}
