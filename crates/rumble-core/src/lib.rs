@@ -4,8 +4,11 @@
 //! [`autodiff`] (VJP rules, joint and split traces) -> [`passes`] (trace-to-trace rewrites) ->
 //! [`plan`] (lifetimes, one arena, LOAD) -> [`cpu`] (the reference backend and CPU executors).
 
+pub mod autodiff;
+pub mod cpu;
 pub mod error;
 pub mod ir;
+pub mod passes;
 pub mod plan;
 pub mod testing;
 

@@ -2,6 +2,7 @@
 
 mod builder;
 mod dtype;
+mod fused;
 mod op;
 mod text;
 mod trace;
@@ -9,7 +10,8 @@ mod verify;
 
 pub use builder::{Graph, Tensor};
 pub use dtype::{DType, Shape, TensorType};
-pub use op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+pub use fused::{FusedBody, FusedInstr};
+pub use op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp, stat_dtype};
 pub use text::{op_attrs, parse};
 pub use trace::{Def, InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 pub use verify::verify;

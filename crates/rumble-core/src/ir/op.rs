@@ -9,6 +9,7 @@
 //! their backward passes are ops too.
 
 use super::dtype::{DType, Shape, TensorType};
+use super::fused::FusedBody;
 
 /// Elementwise functions of one float tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -113,22 +114,27 @@ pub enum Op {
     LogSoftmax,
     /// `(y, dy) -> dx` for `y = log_softmax(x)`.
     LogSoftmaxBackward,
-    /// `(logits [N, V], targets int [N]) -> f32[]`: mean over targets != ignore_index of
-    /// `logsumexp(logits) - logits[target]`, in f32. All targets ignored gives 0.
+    /// `(logits [N, V], targets int [N]) -> f32[]` (`f64[]` for f64 logits): mean over
+    /// targets != ignore_index of `logsumexp(logits) - logits[target]`, computed in f32 (f64)
+    /// whatever the logits' dtype. All targets ignored gives 0.
     CrossEntropy { ignore_index: i64 },
-    /// `(logits, targets, dloss f32[]) -> dlogits`.
+    /// `(logits, targets, dloss) -> dlogits`; `dloss` has the loss's type.
     CrossEntropyBackward { ignore_index: i64 },
     /// `(gate, up) -> silu(gate) * up`.
     Swiglu,
     /// `(gate, up, dy) -> (dgate, dup)`.
     SwigluBackward,
     /// Scaled dot-product attention with grouped-query heads:
-    /// `(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> (o [B, Hq, T, D], lse f32[B, Hq, T])`.
+    /// `(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> (o [B, Hq, T, D], lse [B, Hq, T])`,
+    /// `lse` in f32 (f64 for f64 operands).
     /// Query head `h` reads key/value head `h / (Hq / Hkv)`. `causal` needs `T == S`.
     /// Only `o` and the log-sum-exp `lse` are kept for the backward (flash style).
     Attention { scale: f64, causal: bool },
     /// `(q, k, v, o, lse, do) -> (dq, dk, dv)`.
     AttentionBackward { scale: f64, causal: bool },
+    /// A chain of elementwise ops run as one kernel (made by the fusion pass; see
+    /// `ir::fused`).
+    Fused(Box<FusedBody>),
 }
 
 impl UnaryOp {
@@ -236,6 +242,7 @@ impl Op {
             Op::SwigluBackward => "swiglu_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
+            Op::Fused(_) => "fused",
         }
     }
 
@@ -272,7 +279,7 @@ impl Op {
             | Op::SwigluBackward
             | Op::Attention { .. } => 3,
             Op::AttentionBackward { .. } => 6,
-            Op::Concat { .. } => return None,
+            Op::Concat { .. } | Op::Fused(_) => return None,
         })
     }
 
@@ -297,11 +304,14 @@ impl Op {
     pub fn infer(&self, args: &[&TensorType]) -> Result<Vec<TensorType>, String> {
         match self.arity() {
             Some(n) if n != args.len() => return Err(format!("takes {n} operands, got {}", args.len())),
-            None if args.is_empty() => return Err("takes at least one operand".into()),
+            None if args.is_empty() && !matches!(self, Op::Fused(_)) => {
+                return Err("takes at least one operand".into());
+            }
             _ => {}
         }
         let one = |t: TensorType| Ok(vec![t]);
         match self {
+            Op::Fused(body) => body.infer(args),
             Op::Full { ty, .. } => one(ty.clone()),
             Op::Unary(_) | Op::PowScalar { .. } | Op::AddScalar { .. } | Op::MulScalar { .. } => {
                 float(args[0])?;
@@ -482,7 +492,7 @@ impl Op {
             Op::Rope { .. } => {
                 let x = args[0];
                 float(x)?;
-                if x.rank() != 4 || x.dims()[3] % 2 != 0 {
+                if x.rank() != 4 || !x.dims()[3].is_multiple_of(2) {
                     return Err(format!("needs [B, H, T, D] with D even, got {}", x.shape));
                 }
                 one(x.clone())
@@ -507,19 +517,20 @@ impl Op {
             }
             Op::CrossEntropy { .. } => {
                 ce_operands(args[0], args[1])?;
-                one(TensorType::scalar(DType::F32))
+                one(TensorType::scalar(stat_dtype(args[0].dtype)))
             }
             Op::CrossEntropyBackward { .. } => {
                 ce_operands(args[0], args[1])?;
-                if *args[2] != TensorType::scalar(DType::F32) {
-                    return Err(format!("dloss must be f32[], got {}", args[2]));
+                let want = TensorType::scalar(stat_dtype(args[0].dtype));
+                if *args[2] != want {
+                    return Err(format!("dloss must be {want}, got {}", args[2]));
                 }
                 one(args[0].clone())
             }
             Op::Attention { causal, .. } => {
                 attention_operands(args[0], args[1], args[2], *causal)?;
                 let d = args[0].dims();
-                Ok(vec![args[0].clone(), TensorType::new(DType::F32, [d[0], d[1], d[2]])])
+                Ok(vec![args[0].clone(), TensorType::new(stat_dtype(args[0].dtype), [d[0], d[1], d[2]])])
             }
             Op::AttentionBackward { causal, .. } => {
                 let (q, k, v, o, lse, dout) = (args[0], args[1], args[2], args[3], args[4], args[5]);
@@ -527,13 +538,19 @@ impl Op {
                 same_type(q, o)?;
                 same_type(q, dout)?;
                 let d = q.dims();
-                if *lse != TensorType::new(DType::F32, [d[0], d[1], d[2]]) {
-                    return Err(format!("lse must be f32[{},{},{}], got {lse}", d[0], d[1], d[2]));
+                let want = TensorType::new(stat_dtype(q.dtype), [d[0], d[1], d[2]]);
+                if *lse != want {
+                    return Err(format!("lse must be {want}, got {lse}"));
                 }
                 Ok(vec![q.clone(), k.clone(), v.clone()])
             }
         }
     }
+}
+
+/// The dtype of row statistics (log-sum-exp, losses): f32, or f64 for f64 data.
+pub fn stat_dtype(d: DType) -> DType {
+    if d == DType::F64 { DType::F64 } else { DType::F32 }
 }
 
 fn float(t: &TensorType) -> Result<(), String> {
@@ -580,7 +597,7 @@ fn attention_operands(q: &TensorType, k: &TensorType, v: &TensorType, causal: bo
     if qd[0] != kd[0] || qd[3] != kd[3] {
         return Err(format!("batch or head size differ: q {} vs k {}", q.shape, k.shape));
     }
-    if kd[1] == 0 || qd[1] % kd[1] != 0 {
+    if kd[1] == 0 || !qd[1].is_multiple_of(kd[1]) {
         return Err(format!("{} query heads are not a multiple of {} key/value heads", qd[1], kd[1]));
     }
     if causal && qd[2] != kd[2] {

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 
 use super::dtype::{DType, Shape, TensorType};
+use super::fused::{FusedBody, FusedInstr};
 use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
@@ -49,6 +50,7 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
             vec![("scale", f(*scale)), ("causal", causal.to_string())]
         }
+        Op::Fused(body) => vec![("shape", body.shape.to_string())],
         Op::Unary(_)
         | Op::Binary(_)
         | Op::Compare(_)
@@ -146,6 +148,13 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "swiglu_backward" => Op::SwigluBackward,
         "attention" => Op::Attention { scale: a.f64("scale")?, causal: a.bool("causal")? },
         "attention_backward" => Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")? },
+        // The body follows on the next lines; `Parser` fills it in.
+        "fused" => Op::Fused(Box::new(FusedBody {
+            shape: Shape::new(a.list("shape")?),
+            inputs: Vec::new(),
+            body: Vec::new(),
+            outputs: Vec::new(),
+        })),
         _ => return Err(format!("unknown op `{name}`")),
     })
 }
@@ -179,6 +188,20 @@ impl Trace {
         let _ = write!(s, " = {}({})", node.op.name(), args.join(", "));
         for (k, v) in op_attrs(&node.op) {
             let _ = write!(s, " {k}={v}");
+        }
+        if let Op::Fused(body) = &node.op {
+            s.push_str(" {\n");
+            for (i, ins) in body.body.iter().enumerate() {
+                let args: Vec<String> = ins.args.iter().map(|a| format!("${a}")).collect();
+                let _ =
+                    write!(s, "    ${}: {} = {}({})", body.inputs.len() + i, ins.dtype, ins.op.name(), args.join(", "));
+                for (k, v) in op_attrs(&ins.op) {
+                    let _ = write!(s, " {k}={v}");
+                }
+                s.push('\n');
+            }
+            let outs: Vec<String> = body.outputs.iter().map(|o| format!("${o}")).collect();
+            let _ = write!(s, "    return {}\n  }}", outs.join(", "));
         }
         s
     }
@@ -214,7 +237,8 @@ impl fmt::Display for Trace {
 
 /// Reads a trace from its text form, verifies it and numbers its values compactly.
 pub fn parse(text: &str) -> Result<Trace> {
-    let mut p = Parser { trace: Trace::default(), ids: HashMap::new(), phase: Phase::Forward, saw_header: false };
+    let mut p =
+        Parser { trace: Trace::default(), ids: HashMap::new(), phase: Phase::Forward, saw_header: false, fused: None };
     let mut closed = false;
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
@@ -225,7 +249,7 @@ pub fn parse(text: &str) -> Result<Trace> {
         if closed {
             return Err(err("text after the closing `}`".into()));
         }
-        if line == "}" {
+        if line == "}" && p.fused.is_none() {
             closed = true;
             continue;
         }
@@ -233,6 +257,13 @@ pub fn parse(text: &str) -> Result<Trace> {
     }
     if !p.saw_header {
         return Err(Error::Parse { line: 1, text: String::new(), msg: "no `trace NAME {` header".into() });
+    }
+    if p.fused.is_some() {
+        return Err(Error::Parse {
+            line: text.lines().count(),
+            text: String::new(),
+            msg: "unclosed fused body".into(),
+        });
     }
     if !closed {
         return Err(Error::Parse {
@@ -252,10 +283,20 @@ struct Parser {
     ids: HashMap<u32, ValueId>,
     phase: Phase,
     saw_header: bool,
+    /// The fused node whose body is being read, if any.
+    fused: Option<FusedBody>,
 }
 
 impl Parser {
     fn line(&mut self, line: &str) -> Result<(), String> {
+        if let Some(body) = &mut self.fused {
+            return body_line(body, line).map(|done| {
+                if done {
+                    let body = self.fused.take().expect("checked above");
+                    self.trace.nodes.last_mut().expect("a fused node precedes its body").op = Op::Fused(Box::new(body));
+                }
+            });
+        }
         if !self.saw_header {
             let rest = line.strip_prefix("trace ").ok_or("expected `trace NAME {`")?;
             let rest = rest.strip_suffix('{').ok_or("expected `{` at the end of the header")?.trim();
@@ -324,7 +365,17 @@ impl Parser {
             args_text.split(',').map(|a| self.use_(a.trim())).collect::<Result<Vec<_>, _>>()?
         };
         let mut map = HashMap::new();
-        for kv in rhs[close + 1..].split_whitespace() {
+        let mut attrs = rhs[close + 1..].trim();
+        let opens_body = attrs.ends_with('{');
+        if opens_body {
+            attrs = attrs[..attrs.len() - 1].trim();
+            if name != "fused" {
+                return Err(format!("only `fused` has a body, not `{name}`"));
+            }
+        } else if name == "fused" {
+            return Err("`fused` needs a body: `... {`".into());
+        }
+        for kv in attrs.split_whitespace() {
             let (k, v) = kv.split_once('=').ok_or_else(|| format!("attribute `{kv}` is not key=value"))?;
             if map.insert(k, v).is_some() {
                 return Err(format!("attribute `{k}` given twice"));
@@ -337,6 +388,15 @@ impl Parser {
             let (id, ty) = decl.split_once(':').ok_or_else(|| format!("output `{decl}` lacks `: TYPE`"))?;
             let ty: TensorType = ty.trim().parse()?;
             outs.push(self.define(id.trim(), ty)?);
+        }
+        if opens_body {
+            let inputs = args.iter().map(|a| self.trace.ty(*a).clone()).collect();
+            self.fused = Some(FusedBody {
+                shape: Shape::new(map_list(&attrs_of(attrs), "shape")?),
+                inputs,
+                body: Vec::new(),
+                outputs: Vec::new(),
+            });
         }
         self.trace.nodes.push(Node { op, args, outs, phase: self.phase });
         Ok(())
@@ -367,6 +427,45 @@ impl Parser {
         let n = Self::number(v)?;
         self.ids.get(&n).copied().ok_or_else(|| format!("{v} is used before it is defined"))
     }
+}
+
+fn attrs_of(text: &str) -> HashMap<&str, &str> {
+    text.split_whitespace().filter_map(|kv| kv.split_once('=')).collect()
+}
+
+fn map_list(map: &HashMap<&str, &str>, key: &str) -> Result<Vec<usize>, String> {
+    Attrs { map: map.clone() }.list(key)
+}
+
+/// Reads one line of a fused body (`$3: f32 = exp($2)` or `return $3`); true at its closing `}`.
+fn body_line(body: &mut FusedBody, line: &str) -> Result<bool, String> {
+    if line == "}" {
+        if body.outputs.is_empty() {
+            return Err("fused body without `return`".into());
+        }
+        return Ok(true);
+    }
+    let dollar = |v: &str| -> Result<usize, String> {
+        v.trim().strip_prefix('$').and_then(|n| n.parse().ok()).ok_or_else(|| format!("expected `$N`, got `{v}`"))
+    };
+    if let Some(rest) = line.strip_prefix("return ") {
+        body.outputs = rest.split(',').map(dollar).collect::<Result<_, _>>()?;
+        return Ok(false);
+    }
+    let (lhs, rhs) = line.split_once(" = ").ok_or("expected `$N: DTYPE = op(...)` in a fused body")?;
+    let (id, dtype) = lhs.split_once(':').ok_or("expected `$N: DTYPE`")?;
+    if dollar(id)? != body.inputs.len() + body.body.len() {
+        return Err(format!("body values must be numbered in order, got `{id}`"));
+    }
+    let dtype: DType = dtype.trim().parse()?;
+    let open = rhs.find('(').ok_or("expected `op(`")?;
+    let close = rhs.find(')').ok_or("expected `)`")?;
+    let args_text = rhs[open + 1..close].trim();
+    let args =
+        if args_text.is_empty() { Vec::new() } else { args_text.split(',').map(dollar).collect::<Result<_, _>>()? };
+    let op = op_from_text(rhs[..open].trim(), &Attrs { map: attrs_of(&rhs[close + 1..]) })?;
+    body.body.push(FusedInstr { op, args, dtype });
+    Ok(false)
 }
 
 /// Reads a leading `"..."` string; returns it and the rest of the line.

@@ -1,0 +1,165 @@
+//! Composite ops and their backward ops: RMSNorm, RoPE, softmax, log-softmax, cross-entropy,
+//! SwiGLU. Row statistics accumulate in f64.
+
+use super::convert::Real;
+use crate::{Error, Result};
+
+fn sigmoid<A: Real>(x: A) -> A {
+    A::one() / (A::one() + (-x).exp())
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of one row.
+fn rstd<A: Real>(row: &[A], eps: f64) -> A {
+    let ms = row.iter().map(|v| v.f64() * v.f64()).sum::<f64>() / row.len() as f64;
+    A::of(1.0 / (ms + eps).sqrt())
+}
+
+pub fn rms_norm<A: Real>(x: &[A], w: &[A], eps: f64) -> Vec<A> {
+    let d = w.len();
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks(d) {
+        let r = rstd(row, eps);
+        y.extend(row.iter().zip(w).map(|(&v, &wi)| v * r * wi));
+    }
+    y
+}
+
+/// `dx = r*(w*dy) - x * r^3/D * sum(w*dy*x)`, `dw = sum over rows of dy*x*r`.
+pub fn rms_norm_backward<A: Real>(x: &[A], w: &[A], dy: &[A], eps: f64) -> (Vec<A>, Vec<A>) {
+    let d = w.len();
+    let mut dx = Vec::with_capacity(x.len());
+    let mut dw = vec![0f64; d];
+    for (row, g) in x.chunks(d).zip(dy.chunks(d)) {
+        let r = rstd(row, eps).f64();
+        let dot: f64 = (0..d).map(|i| w[i].f64() * g[i].f64() * row[i].f64()).sum();
+        let c = r * r * r * dot / d as f64;
+        for i in 0..d {
+            dx.push(A::of(r * w[i].f64() * g[i].f64() - row[i].f64() * c));
+            dw[i] += g[i].f64() * row[i].f64() * r;
+        }
+    }
+    (dx, dw.into_iter().map(A::of).collect())
+}
+
+/// Rotate-half RoPE on `[B, H, T, D]` at positions `0..T`: for `j < D/2`,
+/// `out[j] = x[j] cos - x[j + D/2] sin` and `out[j + D/2] = x[j + D/2] cos + x[j] sin`, with
+/// angle `t * theta^(-2j/D)` (inverse frequencies in f32, as Hugging Face computes them).
+pub fn rope<A: Real>(dims: &[usize], x: &[A], theta: f64, inverse: bool) -> Vec<A> {
+    let (t_len, d) = (dims[2], dims[3]);
+    let half = d / 2;
+    let inv_freq: Vec<f64> = (0..half).map(|j| (1.0 / (theta as f32).powf((2 * j) as f32 / d as f32)) as f64).collect();
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut out = vec![A::zero(); x.len()];
+    for (row_i, (row, o)) in x.chunks(d).zip(out.chunks_mut(d)).enumerate() {
+        let t = (row_i % t_len) as f64;
+        for j in 0..half {
+            let ang = (t as f32 * inv_freq[j] as f32) as f64;
+            let (s, c) = (A::of(sign * ang.sin()), A::of(ang.cos()));
+            o[j] = row[j] * c - row[j + half] * s;
+            o[j + half] = row[j + half] * c + row[j] * s;
+        }
+    }
+    out
+}
+
+/// Softmax (or log-softmax) of each row of length `d`.
+pub fn softmax<A: Real>(d: usize, x: &[A], log: bool) -> Vec<A> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(d) {
+        let m = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.f64()));
+        let s: f64 = row.iter().map(|v| (v.f64() - m).exp()).sum();
+        let lse = m + s.ln();
+        out.extend(row.iter().map(|v| A::of(if log { v.f64() - lse } else { (v.f64() - lse).exp() })));
+    }
+    out
+}
+
+/// Softmax: `dx = y * (dy - sum(dy*y))`; log-softmax: `dx = dy - exp(y) * sum(dy)`.
+pub fn softmax_backward<A: Real>(d: usize, y: &[A], dy: &[A], log: bool) -> Vec<A> {
+    let mut out = Vec::with_capacity(y.len());
+    for (yr, gr) in y.chunks(d).zip(dy.chunks(d)) {
+        if log {
+            let s: f64 = gr.iter().map(|g| g.f64()).sum();
+            out.extend(yr.iter().zip(gr).map(|(y, g)| A::of(g.f64() - y.f64().exp() * s)));
+        } else {
+            let s: f64 = yr.iter().zip(gr).map(|(y, g)| y.f64() * g.f64()).sum();
+            out.extend(yr.iter().zip(gr).map(|(y, g)| A::of(y.f64() * (g.f64() - s))));
+        }
+    }
+    out
+}
+
+/// Index of each row's target, or `None` for ignored rows; out-of-range targets are errors.
+fn targets(v: usize, t: &[i64], ignore: i64) -> Result<Vec<Option<usize>>> {
+    t.iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if t == ignore {
+                Ok(None)
+            } else if t < 0 || t as usize >= v {
+                Err(Error::runtime(
+                    "cross_entropy",
+                    format!("target {t} at row {i} is outside 0..{v} (ignore_index {ignore})"),
+                ))
+            } else {
+                Ok(Some(t as usize))
+            }
+        })
+        .collect()
+}
+
+fn row_lse<A: Real>(row: &[A]) -> f64 {
+    let m = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.f64()));
+    m + row.iter().map(|v| (v.f64() - m).exp()).sum::<f64>().ln()
+}
+
+/// Mean over non-ignored rows of `logsumexp(row) - row[target]`; 0 when all are ignored.
+pub fn cross_entropy<A: Real>(v: usize, logits: &[A], t: &[i64], ignore: i64) -> Result<f64> {
+    let tg = targets(v, t, ignore)?;
+    let (mut sum, mut count) = (0.0, 0usize);
+    for (row, t) in logits.chunks(v).zip(&tg) {
+        if let Some(t) = t {
+            sum += row_lse(row) - row[*t].f64();
+            count += 1;
+        }
+    }
+    Ok(sum / count.max(1) as f64)
+}
+
+/// `(softmax(row) - onehot(target)) * dloss / count` for non-ignored rows, 0 for the others.
+pub fn cross_entropy_backward<A: Real>(v: usize, logits: &[A], t: &[i64], dloss: f64, ignore: i64) -> Result<Vec<A>> {
+    let tg = targets(v, t, ignore)?;
+    let count = tg.iter().filter(|t| t.is_some()).count().max(1) as f64;
+    let scale = dloss / count;
+    let mut out = Vec::with_capacity(logits.len());
+    for (row, t) in logits.chunks(v).zip(&tg) {
+        match t {
+            None => out.extend(std::iter::repeat_n(A::zero(), v)),
+            Some(t) => {
+                let lse = row_lse(row);
+                out.extend(row.iter().enumerate().map(|(j, x)| {
+                    let p = (x.f64() - lse).exp() - if j == *t { 1.0 } else { 0.0 };
+                    A::of(p * scale)
+                }));
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn swiglu<A: Real>(gate: &[A], up: &[A]) -> Vec<A> {
+    gate.iter().zip(up).map(|(&g, &u)| g * sigmoid(g) * u).collect()
+}
+
+/// `dgate = dy * up * s * (1 + g * (1 - s))`, `dup = dy * silu(g)`, with `s = sigmoid(g)`.
+pub fn swiglu_backward<A: Real>(gate: &[A], up: &[A], dy: &[A]) -> (Vec<A>, Vec<A>) {
+    let one = A::one();
+    let mut dg = Vec::with_capacity(gate.len());
+    let mut du = Vec::with_capacity(gate.len());
+    for ((&g, &u), &d) in gate.iter().zip(up).zip(dy) {
+        let s = sigmoid(g);
+        dg.push(d * u * s * (one + g * (one - s)));
+        du.push(d * g * s);
+    }
+    (dg, du)
+}

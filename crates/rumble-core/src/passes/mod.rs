@@ -1,0 +1,56 @@
+//! Passes: `Trace -> Trace` rewrites. Each keeps the program's meaning, returns a verified,
+//! compact trace, and can be run through [`run`], which logs who made each trace, how long it
+//! took and what it changed.
+
+mod cse;
+mod dce;
+mod fuse;
+
+use std::time::Instant;
+
+pub use cse::cse;
+pub use dce::dce;
+pub use fuse::fuse;
+
+use crate::Result;
+use crate::ir::{Trace, verify};
+
+/// A named pass.
+pub type Pass = (&'static str, fn(&Trace) -> Result<Trace>);
+
+/// What one pass did.
+#[derive(Clone, Debug)]
+pub struct PassLog {
+    pub pass: &'static str,
+    pub micros: u128,
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+}
+
+impl std::fmt::Display for PassLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:<12} {:>6} -> {:>6} nodes  {:>8} us", self.pass, self.nodes_before, self.nodes_after, self.micros)
+    }
+}
+
+/// Runs `passes` in order, verifying after each one.
+pub fn run(trace: &Trace, passes: &[Pass]) -> Result<(Trace, Vec<PassLog>)> {
+    let mut t = trace.clone();
+    let mut logs = Vec::new();
+    for (name, pass) in passes {
+        let start = Instant::now();
+        let next = pass(&t)?;
+        verify(&next)?;
+        logs.push(PassLog {
+            pass: name,
+            micros: start.elapsed().as_micros(),
+            nodes_before: t.nodes.len(),
+            nodes_after: next.nodes.len(),
+        });
+        t = next;
+    }
+    Ok((t, logs))
+}
+
+/// The default cleanup: dead code, then common subexpressions, then dead code again.
+pub const CLEANUP: &[Pass] = &[("dce", dce), ("cse", cse), ("dce", dce)];

@@ -1,0 +1,136 @@
+//! The CPU backend's values on cases worked out by hand, its dtype semantics and its errors.
+
+use rumble_core::cpu::{self, HostTensor, Rng};
+use rumble_core::ir::{DType, Graph, Tensor, TensorType};
+
+fn run1(g: &Graph, out: &Tensor, inputs: &[HostTensor]) -> HostTensor {
+    g.output(out, "out").unwrap();
+    cpu::eval(&g.finish().unwrap(), inputs).unwrap().remove(0)
+}
+
+#[test]
+fn matmul_with_transposes() {
+    // a = [[1,2,3],[4,5,6]], b = [[1,0],[0,1],[1,1]]: a@b = [[4,5],[10,11]].
+    let a = HostTensor::from_f32(&[2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap();
+    let b = HostTensor::from_f32(&[3, 2], &[1., 0., 0., 1., 1., 1.]).unwrap();
+    let g = Graph::new("mm");
+    let (ta, tb) = (g.data("a", DType::F32, &[2, 3]).unwrap(), g.data("b", DType::F32, &[3, 2]).unwrap());
+    let out = run1(&g, &ta.matmul(&tb).unwrap(), &[a.clone(), b.clone()]);
+    assert_eq!(out.to_f32(), vec![4., 5., 10., 11.]);
+    // (a^T)^T @ (b^T)^T through the transpose flags.
+    let g = Graph::new("mm_t");
+    let (ta, tb) = (g.data("a", DType::F32, &[3, 2]).unwrap(), g.data("b", DType::F32, &[2, 3]).unwrap());
+    let at = HostTensor::from_f32(&[3, 2], &[1., 4., 2., 5., 3., 6.]).unwrap();
+    let bt = HostTensor::from_f32(&[2, 3], &[1., 0., 1., 0., 1., 1.]).unwrap();
+    let out = run1(&g, &ta.matmul_opts(&tb, true, true).unwrap(), &[at, bt]);
+    assert_eq!(out.to_f32(), vec![4., 5., 10., 11.]);
+}
+
+#[test]
+fn bf16_is_rounded_storage_with_f32_arithmetic() {
+    // 1 + 2^-9 is not a bf16 (8 bits of mantissa): the sum rounds to 1.
+    let g = Graph::new("bf16");
+    let x = g.data("x", DType::BF16, &[2]).unwrap();
+    let y = g.data("y", DType::BF16, &[2]).unwrap();
+    let xs = HostTensor::from_f64(DType::BF16, &[2], &[1.0, 3.0]).unwrap();
+    let ys = HostTensor::from_f64(DType::BF16, &[2], &[2f64.powi(-9), 0.5]).unwrap();
+    let out = run1(&g, &x.add(&y).unwrap(), &[xs, ys]);
+    assert_eq!(out.to_f64(), vec![1.0, 3.5]);
+    assert_eq!(out.ty, TensorType::new(DType::BF16, [2]));
+}
+
+#[test]
+fn rope_rotates_by_position() {
+    let mut r = Rng::new(1);
+    let ty = TensorType::new(DType::F64, [1, 1, 3, 4]);
+    let x = HostTensor::randn(ty.clone(), 1.0, &mut r);
+    let g = Graph::new("rope");
+    let t = g.data("x", DType::F64, &[1, 1, 3, 4]).unwrap();
+    let out = run1(&g, &t.rope(10000.0).unwrap(), std::slice::from_ref(&x)).to_f64();
+    let xv = x.to_f64();
+    // Position 0: identity.
+    assert_eq!(&out[..4], &xv[..4]);
+    // Position 1, pair j=0 rotates by angle 1 (inverse frequency 1).
+    let (c, s) = (1f64.cos(), 1f64.sin());
+    assert!((out[4] - (xv[4] * c - xv[6] * s)).abs() < 1e-6);
+    assert!((out[6] - (xv[6] * c + xv[4] * s)).abs() < 1e-6);
+    // Norms are preserved.
+    let n = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>();
+    assert!((n(&out[8..]) - n(&xv[8..])).abs() < 1e-9);
+}
+
+#[test]
+fn cross_entropy_values_and_bad_targets() {
+    let g = Graph::new("ce");
+    let l = g.data("logits", DType::F32, &[3, 4]).unwrap();
+    let t = g.data("t", DType::I64, &[3]).unwrap();
+    g.output(&l.cross_entropy(&t, -100).unwrap(), "loss").unwrap();
+    let trace = g.finish().unwrap();
+    let logits = HostTensor::from_f32(&[3, 4], &[0.; 12]).unwrap();
+    // Uniform logits: every counted row costs ln 4; ignored rows do not count.
+    let targets = HostTensor::from_i64(DType::I64, &[3], &[1, -100, 3]).unwrap();
+    let loss = cpu::eval(&trace, &[logits.clone(), targets]).unwrap()[0].item();
+    assert!((loss - 4f64.ln()).abs() < 1e-6);
+    let all_ignored = HostTensor::from_i64(DType::I64, &[3], &[-100; 3]).unwrap();
+    assert_eq!(cpu::eval(&trace, &[logits.clone(), all_ignored]).unwrap()[0].item(), 0.0);
+    let bad = HostTensor::from_i64(DType::I64, &[3], &[1, 7, 0]).unwrap();
+    let e = cpu::eval(&trace, &[logits, bad]).unwrap_err().to_string();
+    assert!(e.contains("cross_entropy") && e.contains("target 7 at row 1 is outside 0..4"), "{e}");
+}
+
+#[test]
+fn gather_checks_ids() {
+    let g = Graph::new("emb");
+    let table = g.data("table", DType::F32, &[3, 2]).unwrap();
+    let ids = g.data("ids", DType::I32, &[2]).unwrap();
+    g.output(&table.gather(&ids).unwrap(), "out").unwrap();
+    let trace = g.finish().unwrap();
+    let tv = HostTensor::from_f32(&[3, 2], &[1., 2., 3., 4., 5., 6.]).unwrap();
+    let ok = HostTensor::from_i64(DType::I32, &[2], &[2, 0]).unwrap();
+    assert_eq!(cpu::eval(&trace, &[tv.clone(), ok]).unwrap()[0].to_f32(), vec![5., 6., 1., 2.]);
+    let bad = HostTensor::from_i64(DType::I32, &[2], &[0, 3]).unwrap();
+    let e = cpu::eval(&trace, &[tv, bad]).unwrap_err().to_string();
+    assert!(e.contains("gather") && e.contains("id 3 at position 1 is outside 0..3"), "{e}");
+}
+
+#[test]
+fn causal_attention_first_query_sees_only_the_first_key() {
+    let mut r = Rng::new(9);
+    let ty = TensorType::new(DType::F32, [1, 2, 4, 3]);
+    let (q, k, v) = (
+        HostTensor::randn(ty.clone(), 1.0, &mut r),
+        HostTensor::randn(ty.clone(), 1.0, &mut r),
+        HostTensor::randn(ty.clone(), 1.0, &mut r),
+    );
+    let g = Graph::new("attn");
+    let ins: Vec<Tensor> = ["q", "k", "v"].iter().map(|n| g.data(n, DType::F32, &[1, 2, 4, 3]).unwrap()).collect();
+    let (o, lse) = Tensor::attention(&ins[0], &ins[1], &ins[2], 0.5, true).unwrap();
+    g.output(&o, "o").unwrap();
+    g.output(&lse, "lse").unwrap();
+    let outs = cpu::eval(&g.finish().unwrap(), &[q.clone(), k.clone(), v.clone()]).unwrap();
+    let (o, vv) = (outs[0].to_f32(), v.to_f32());
+    assert_eq!(&o[..3], &vv[..3]);
+    // lse of query 0 is its only score.
+    let s0: f32 = (0..3).map(|c| q.to_f32()[c] * k.to_f32()[c]).sum::<f32>() * 0.5;
+    assert!((outs[1].to_f32()[0] - s0).abs() < 1e-6);
+}
+
+#[test]
+fn inputs_are_checked_by_name() {
+    let g = Graph::new("t");
+    let x = g.data("tokens", DType::I64, &[4]).unwrap();
+    g.output(&x.cast(DType::F32).unwrap(), "y").unwrap();
+    let trace = g.finish().unwrap();
+    let e = cpu::eval(&trace, &[HostTensor::zeros(TensorType::new(DType::I32, [4]))]).unwrap_err().to_string();
+    assert!(e.contains("input \"tokens\" must be i64[4], got i32[4]"), "{e}");
+    let e = HostTensor::new(TensorType::new(DType::F32, [3]), vec![0; 5]).unwrap_err().to_string();
+    assert!(e.contains("5 bytes do not hold a f32[3]"), "{e}");
+}
+
+#[test]
+fn casts_truncate_and_round() {
+    let x = HostTensor::from_f64(DType::F64, &[4], &[-1.7, 2.9, 0.0, 1e-3]).unwrap();
+    assert_eq!(x.cast(DType::I32).to_i64(), vec![-1, 2, 0, 0]);
+    assert_eq!(x.cast(DType::Bool).to_i64(), vec![1, 1, 0, 1]);
+    assert_eq!(x.cast(DType::BF16).cast(DType::F64).to_f64()[1], 2.90625);
+}

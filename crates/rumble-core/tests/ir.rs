@@ -1,0 +1,219 @@
+//! The text form, the verifier, the cleanup passes and the forward/backward split.
+
+use rumble_core::autodiff;
+use rumble_core::cpu::{self, HostTensor, Rng};
+use rumble_core::ir::{DType, Graph, InputRole, Node, Op, OutputRole, TensorType, UnaryOp, ValueId, parse, verify};
+use rumble_core::passes;
+use rumble_core::testing::TinyLlama;
+use rumble_core::{Trace, ValueId as V};
+
+fn llama_joint() -> (Trace, Trace) {
+    let cfg = TinyLlama { layers: 2, dtype: DType::BF16, ..Default::default() };
+    let trace = cfg.loss_graph().unwrap().finish().unwrap();
+    let params: Vec<&str> = trace.inputs.iter().skip(2).map(|i| i.name.as_str()).collect();
+    let joint = autodiff::grad(&trace, "loss", &params).unwrap();
+    (trace, joint)
+}
+
+#[test]
+fn print_then_parse_gives_the_same_trace() {
+    let (fwd, joint) = llama_joint();
+    let split = autodiff::split(&joint).unwrap();
+    for t in [&fwd, &joint, &split.forward, &split.backward] {
+        let text = t.to_string();
+        let back = parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert_eq!(&back, t);
+        assert_eq!(back.to_string(), text);
+    }
+    // The joint trace has a backward section and gradient outputs.
+    let text = joint.to_string();
+    assert!(text.contains("  -- backward\n"));
+    assert!(text.contains("attention_backward("));
+    assert!(text.contains("grad_of=%"));
+}
+
+#[test]
+fn text_form_reads_as_documented() {
+    let g = Graph::new("block");
+    let x = g.data("x", DType::F32, &[2, 3]).unwrap();
+    let w = g.param("norm.weight", DType::F32, &[3]).unwrap();
+    let y = x.rms_norm(&w, 1e-6).unwrap();
+    g.output(&y, "y").unwrap();
+    let t = g.finish().unwrap();
+    let want = "trace \"block\" {\n  input %0: f32[2,3] \"x\" input\n  input %1: f32[3] \"norm.weight\" param\n  \
+                %2: f32[2,3] = rms_norm(%0, %1) eps=1e-6\n  output %2 \"y\"\n}\n";
+    assert_eq!(t.to_string(), want);
+}
+
+fn parse_err(text: &str) -> String {
+    parse(text).unwrap_err().to_string()
+}
+
+#[test]
+fn parser_errors_name_the_line() {
+    let e = parse_err("trace \"t\" {\n  input %0: f32[2] \"x\" input\n  %1: f32[2] = frobnicate(%0)\n}\n");
+    assert!(e.contains("line 3") && e.contains("unknown op `frobnicate`"), "{e}");
+    let e = parse_err("trace \"t\" {\n  %1: f32[2] = exp(%0)\n}\n");
+    assert!(e.contains("line 2") && e.contains("%0 is used before it is defined"), "{e}");
+    let e = parse_err("trace \"t\" {\n  input %0: f32[2] \"x\" input\n  %1: f32[2] = pow_scalar(%0)\n}\n");
+    assert!(e.contains("missing attribute `exponent`"), "{e}");
+    let e = parse_err("trace \"t\" {\n  input %0: f33[2] \"x\" input\n}\n");
+    assert!(e.contains("unknown dtype `f33`"), "{e}");
+    let e = parse_err("trace \"t\" {\n  input %0: f32[2] \"x\" input\n");
+    assert!(e.contains("missing closing"), "{e}");
+}
+
+#[test]
+fn verifier_rejects_malformed_traces() {
+    let g = Graph::new("v");
+    let x = g.data("x", DType::F32, &[2, 3]).unwrap();
+    let w = g.param("w", DType::F32, &[4, 3]).unwrap();
+    let y = x.matmul_t(&w).unwrap();
+    g.output(&y, "y").unwrap();
+    let good = g.finish().unwrap();
+    verify(&good).unwrap();
+
+    let check = |t: &Trace, want: &[&str]| {
+        let e = verify(t).unwrap_err().to_string();
+        for w in want {
+            assert!(e.contains(w), "`{e}` lacks `{w}`");
+        }
+    };
+    // A declared type that the op does not make.
+    let mut t = good.clone();
+    t.types[2] = TensorType::new(DType::F32, [2, 5]);
+    check(&t, &["node 0 (matmul)", "declared f32[2,5] but the op makes f32[2,4]"]);
+    // Operands of the wrong shape.
+    let mut t = good.clone();
+    t.types[1] = TensorType::new(DType::F32, [4, 2]);
+    check(&t, &["node 0 (matmul)", "inner dims differ"]);
+    // Use before definition.
+    let mut t = good.clone();
+    t.nodes
+        .insert(0, Node { op: Op::Unary(UnaryOp::Exp), args: vec![V(2)], outs: vec![V(3)], phase: Default::default() });
+    t.types.push(TensorType::new(DType::F32, [2, 4]));
+    check(&t, &["node 0 (exp)", "used before it is defined"]);
+    // A value defined twice.
+    let mut t = good.clone();
+    t.nodes.push(t.nodes[0].clone());
+    check(&t, &["node 1 (matmul)", "defined twice"]);
+    // Wrong number of operands.
+    let mut t = good.clone();
+    t.nodes[0].args.pop();
+    check(&t, &["takes 2 operands, got 1"]);
+    // Output of an undefined value; update of a plain input; grad of a non-input.
+    let mut t = good.clone();
+    t.outputs[0].value = ValueId(9);
+    check(&t, &["output \"y\"", "%9 is not defined"]);
+    let mut t = good.clone();
+    t.outputs[0].role = OutputRole::Update { of: V(0) };
+    check(&t, &["type f32[2,4] differs"]);
+    let mut t = good.clone();
+    t.outputs.push(t.outputs[0].clone());
+    check(&t, &["names must be unique"]);
+    let mut t = good.clone();
+    t.inputs[1].role = InputRole::Input;
+    t.outputs.push(rumble_core::ir::TraceOutput {
+        value: V(1),
+        name: "w2".into(),
+        role: OutputRole::Update { of: V(1) },
+    });
+    check(&t, &["update_of names \"w\", which is not a param"]);
+}
+
+#[test]
+fn dce_and_cse() {
+    let g = Graph::new("p");
+    let x = g.data("x", DType::F32, &[4]).unwrap();
+    let a = x.exp().unwrap();
+    let b = x.exp().unwrap(); // same as a
+    let _dead = x.tanh().unwrap().sigmoid().unwrap();
+    let y = a.add(&b).unwrap();
+    g.output(&y, "y").unwrap();
+    let t = g.finish().unwrap();
+    assert_eq!(t.nodes.len(), 5);
+    let (clean, logs) = passes::run(&t, passes::CLEANUP).unwrap();
+    assert_eq!(clean.op_counts(), vec![("add", 1), ("exp", 1)]);
+    assert_eq!(logs.len(), 3);
+    let v = HostTensor::from_f32(&[4], &[0.5, -1.0, 2.0, 0.25]).unwrap();
+    assert_eq!(cpu::eval(&t, std::slice::from_ref(&v)).unwrap(), cpu::eval(&clean, &[v]).unwrap());
+}
+
+#[test]
+fn split_forward_then_backward_equals_joint() {
+    let (_, joint) = llama_joint();
+    let split = autodiff::split(&joint).unwrap();
+    assert!(!split.saved.is_empty() && split.saved_bytes > 0);
+    assert!(split.forward.nodes.iter().all(|n| !n.op.name().ends_with("_backward")));
+    let mut r = Rng::new(3);
+    let inputs: Vec<HostTensor> = joint
+        .inputs
+        .iter()
+        .map(|i| {
+            let ty = joint.ty(i.value).clone();
+            if ty.dtype.is_int() { HostTensor::randint(ty, 32, &mut r) } else { HostTensor::randn(ty, 0.3, &mut r) }
+        })
+        .collect();
+    let want = cpu::eval(&joint, &inputs).unwrap();
+    let by_name = |t: &Trace, name: &str| t.inputs.iter().position(|i| i.name == name);
+    let fwd_in: Vec<HostTensor> =
+        split.forward.inputs.iter().map(|i| inputs[by_name(&joint, &i.name).unwrap()].clone()).collect();
+    let fwd_out = cpu::eval(&split.forward, &fwd_in).unwrap();
+    let bwd_in: Vec<HostTensor> = split
+        .backward
+        .inputs
+        .iter()
+        .map(|i| match split.forward.outputs.iter().position(|o| o.name == i.name) {
+            Some(k) => fwd_out[k].clone(),
+            None => inputs[by_name(&joint, &i.name).unwrap()].clone(),
+        })
+        .collect();
+    let bwd_out = cpu::eval(&split.backward, &bwd_in).unwrap();
+    for (o, w) in joint.outputs.iter().zip(&want) {
+        let got = match split.backward.outputs.iter().position(|b| b.name == o.name) {
+            Some(k) => &bwd_out[k],
+            None => &fwd_out[split.forward.outputs.iter().position(|f| f.name == o.name).unwrap()],
+        };
+        assert_eq!(got, w, "output {} differs", o.name);
+    }
+}
+
+#[test]
+fn fusion_keeps_results_and_round_trips() {
+    // An AdamW-like update: scalars broadcast into a chain of elementwise ops.
+    let g = Graph::new("adamw");
+    let p = g.param("p", DType::F32, &[4, 8]).unwrap();
+    let grad = g.data("g", DType::F32, &[4, 8]).unwrap();
+    let m = g.input("m", TensorType::new(DType::F32, [4, 8]), InputRole::OptState).unwrap();
+    let lr = g.data("lr", DType::F32, &[]).unwrap();
+    let m2 = m.mul_scalar(0.9).unwrap().add(&grad.mul_scalar(0.1).unwrap()).unwrap();
+    let step = m2.mul(&lr.broadcast_to(&[4, 8]).unwrap()).unwrap();
+    let decay = p.mul(&g.full(0.99, DType::F32, &[4, 8])).unwrap();
+    let p2 = decay.sub(&step).unwrap();
+    g.output_with_role(&p2, "p.new", OutputRole::Update { of: p.id() }).unwrap();
+    g.output_with_role(&m2, "m.new", OutputRole::Update { of: m.id() }).unwrap();
+    let t = g.finish().unwrap();
+    let fused = passes::fuse(&t).unwrap();
+    assert_eq!(fused.op_counts(), vec![("fused", 1)], "{fused}");
+    let text = fused.to_string();
+    assert_eq!(parse(&text).unwrap(), fused, "{text}");
+    let mut r = Rng::new(4);
+    let inputs: Vec<HostTensor> =
+        t.inputs.iter().map(|i| HostTensor::randn(t.ty(i.value).clone(), 1.0, &mut r)).collect();
+    assert_eq!(cpu::eval(&t, &inputs).unwrap(), cpu::eval(&fused, &inputs).unwrap());
+
+    // A whole training step: fewer nodes, identical bits.
+    let (_, joint) = llama_joint();
+    let fused = passes::fuse(&joint).unwrap();
+    assert!(fused.nodes.len() < joint.nodes.len());
+    assert_eq!(parse(&fused.to_string()).unwrap(), fused);
+    let inputs: Vec<HostTensor> = joint
+        .inputs
+        .iter()
+        .map(|i| {
+            let ty = joint.ty(i.value).clone();
+            if ty.dtype.is_int() { HostTensor::randint(ty, 32, &mut r) } else { HostTensor::randn(ty, 0.3, &mut r) }
+        })
+        .collect();
+    assert_eq!(cpu::eval(&joint, &inputs).unwrap(), cpu::eval(&fused, &inputs).unwrap());
+}
