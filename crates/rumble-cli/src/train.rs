@@ -117,8 +117,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             sc.optimizer.map(|o| o.name()).unwrap_or("-"),
         );
         let bar = ProgressBar::new(a.steps);
-        let style = ProgressStyle::with_template("{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .map_err(|e| ModelError::Usage(e.to_string()))?;
+        let style =
+            ProgressStyle::with_template("{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+                .map_err(|e| ModelError::Usage(e.to_string()))?;
         bar.set_style(style);
         bar
     };
@@ -128,9 +129,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut first_loss = None;
     let mut last = None;
     for i in 1..=a.steps {
-        let batches = (0..sc.grad_accum)
-            .map(|_| corpus.sample(&mut rng, sc.batch, sc.seq))
-            .collect::<Result<Vec<_>>>()?;
+        let batches =
+            (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, sc.seq)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();

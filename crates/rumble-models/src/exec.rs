@@ -14,7 +14,7 @@ use rumble_core::{TensorType, Trace};
 
 use crate::error::{ModelError, Result};
 
-pub use crate::interim::HostTensor;
+pub use rumble_core::cpu::HostTensor;
 
 /// A device a trace runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,7 +167,7 @@ impl Executor for CpuExecutor {
             check_type(&self.trace, &inp.name, self.trace.ty(inp.value), t)?;
             self.inputs[i] = t.clone();
         }
-        let outs = crate::interim::cpu_eval(&self.trace, &self.inputs)?;
+        let outs = rumble_core::cpu::eval(&self.trace, &self.inputs)?;
         let mut plain = Vec::new();
         for (out, update) in outs.into_iter().zip(&self.updates) {
             match update {

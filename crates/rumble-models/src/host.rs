@@ -1,63 +1,37 @@
-//! Host-side tensors: building them from and reading them into Rust numbers.
-//!
-//! `HostTensor` (a type and little-endian bytes) is what executors take and return.
+//! Host-side tensors: small conversions on top of `rumble_core::cpu::HostTensor` (a type and
+//! little-endian bytes), which is what executors take and return.
 
-use half::{bf16, f16};
 use rumble_core::{DType, TensorType};
+
+pub use rumble_core::cpu::HostTensor;
 
 use crate::error::{ModelError, Result};
 
-pub use crate::exec::HostTensor;
-
-/// A tensor of `dtype` and `dims` holding `vals` (rounded to nearest even for bf16/f16).
+/// A float tensor of `dtype` and `dims` holding `vals` (rounded to nearest even for bf16/f16).
 pub fn from_f32s(dtype: DType, dims: &[usize], vals: &[f32]) -> Result<HostTensor> {
-    let ty = TensorType::new(dtype, dims.to_vec());
-    if ty.numel() != vals.len() {
-        return Err(ModelError::Usage(format!("{} values do not fill a {ty}", vals.len())));
+    if !dtype.is_float() {
+        return Err(ModelError::Usage(format!("from_f32s: {dtype} is not a float dtype")));
     }
-    let mut bytes = Vec::with_capacity(ty.size_in_bytes());
-    match dtype {
-        DType::F32 => vals.iter().for_each(|v| bytes.extend(v.to_le_bytes())),
-        DType::F64 => vals.iter().for_each(|v| bytes.extend((*v as f64).to_le_bytes())),
-        DType::BF16 => vals.iter().for_each(|v| bytes.extend(bf16::from_f32(*v).to_le_bytes())),
-        DType::F16 => vals.iter().for_each(|v| bytes.extend(f16::from_f32(*v).to_le_bytes())),
-        DType::I32 | DType::I64 | DType::Bool => {
-            return Err(ModelError::Usage(format!("from_f32s: {dtype} is not a float dtype")));
-        }
-    }
-    Ok(HostTensor { ty, bytes })
+    let wide: Vec<f64> = vals.iter().map(|&v| v as f64).collect();
+    Ok(HostTensor::from_f64(dtype, dims, &wide)?)
 }
 
 /// The elements of a float tensor as f32.
 pub fn to_f32s(t: &HostTensor) -> Result<Vec<f32>> {
-    let b = &t.bytes;
-    if b.len() != t.ty.size_in_bytes() {
-        return Err(ModelError::Usage(format!("{} bytes do not hold a {}", b.len(), t.ty)));
+    if !t.ty.dtype.is_float() || t.bytes.len() != t.ty.size_in_bytes() {
+        return Err(ModelError::Usage(format!("expected float data, got {} in {} bytes", t.ty, t.bytes.len())));
     }
-    Ok(match t.ty.dtype {
-        DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        DType::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        d => return Err(ModelError::Usage(format!("to_f32s: {d} is not a float dtype"))),
-    })
+    Ok(t.to_f32())
 }
 
 /// An i64 tensor.
 pub fn from_i64s(dims: &[usize], vals: &[i64]) -> Result<HostTensor> {
-    let ty = TensorType::new(DType::I64, dims.to_vec());
-    if ty.numel() != vals.len() {
-        return Err(ModelError::Usage(format!("{} values do not fill a {ty}", vals.len())));
-    }
-    Ok(HostTensor { ty, bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect() })
+    Ok(HostTensor::from_i64(DType::I64, dims, vals)?)
 }
 
 /// An f32 scalar `[]`.
 pub fn scalar_f32(v: f32) -> HostTensor {
-    HostTensor { ty: TensorType::scalar(DType::F32), bytes: v.to_le_bytes().to_vec() }
+    HostTensor::scalar(DType::F32, v as f64)
 }
 
 /// The value of a one-element float tensor.
@@ -70,5 +44,5 @@ pub fn item(t: &HostTensor) -> Result<f32> {
 
 /// All zeros of type `ty`.
 pub fn zeros(ty: &TensorType) -> HostTensor {
-    HostTensor { ty: ty.clone(), bytes: vec![0; ty.size_in_bytes()] }
+    HostTensor::zeros(ty.clone())
 }

@@ -12,7 +12,6 @@ pub mod data;
 pub mod error;
 pub mod exec;
 pub mod host;
-mod interim;
 pub mod model;
 pub mod optim;
 pub mod presets;

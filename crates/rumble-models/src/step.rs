@@ -127,7 +127,7 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
         g.set_phase(Phase::Forward);
         let logits = model::logits(cfg, &params, tokens)?; // (B*T, V)
         let loss = model::loss(&logits, targets.as_ref())?; // f32[]
-        let grads = crate::interim::backward(&loss, &wrt)?;
+        let grads = rumble_core::autodiff::backward(&loss, &wrt)?;
         g.set_phase(Phase::Backward);
         sums = if sums.is_empty() && k == 1 {
             grads
