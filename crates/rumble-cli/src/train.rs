@@ -27,7 +27,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Optimizer steps to take.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 200)]
     pub steps: u64,
     /// Peak learning rate (default: the preset's).
     #[arg(long)]
