@@ -44,6 +44,7 @@ pub struct StepConfig {
 }
 
 /// A built step and what its inputs are.
+#[derive(Debug)]
 pub struct TrainStep {
     pub trace: Trace,
     /// Names of the per-step data inputs, in trace order.
