@@ -220,6 +220,31 @@ fn cross_entropy_with_ignored_targets() {
 }
 
 #[test]
+fn fused_linear_cross_entropy_equals_the_unfused_ops() {
+    let r = &mut rng();
+    let t = HostTensor::from_i64(DType::I64, &[7], &[3, -100, 0, 8, -100, 2, 1]).unwrap();
+    for chunk in [1, 3, 7, 100] {
+        gradcheck(
+            "linear_cross_entropy",
+            vec![diff("x", randn(&[7, 5], r)), diff("w", randn(&[9, 5], r)), fixed("t", t.clone())],
+            &move |t| t[0].linear_cross_entropy(&t[1], &t[2], -100, chunk),
+        );
+    }
+    // Same value as matmul + cross_entropy.
+    let g = Graph::new("lce");
+    let x = g.data("x", DType::F32, &[7, 5]).unwrap();
+    let w = g.data("w", DType::F32, &[9, 5]).unwrap();
+    let tt = g.data("t", DType::I64, &[7]).unwrap();
+    g.output(&x.linear_cross_entropy(&w, &tt, -100, 3).unwrap(), "fused").unwrap();
+    g.output(&x.matmul_t(&w).unwrap().cross_entropy(&tt, -100).unwrap(), "plain").unwrap();
+    let mut r2 = Rng::new(8);
+    let xs = HostTensor::randn(TensorType::new(DType::F32, [7, 5]), 1.0, &mut r2);
+    let ws = HostTensor::randn(TensorType::new(DType::F32, [9, 5]), 1.0, &mut r2);
+    let outs = cpu::eval(&g.finish().unwrap(), &[xs, ws, t]).unwrap();
+    assert!((outs[0].item() - outs[1].item()).abs() < 1e-5, "{} vs {}", outs[0].item(), outs[1].item());
+}
+
+#[test]
 fn attention_gqa_and_head_sizes() {
     let r = &mut rng();
     // (B, Hq, Hkv, T, D, causal)

@@ -210,6 +210,12 @@ pub fn vjp(
                 .apply(Op::CrossEntropyBackward { ignore_index: *ignore_index }, &[&args[0], &args[1], &ct])?;
             vec![Some(g[0].clone()), None]
         }
+        Op::LinearCrossEntropy { ignore_index, chunk } => {
+            let op = Op::LinearCrossEntropyBackward { ignore_index: *ignore_index, chunk: *chunk };
+            let mut r = args[0].graph().apply(op, &[&args[0], &args[1], &args[2], &ct])?;
+            let dw = r.pop();
+            vec![r.pop(), dw, None]
+        }
         Op::Swiglu => {
             let mut r = args[0].graph().apply(Op::SwigluBackward, &[&args[0], &args[1], &ct])?;
             let du = r.pop();
@@ -234,6 +240,7 @@ pub fn vjp(
         | Op::SoftmaxBackward
         | Op::LogSoftmaxBackward
         | Op::CrossEntropyBackward { .. }
+        | Op::LinearCrossEntropyBackward { .. }
         | Op::SwigluBackward
         | Op::AttentionBackward { .. } => {
             return Err(Error::Autodiff(format!("{}: second-order gradients are not supported", op.name())));

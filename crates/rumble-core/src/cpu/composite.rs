@@ -2,6 +2,8 @@
 //! SwiGLU. Row statistics accumulate in f64.
 
 use super::convert::Real;
+use super::matmul::matmul;
+use crate::ir::TensorType;
 use crate::{Error, Result};
 
 fn sigmoid<A: Real>(x: A) -> A {
@@ -130,9 +132,13 @@ pub fn cross_entropy<A: Real>(v: usize, logits: &[A], t: &[i64], ignore: i64) ->
 pub fn cross_entropy_backward<A: Real>(v: usize, logits: &[A], t: &[i64], dloss: f64, ignore: i64) -> Result<Vec<A>> {
     let tg = targets(v, t, ignore)?;
     let count = tg.iter().filter(|t| t.is_some()).count().max(1) as f64;
-    let scale = dloss / count;
+    Ok(ce_rows_backward(v, logits, &tg, dloss / count))
+}
+
+/// `(softmax(row) - onehot(target)) * scale` for rows with a target, 0 for the others.
+fn ce_rows_backward<A: Real>(v: usize, logits: &[A], tg: &[Option<usize>], scale: f64) -> Vec<A> {
     let mut out = Vec::with_capacity(logits.len());
-    for (row, t) in logits.chunks(v).zip(&tg) {
+    for (row, t) in logits.chunks(v).zip(tg) {
         match t {
             None => out.extend(std::iter::repeat_n(A::zero(), v)),
             Some(t) => {
@@ -144,7 +150,7 @@ pub fn cross_entropy_backward<A: Real>(v: usize, logits: &[A], t: &[i64], dloss:
             }
         }
     }
-    Ok(out)
+    out
 }
 
 pub fn swiglu<A: Real>(gate: &[A], up: &[A]) -> Vec<A> {
@@ -162,4 +168,64 @@ pub fn swiglu_backward<A: Real>(gate: &[A], up: &[A], dy: &[A]) -> (Vec<A>, Vec<
         du.push(d * g * s);
     }
     (dg, du)
+}
+
+/// Rows `r0..r1` of `x @ w^T` (logits of one chunk), in the computation type.
+fn chunk_logits<A: Real>(xt: &TensorType, x: &[A], wt: &TensorType, w: &[A], r0: usize, r1: usize) -> Vec<A> {
+    let c = xt.dims()[1];
+    matmul(&xt.with_shape([r1 - r0, c]), &x[r0 * c..r1 * c], wt, w, false, true)
+}
+
+/// `cross_entropy(x @ w^T, t)`, `chunk` rows of logits at a time.
+pub fn linear_cross_entropy<A: Real>(
+    xt: &TensorType,
+    x: &[A],
+    wt: &TensorType,
+    w: &[A],
+    t: &[i64],
+    ignore: i64,
+    chunk: usize,
+) -> Result<f64> {
+    let (n, v) = (xt.dims()[0], wt.dims()[0]);
+    let tg = targets(v, t, ignore)?;
+    let (mut sum, mut count) = (0.0, 0usize);
+    for r0 in (0..n).step_by(chunk) {
+        let r1 = (r0 + chunk).min(n);
+        let logits = chunk_logits(xt, x, wt, w, r0, r1);
+        for (row, t) in logits.chunks(v).zip(&tg[r0..r1]) {
+            if let Some(t) = t {
+                sum += row_lse(row) - row[*t].f64();
+                count += 1;
+            }
+        }
+    }
+    Ok(sum / count.max(1) as f64)
+}
+
+/// `(dx, dw)` of `linear_cross_entropy`, recomputing each chunk's logits.
+pub fn linear_cross_entropy_backward<A: Real>(
+    (xt, x): (&TensorType, &[A]),
+    (wt, w): (&TensorType, &[A]),
+    t: &[i64],
+    dloss: f64,
+    ignore: i64,
+    chunk: usize,
+) -> Result<(Vec<A>, Vec<A>)> {
+    let (n, c, v) = (xt.dims()[0], xt.dims()[1], wt.dims()[0]);
+    let tg = targets(v, t, ignore)?;
+    let scale = dloss / tg.iter().filter(|t| t.is_some()).count().max(1) as f64;
+    let mut dx = Vec::with_capacity(n * c);
+    let mut dw = vec![0f64; v * c];
+    for r0 in (0..n).step_by(chunk) {
+        let r1 = (r0 + chunk).min(n);
+        let logits = chunk_logits(xt, x, wt, w, r0, r1);
+        let dl = ce_rows_backward(v, &logits, &tg[r0..r1], scale);
+        let dlt = TensorType::new(xt.dtype, [r1 - r0, v]);
+        dx.extend(matmul(&dlt, &dl, wt, w, false, false));
+        let g = matmul(&dlt, &dl, &xt.with_shape([r1 - r0, c]), &x[r0 * c..r1 * c], true, false);
+        for (acc, g) in dw.iter_mut().zip(g) {
+            *acc += g.f64();
+        }
+    }
+    Ok((dx, dw.into_iter().map(A::of).collect()))
 }

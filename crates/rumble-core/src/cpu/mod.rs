@@ -167,6 +167,24 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let dloss = read_float::<f64>(at[2].dtype, args[2])[0];
             one(out(&composite::cross_entropy_backward::<A>(at[0].dims()[1], &f(0), &t, dloss, *ignore_index)?))
         }
+        Op::LinearCrossEntropy { ignore_index, chunk } => {
+            let t = read_int(at[2].dtype, args[2]);
+            let loss = composite::linear_cross_entropy::<A>(at[0], &f(0), at[1], &f(1), &t, *ignore_index, *chunk)?;
+            one(write_float::<f64>(ot[0].dtype, &[loss]))
+        }
+        Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
+            let t = read_int(at[2].dtype, args[2]);
+            let dloss = read_float::<f64>(at[3].dtype, args[3])[0];
+            let (dx, dw) = composite::linear_cross_entropy_backward::<A>(
+                (at[0], &f(0)),
+                (at[1], &f(1)),
+                &t,
+                dloss,
+                *ignore_index,
+                *chunk,
+            )?;
+            Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
+        }
         Op::Swiglu => one(out(&composite::swiglu::<A>(&f(0), &f(1)))),
         Op::SwigluBackward => {
             let (dg, du) = composite::swiglu_backward::<A>(&f(0), &f(1), &f(2));

@@ -328,6 +328,17 @@ impl Tensor {
     pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Tensor> {
         self.graph.apply1(Op::CrossEntropy { ignore_index }, &[self, targets])
     }
+    /// `cross_entropy(self @ w^T, targets)` without materialising the logits: `self [N, C]`,
+    /// `w [V, C]`; backends work on `chunk` rows at a time.
+    pub fn linear_cross_entropy(
+        &self,
+        w: &Tensor,
+        targets: &Tensor,
+        ignore_index: i64,
+        chunk: usize,
+    ) -> Result<Tensor> {
+        self.graph.apply1(Op::LinearCrossEntropy { ignore_index, chunk }, &[self, w, targets])
+    }
     /// Causal or full attention; returns the output and the log-sum-exp per query.
     pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<(Tensor, Tensor)> {
         let mut outs = q.graph.apply(Op::Attention { scale, causal }, &[q, k, v])?;

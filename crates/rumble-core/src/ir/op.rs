@@ -120,6 +120,14 @@ pub enum Op {
     CrossEntropy { ignore_index: i64 },
     /// `(logits, targets, dloss) -> dlogits`; `dloss` has the loss's type.
     CrossEntropyBackward { ignore_index: i64 },
+    /// The last projection and the loss in one op, never materialising all the logits:
+    /// `(x [N, C], w [V, C], targets int [N]) -> loss`, equal to
+    /// `cross_entropy(x @ w^T, targets)`. Backends work on `chunk` rows at a time, so their
+    /// scratch is `chunk x V` (see `Op::scratch_bytes`); the backward recomputes each chunk's
+    /// logits instead of saving them.
+    LinearCrossEntropy { ignore_index: i64, chunk: usize },
+    /// `(x, w, targets, dloss) -> (dx, dw)`.
+    LinearCrossEntropyBackward { ignore_index: i64, chunk: usize },
     /// `(gate, up) -> silu(gate) * up`.
     Swiglu,
     /// `(gate, up, dy) -> (dgate, dup)`.
@@ -238,6 +246,8 @@ impl Op {
             Op::LogSoftmaxBackward => "log_softmax_backward",
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::LinearCrossEntropy { .. } => "linear_cross_entropy",
+            Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
             Op::Swiglu => "swiglu",
             Op::SwigluBackward => "swiglu_backward",
             Op::Attention { .. } => "attention",
@@ -277,7 +287,9 @@ impl Op {
             | Op::RmsNormBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::SwigluBackward
+            | Op::LinearCrossEntropy { .. }
             | Op::Attention { .. } => 3,
+            Op::LinearCrossEntropyBackward { .. } => 4,
             Op::AttentionBackward { .. } => 6,
             Op::Concat { .. } | Op::Fused(_) => return None,
         })
@@ -297,6 +309,17 @@ impl Op {
                 | Op::Compare(_)
                 | Op::Where
         )
+    }
+
+    /// Bytes of scratch memory a backend may use while running this op (planned as a temporary
+    /// live during the node). Only the chunked ops need any.
+    pub fn scratch_bytes(&self, args: &[&TensorType]) -> usize {
+        match self {
+            // One chunk of f32 logits (the backward also holds their gradient).
+            Op::LinearCrossEntropy { chunk, .. } => chunk * args[1].dims()[0] * 4,
+            Op::LinearCrossEntropyBackward { chunk, .. } => 2 * chunk * args[1].dims()[0] * 4,
+            _ => 0,
+        }
     }
 
     /// The output types for operands of types `args`, or a message saying why they don't fit.
@@ -527,6 +550,18 @@ impl Op {
                 }
                 one(args[0].clone())
             }
+            Op::LinearCrossEntropy { chunk, .. } => {
+                linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                one(TensorType::scalar(stat_dtype(args[0].dtype)))
+            }
+            Op::LinearCrossEntropyBackward { chunk, .. } => {
+                linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                let want = TensorType::scalar(stat_dtype(args[0].dtype));
+                if *args[3] != want {
+                    return Err(format!("dloss must be {want}, got {}", args[3]));
+                }
+                Ok(vec![args[0].clone(), args[1].clone()])
+            }
             Op::Attention { causal, .. } => {
                 attention_operands(args[0], args[1], args[2], *causal)?;
                 let d = args[0].dims();
@@ -578,6 +613,18 @@ fn ce_operands(logits: &TensorType, targets: &TensorType) -> Result<(), String> 
     int(targets)?;
     if logits.rank() != 2 || targets.dims() != [logits.dims()[0]] {
         return Err(format!("needs logits [N, V] and targets [N], got {} and {}", logits.shape, targets.shape));
+    }
+    Ok(())
+}
+
+fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usize) -> Result<(), String> {
+    float(x)?;
+    if x.dtype != w.dtype || x.rank() != 2 || w.rank() != 2 || x.dims()[1] != w.dims()[1] {
+        return Err(format!("needs x [N, C] and w [V, C] of one dtype, got {x} and {w}"));
+    }
+    ce_operands(&x.with_shape([x.dims()[0], w.dims()[0]]), t)?;
+    if chunk == 0 {
+        return Err("chunk must be at least 1 row".into());
     }
     Ok(())
 }

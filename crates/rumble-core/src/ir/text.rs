@@ -47,6 +47,9 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::CrossEntropy { ignore_index } | Op::CrossEntropyBackward { ignore_index } => {
             vec![("ignore_index", ignore_index.to_string())]
         }
+        Op::LinearCrossEntropy { ignore_index, chunk } | Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
+            vec![("ignore_index", ignore_index.to_string()), ("chunk", chunk.to_string())]
+        }
         Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
             vec![("scale", f(*scale)), ("causal", causal.to_string())]
         }
@@ -144,6 +147,12 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "log_softmax_backward" => Op::LogSoftmaxBackward,
         "cross_entropy" => Op::CrossEntropy { ignore_index: a.parse("ignore_index")? },
         "cross_entropy_backward" => Op::CrossEntropyBackward { ignore_index: a.parse("ignore_index")? },
+        "linear_cross_entropy" => {
+            Op::LinearCrossEntropy { ignore_index: a.parse("ignore_index")?, chunk: a.usize("chunk")? }
+        }
+        "linear_cross_entropy_backward" => {
+            Op::LinearCrossEntropyBackward { ignore_index: a.parse("ignore_index")?, chunk: a.usize("chunk")? }
+        }
         "swiglu" => Op::Swiglu,
         "swiglu_backward" => Op::SwigluBackward,
         "attention" => Op::Attention { scale: a.f64("scale")?, causal: a.bool("causal")? },

@@ -1,0 +1,136 @@
+"""Reference measurements of rumble's benchmark workloads in PyTorch, torch.compile and Thunder.
+
+usage: python3 bench/reference/torch_ref.py WORKLOAD EXECUTOR [--steps N] [--train]
+
+  WORKLOAD  seed-llama | seed-qwen2 | small        (the table in ../shared/anchors/README.md)
+  EXECUTOR  torch-eager | torch-compile | torch-compile-ro | thunder | thunder-cudagraph
+  --train   add an AdamW step (lr 1e-4, weight decay 0.1) after the backward
+
+One process per configuration (peak memory is per process). Prints one JSON line with the same
+keys `rumble bench --json` prints, so bench/compare.py can put them side by side:
+  peak_allocated_bytes  torch.cuda.max_memory_allocated() over the first step (the seed's figure)
+  device_used_bytes     rise of the device's used memory (cudaMemGetInfo) from before the model
+                        was built to after the last step: counts caching, graphs and libraries
+  first_step_ms         the first step, compilation and capture included
+  median_step_ms        median of the later steps
+Each step is a forward, the objective, a backward producing every parameter gradient,
+optionally the optimizer step, and zero_grad(set_to_none=True).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("workload")
+p.add_argument("executor")
+p.add_argument("--steps", type=int, default=8)
+p.add_argument("--train", action="store_true")
+args = p.parse_args()
+dev = torch.device("cuda")
+torch.manual_seed(0)
+free0, total = torch.cuda.mem_get_info()
+
+
+def wrap(model):
+    """The executor applied to a module."""
+    e = args.executor
+    if e == "torch-eager":
+        return model
+    if e == "torch-compile":
+        return torch.compile(model)
+    if e == "torch-compile-ro":
+        return torch.compile(model, mode="reduce-overhead")
+    if e in ("thunder", "thunder-cudagraph"):
+        from thunder.dynamo import ThunderCompiler
+        transforms = []
+        if e == "thunder-cudagraph":
+            from thunder.transforms.cudagraph import CUDAGraphTransform
+            transforms = [CUDAGraphTransform()]
+        return torch.compile(model, backend=ThunderCompiler(transforms=transforms))
+    raise SystemExit(f"unknown executor {e}")
+
+
+def seed_llama():
+    # litgpt's open_llama_3b with 10 layers, fp32, logits.sum(): the seed's program.
+    import litgpt
+    cfg = litgpt.Config.from_name("open_llama_3b", n_layer=10)
+    with dev:
+        model = litgpt.GPT(cfg)
+    x = torch.randint(0, 255, (1, cfg.block_size), device=dev)
+    if args.executor in ("thunder", "thunder-cudagraph"):
+        # The seed jits the module with thunder.jit directly.
+        import thunder
+        transforms = []
+        if args.executor == "thunder-cudagraph":
+            from thunder.transforms.cudagraph import CUDAGraphTransform
+            transforms = [CUDAGraphTransform()]
+        fn = thunder.jit(model, transforms=transforms)
+    else:
+        fn = wrap(model)
+    return model, lambda: fn(x).sum()
+
+
+def hf(kind, seq, **kw):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    cfg = (LlamaConfig if kind == "llama" else Qwen2Config)(rms_norm_eps=1e-6, **kw)
+    if kind == "qwen2":
+        cfg.hidden_size = cfg.num_attention_heads  # the seed's shape: head_dim 1
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), device=dev)
+    fn = wrap(model)
+    return model, lambda: fn(input_ids=ids, labels=ids).loss
+
+
+WORKLOADS = {
+    "seed-llama": seed_llama,
+    "seed-qwen2": lambda: hf("qwen2", 4096, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                             num_hidden_layers=5, num_attention_heads=28, num_key_value_heads=4,
+                             max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    "small": lambda: hf("llama", 256, vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                        num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                        max_position_embeddings=1024, tie_word_embeddings=False),
+}
+
+model, objective = WORKLOADS[args.workload]()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1) if args.train else None
+
+
+def step():
+    if args.executor == "torch-compile-ro":
+        torch.compiler.cudagraph_mark_step_begin()
+    loss = objective()
+    loss.backward()
+    if opt is not None:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss
+
+
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+t0 = time.perf_counter()
+loss = step()
+torch.cuda.synchronize()
+first_ms = (time.perf_counter() - t0) * 1e3
+peak = torch.cuda.max_memory_allocated()
+times = []
+for _ in range(args.steps - 1):
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3)
+free1, _ = torch.cuda.mem_get_info()
+print(json.dumps({
+    "workload": args.workload, "executor": args.executor, "train": args.train,
+    "peak_allocated_bytes": peak,
+    "peak_allocated_later_bytes": torch.cuda.max_memory_allocated(),
+    "device_used_bytes": free0 - free1,
+    "first_step_ms": round(first_ms, 2),
+    "median_step_ms": round(statistics.median(times[1:] or times), 3) if times else None,
+    "loss": float(loss.float()),
+    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+}), flush=True)
