@@ -39,6 +39,10 @@ pub struct ModelArgs {
     /// Clip the global gradient norm to this value.
     #[arg(long, value_name = "MAX_NORM")]
     pub clip: Option<f64>,
+    /// Compute the logits as a tensor and then the loss (as transformers does), instead of
+    /// the fused projection-and-loss op that never holds all the logits.
+    #[arg(long)]
+    pub materialize_logits: bool,
 }
 
 /// A resolved model choice.
@@ -86,6 +90,7 @@ impl ModelArgs {
             optimizer: Some(optimizer),
             grad_accum: self.grad_accum,
             clip: self.clip,
+            fused_loss: !self.materialize_logits,
         };
         Ok(Resolved { name, config, step, lr })
     }

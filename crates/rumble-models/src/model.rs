@@ -153,8 +153,8 @@ fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize
     Ok(x.add(&m)?) // (B*T, C)
 }
 
-/// The logits `(B*T, V)` for token ids `tokens (B, T)` (i64).
-pub fn logits(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> {
+/// The final hidden state `(B*T, C)` (after the last RMSNorm) for token ids `tokens (B, T)`.
+pub fn hidden(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> {
     let [b, t] = tokens.dims() else {
         return Err(ModelError::Usage(format!("tokens must be (B, T), got {:?}", tokens.ty())));
     };
@@ -164,9 +164,18 @@ pub fn logits(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> 
     for l in 0..cfg.num_hidden_layers {
         x = block(cfg, params, &x, l, b, t)?; // (B*T, C)
     }
-    let x = x.rms_norm(params.get("model.norm.weight")?, cfg.rms_norm_eps)?; // (B*T, C)
-    let head = if cfg.tie_word_embeddings { embed } else { params.get("lm_head.weight")? }; // (V, C)
-    Ok(x.matmul_t(head)?) // (B*T, V)
+    Ok(x.rms_norm(params.get("model.norm.weight")?, cfg.rms_norm_eps)?) // (B*T, C)
+}
+
+/// The output projection `(V, C)`: `lm_head.weight`, or the embedding table when tied.
+pub fn head_weight<'p>(cfg: &Config, params: &'p Params) -> Result<&'p Tensor> {
+    params.get(if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" })
+}
+
+/// The logits `(B*T, V)` for token ids `tokens (B, T)` (i64).
+pub fn logits(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> {
+    let x = hidden(cfg, params, tokens)?; // (B*T, C)
+    Ok(x.matmul_t(head_weight(cfg, params)?)?) // (B*T, V)
 }
 
 /// The scalar f32 loss of `logits (B*T, V)`: HF's causal-LM cross-entropy against `targets
@@ -176,6 +185,32 @@ pub fn loss(logits: &Tensor, targets: Option<&Tensor>) -> Result<Tensor> {
         Some(t) => logits.cross_entropy(t, IGNORE_INDEX)?, // f32[]
         None => logits.cast(DType::F32)?.sum_all()?,       // f32[]
     })
+}
+
+/// Rows of logits a fused head-and-loss op works on at once: about 64 MiB of f32 scratch.
+pub fn loss_chunk(vocab: usize, rows: usize) -> usize {
+    ((64 << 20) / (4 * vocab.max(1))).clamp(1, rows.max(1))
+}
+
+/// The model's objective on `tokens (B, T)`: f32 `[]`. With `fused` and targets, the last
+/// projection and the cross-entropy are one `linear_cross_entropy` op that never holds all the
+/// logits (same value as HF's loss up to rounding: the logits are not rounded to bf16 first).
+pub fn objective(
+    cfg: &Config,
+    params: &Params,
+    tokens: &Tensor,
+    targets: Option<&Tensor>,
+    fused: bool,
+) -> Result<Tensor> {
+    let x = hidden(cfg, params, tokens)?; // (B*T, C)
+    let head = head_weight(cfg, params)?; // (V, C)
+    match targets {
+        Some(t) if fused => {
+            let chunk = loss_chunk(cfg.vocab_size, x.dims()[0]);
+            Ok(x.linear_cross_entropy(head, t, IGNORE_INDEX, chunk)?) // f32[]
+        }
+        _ => loss(&x.matmul_t(head)?, targets), // logits (B*T, V) -> f32[]
+    }
 }
 
 /// Hugging Face's ignore index for targets.

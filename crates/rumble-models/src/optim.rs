@@ -79,7 +79,20 @@ impl Optimizer {
         for name in self.hyper_names() {
             s.push(g.data(name, DType::F32, &[])?);
         }
-        Ok(Hyper { scalars: s })
+        Ok(Hyper { scalars: s, derived: None })
+    }
+
+    /// Computes the scalars every parameter's update shares (once a step, not once a
+    /// parameter): AdamW's `lr / bc1`, `1 / bc2` and `1 - lr * wd`. Call in the optimizer phase.
+    pub fn derive(&self, hyper: &mut Hyper) -> Result<()> {
+        if let (Optimizer::AdamW { weight_decay, .. }, [lr, bc1, bc2]) = (self, hyper.scalars.as_slice()) {
+            hyper.derived = Some([
+                lr.div(bc1)?,                                   // f32[]: lr / (1 - beta1^t)
+                bc2.recip()?,                                   // f32[]: 1 / (1 - beta2^t)
+                lr.mul_scalar(-weight_decay)?.add_scalar(1.0)?, // f32[]: 1 - lr * wd
+            ]);
+        }
+        Ok(())
     }
 
     /// One parameter's update: returns the new parameter and new states (same types as the
@@ -105,17 +118,18 @@ impl Optimizer {
         let lr = &hyper.scalars[0];
         match *self {
             Optimizer::AdamW { beta1, beta2, eps, weight_decay } => {
-                let (bc1, bc2) = (&hyper.scalars[1], &hyper.scalars[2]);
+                let mut own = Hyper { scalars: hyper.scalars.clone(), derived: None };
+                let [step_size, inv_bc2, keep] = match &hyper.derived {
+                    Some(d) => d.clone(),
+                    None => {
+                        self.derive(&mut own)?;
+                        own.derived.clone().ok_or_else(|| rumble_core::Error::msg("AdamW needs 3 scalars"))?
+                    }
+                };
                 let m = states[0].cast(DType::F32)?.mul_scalar(beta1)?.add(&g.mul_scalar(1.0 - beta1)?)?;
                 let v = states[1].cast(DType::F32)?.mul_scalar(beta2)?.add(&g.square()?.mul_scalar(1.0 - beta2)?)?;
-                let p = if decays && weight_decay != 0.0 {
-                    let keep = lr.mul_scalar(-weight_decay)?.add_scalar(1.0)?; // f32[]: 1 - lr * wd
-                    p.mul(&bc(&keep)?)?
-                } else {
-                    p
-                };
-                let step_size = lr.div(bc1)?; // f32[]: lr / (1 - beta1^t)
-                let denom = v.mul(&bc(&bc2.recip()?)?)?.sqrt()?.add_scalar(eps)?; // sqrt(v_hat) + eps
+                let p = if decays && weight_decay != 0.0 { p.mul(&bc(&keep)?)? } else { p }; // decoupled decay
+                let denom = v.mul(&bc(&inv_bc2)?)?.sqrt()?.add_scalar(eps)?; // sqrt(v_hat) + eps
                 let p = p.sub(&m.div(&denom)?.mul(&bc(&step_size)?)?)?;
                 Ok((p.cast(dt)?, vec![m.cast(dt)?, v.cast(dt)?]))
             }
@@ -136,9 +150,11 @@ impl Optimizer {
     }
 }
 
-/// The per-step scalar inputs of an optimizer, in `hyper_names` order.
+/// The per-step scalar inputs of an optimizer, in `hyper_names` order, and the scalars
+/// derived from them once a step (see [`Optimizer::derive`]).
 pub struct Hyper {
     pub scalars: Vec<Tensor>,
+    pub derived: Option<[Tensor; 3]>,
 }
 
 /// The global L2 norm of `grads` (f32 `[]`), each squared and summed in f32.

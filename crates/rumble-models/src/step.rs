@@ -41,6 +41,9 @@ pub struct StepConfig {
     pub grad_accum: usize,
     /// Clip the global gradient norm to this value.
     pub clip: Option<f64>,
+    /// Compute the last projection and the cross-entropy as one `linear_cross_entropy` op
+    /// (never materialising the `(B*T, V)` logits) instead of `matmul` + `cross_entropy`.
+    pub fused_loss: bool,
 }
 
 /// A built step and what its inputs are.
@@ -54,7 +57,7 @@ pub struct TrainStep {
 }
 
 /// The trace of a forward pass and its loss (output `loss`); no backward.
-pub fn build_forward(cfg: &Config, batch: usize, seq: usize, objective: Objective) -> Result<Trace> {
+pub fn build_forward(cfg: &Config, batch: usize, seq: usize, objective: Objective, fused_loss: bool) -> Result<Trace> {
     let g = Graph::new(format!("{}_forward", cfg.arch.model_type()));
     let tokens = g.data("tokens", DType::I64, &[batch, seq])?;
     let targets = match objective {
@@ -62,7 +65,7 @@ pub fn build_forward(cfg: &Config, batch: usize, seq: usize, objective: Objectiv
         Objective::LogitsSum => None,
     };
     let params = Params::declare(&g, cfg)?;
-    let loss = model::logits(cfg, &params, &tokens).and_then(|l| model::loss(&l, targets.as_ref()))?;
+    let loss = model::objective(cfg, &params, &tokens, targets.as_ref(), fused_loss)?; // f32[]
     g.output(&loss, "loss")?;
     Ok(g.finish()?)
 }
@@ -126,8 +129,7 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
     let mut losses = Vec::new();
     for (tokens, targets) in &micro {
         g.set_phase(Phase::Forward);
-        let logits = model::logits(cfg, &params, tokens)?; // (B*T, V)
-        let loss = model::loss(&logits, targets.as_ref())?; // f32[]
+        let loss = model::objective(cfg, &params, tokens, targets.as_ref(), sc.fused_loss)?; // f32[]
         let grads = rumble_core::autodiff::backward(&loss, &wrt)?;
         g.set_phase(Phase::Backward);
         sums = if sums.is_empty() && k == 1 {
@@ -166,7 +168,8 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
     }
 
     match (&sc.optimizer, hyper) {
-        (Some(opt), Some(hyper)) => {
+        (Some(opt), Some(mut hyper)) => {
+            opt.derive(&mut hyper)?;
             let mut new_states = Vec::new();
             for (i, p) in params.list.iter().enumerate() {
                 let old: Vec<Tensor> = state_tensors[i].iter().map(|(_, s)| s.clone()).collect();

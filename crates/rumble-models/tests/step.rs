@@ -12,7 +12,7 @@ fn small_cfg() -> Config {
 }
 
 fn sc(objective: Objective, optimizer: Option<Optimizer>, grad_accum: usize, clip: Option<f64>) -> StepConfig {
-    StepConfig { batch: 2, seq: 8, objective, optimizer, grad_accum, clip }
+    StepConfig { batch: 2, seq: 8, objective, optimizer, grad_accum, clip, fused_loss: false }
 }
 
 #[test]
@@ -27,8 +27,11 @@ fn every_preset_builds_a_whole_training_step() {
             optimizer: Some(Optimizer::adamw()),
             grad_accum: 1,
             clip: Some(1.0),
+            fused_loss: true,
         };
         let t = build_train_step(&p.config, &s).unwrap().trace;
+        let fused = t.op_counts().into_iter().any(|(op, _)| op == "linear_cross_entropy");
+        assert_eq!(fused, p.objective == Objective::CausalLm, "{name}");
         let phases: Vec<Phase> = [Phase::Forward, Phase::Backward, Phase::Optimizer]
             .into_iter()
             .filter(|ph| t.nodes.iter().any(|n| n.phase == *ph))
@@ -68,7 +71,11 @@ fn tied_embeddings_are_one_parameter_read_twice() {
 
 /// Runs a gradient-only step (no optimizer) on `batches`; returns the loss and the gradients.
 fn grads(cfg: &Config, w: &Weights, batches: &[Batch], clip: Option<f64>) -> (Vec<HostTensor>, Trace) {
-    let step = build_train_step(cfg, &sc(Objective::CausalLm, None, batches.len(), clip)).unwrap();
+    grads_with(cfg, w, batches, StepConfig { clip, ..sc(Objective::CausalLm, None, batches.len(), None) })
+}
+
+fn grads_with(cfg: &Config, w: &Weights, batches: &[Batch], s: StepConfig) -> (Vec<HostTensor>, Trace) {
+    let step = build_train_step(cfg, &s).unwrap();
     let mut inputs = Vec::new();
     for b in batches {
         inputs.push(HostTensor::from_i64(DType::I64, &[b.batch, b.seq], &b.tokens).unwrap());
@@ -127,7 +134,7 @@ fn initial_loss_is_near_uniform_and_logits_sum_works() {
     let mut inputs = vec![HostTensor::from_i64(DType::I64, &[2, 8], &b.tokens).unwrap()];
     inputs.extend(w.tensors.iter().map(|(_, t)| t.clone()));
     let out = eval(&t, &inputs).unwrap();
-    let fwd = rumble_models::build_forward(&cfg, 2, 8, Objective::LogitsSum).unwrap();
+    let fwd = rumble_models::build_forward(&cfg, 2, 8, Objective::LogitsSum, false).unwrap();
     let fwd_out = eval(&fwd, &inputs).unwrap();
     assert_eq!(out[0].item(), fwd_out[0].item());
     assert!(out[0].item().abs() > 0.0);
@@ -141,4 +148,22 @@ fn bad_step_shapes_are_refused() {
     assert!(e.to_string().contains("grad_accum (0)"), "{e}");
     let e = build_train_step(&cfg, &sc(Objective::CausalLm, None, 1, Some(-1.0))).unwrap_err();
     assert!(e.to_string().contains("clip"), "{e}");
+}
+
+#[test]
+fn fused_head_loss_matches_materialised_logits() {
+    let cfg = Config { tie_word_embeddings: false, ..small_cfg() };
+    let w = Weights::init(&cfg, 8).unwrap();
+    let b = Batch::random(&mut Rng::new(3), 256, 2, 8);
+    let plain = sc(Objective::CausalLm, None, 1, None);
+    let (x, t) = grads_with(&cfg, &w, std::slice::from_ref(&b), plain.clone());
+    let (y, u) = grads_with(&cfg, &w, &[b], StepConfig { fused_loss: true, ..plain });
+    let has = |t: &Trace, op: &str| t.op_counts().iter().any(|(o, _)| *o == op);
+    assert!(has(&u, "linear_cross_entropy") && !has(&t, "linear_cross_entropy") && has(&t, "cross_entropy"));
+    assert!((x[0].item() - y[0].item()).abs() < 1e-5);
+    for i in 1..x.len() {
+        let (a, b) = (x[i].to_f64(), y[i].to_f64());
+        let scale = a.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        assert!(a.iter().zip(&b).all(|(p, q)| (p - q).abs() <= 1e-4 * scale), "{}", t.outputs[i].name);
+    }
 }
