@@ -39,6 +39,9 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+/// One timed step: micro-batches in, loss out.
+type StepFn = dyn FnMut(&[Batch]) -> Result<f32>;
+
 pub fn run(mut a: BenchArgs) -> Result<()> {
     let device: DeviceChoice = a.device.parse()?;
     if let Some(w) = a.workload.take() {
@@ -54,7 +57,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
     }
     let weights = Weights::init(&r.config, a.seed)?;
     let t_build = Instant::now();
-    let mut step: Box<dyn FnMut(&[Batch]) -> Result<f32>> = if a.train {
+    let mut step: Box<StepFn> = if a.train {
         let mut trainer = Trainer::new(r.config.clone(), sc.clone(), weights, LrSchedule::constant(r.lr), device)?;
         Box::new(move |b| Ok(trainer.step(b)?.loss))
     } else {

@@ -139,7 +139,7 @@ impl Config {
                 return bad(key, "must be at least 1".into());
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return bad(
                 "num_key_value_heads",
                 format!(
@@ -148,7 +148,7 @@ impl Config {
                 ),
             );
         }
-        if self.head_dim != 1 && self.head_dim % 2 != 0 {
+        if self.head_dim != 1 && !self.head_dim.is_multiple_of(2) {
             return bad(
                 "head_dim",
                 format!(
@@ -157,10 +157,10 @@ impl Config {
                 ),
             );
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return bad("rms_norm_eps", format!("{} must be positive", self.rms_norm_eps));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return bad("rope_theta", format!("{} must be positive", self.rope_theta));
         }
         if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
@@ -259,17 +259,15 @@ impl Reader<'_> {
         if let Some(p) = self.get("rope_parameters") {
             let key = "rope_parameters";
             let obj = p.as_object().ok_or_else(|| self.err(key, "expected an object"))?;
-            if let Some(t) = obj.get("rope_type").filter(|t| !t.is_null()) {
-                if t.as_str() != Some("default") {
-                    return Err(
-                        self.err("rope_parameters.rope_type", format!("{t} is not supported; only \"default\""))
-                    );
-                }
+            if let Some(t) = obj.get("rope_type").filter(|t| !t.is_null())
+                && t.as_str() != Some("default")
+            {
+                return Err(self.err("rope_parameters.rope_type", format!("{t} is not supported; only \"default\"")));
             }
-            if let Some(f) = obj.get("partial_rotary_factor").and_then(Value::as_f64) {
-                if f != 1.0 {
-                    return Err(self.err("rope_parameters.partial_rotary_factor", format!("{f}: only 1.0")));
-                }
+            if let Some(f) = obj.get("partial_rotary_factor").and_then(Value::as_f64)
+                && f != 1.0
+            {
+                return Err(self.err("rope_parameters.partial_rotary_factor", format!("{f}: only 1.0")));
             }
             if let Some(t) = obj.get("rope_theta").filter(|t| !t.is_null()) {
                 return t.as_f64().ok_or_else(|| self.err("rope_parameters.rope_theta", format!("not a number: {t}")));
@@ -294,10 +292,10 @@ impl Reader<'_> {
 
     fn config(&self) -> Result<Config> {
         let arch = self.arch()?;
-        if let Some(act) = self.str_opt("hidden_act")? {
-            if act != "silu" {
-                return Err(self.err("hidden_act", format!("`{act}` is not supported; only silu (SwiGLU)")));
-            }
+        if let Some(act) = self.str_opt("hidden_act")?
+            && act != "silu"
+        {
+            return Err(self.err("hidden_act", format!("`{act}` is not supported; only silu (SwiGLU)")));
         }
         let f = self.f64_or("partial_rotary_factor", 1.0)?;
         if f != 1.0 {

@@ -79,7 +79,7 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
             sc.batch, sc.seq
         )));
     }
-    if sc.clip.is_some_and(|c| !(c > 0.0)) {
+    if sc.clip.is_some_and(|c| c.is_nan() || c <= 0.0) {
         return Err(ModelError::Usage(format!("clip must be positive, got {:?}", sc.clip)));
     }
     let kind = if sc.optimizer.is_some() { "train_step" } else { "grad_step" };

@@ -79,7 +79,11 @@ impl Weights {
         }
         let mut extra: Vec<String> = stored
             .into_keys()
-            .filter(|n| !(cfg.tie_word_embeddings && n == "lm_head.weight") && !n.ends_with("rotary_emb.inv_freq"))
+            .filter(|n| {
+                let ignorable =
+                    n.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == "lm_head.weight");
+                !ignorable
+            })
             .collect();
         extra.sort();
         if let Some(name) = extra.into_iter().next() {

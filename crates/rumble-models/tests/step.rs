@@ -126,7 +126,7 @@ fn initial_loss_is_near_uniform_and_logits_sum_works() {
     let cfg = small_cfg();
     let w = Weights::init(&cfg, 0).unwrap();
     let b = Batch::random(&mut Rng::new(4), 256, 2, 8);
-    let (out, _) = grads(&cfg, &w, &[b.clone()], None);
+    let (out, _) = grads(&cfg, &w, std::slice::from_ref(&b), None);
     assert!((out[0].item() - 256f64.ln()).abs() < 0.1, "{}", out[0].item());
     // The seed objective: no targets input; the loss is the sum of the logits.
     let t = build_train_step(&cfg, &sc(Objective::LogitsSum, None, 1, None)).unwrap().trace;
