@@ -6,6 +6,8 @@
 
 use std::path::Path;
 
+use rumble_core::passes::{self, Pass};
+
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
@@ -16,6 +18,11 @@ use crate::optim::Optimizer;
 use crate::presets::Objective;
 use crate::step::{StepConfig, TrainStep, build_train_step};
 use crate::weights::{Weights, write_atomic};
+
+/// The passes a step goes through before it runs: dead code, common subexpressions (the
+/// optimizer's shared scalars, repeated broadcasts), dead code again, elementwise fusion.
+pub const PIPELINE: &[Pass] =
+    &[("dce", passes::dce), ("cse", passes::cse), ("dce", passes::dce), ("fuse", passes::fuse)];
 
 /// How the learning rate moves over a run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -90,6 +97,7 @@ impl Trainer {
     ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
+        let (trace, _log) = passes::run(&trace, PIPELINE)?;
         let mut persistent = weights.tensors;
         persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
         let exec = executor(device, trace, persistent)?;
