@@ -1,6 +1,6 @@
-//! `rumble plan`: builds a training step and prints what the planner needs to know: the size
-//! of the trace, its parameters and, for now, the naive plan (every value its own bytes). The
-//! lifetime-based planner (issue 3) replaces `plan_naive` here when it lands.
+//! `rumble plan`: builds a training step, runs the trainer's passes, and prints what the
+//! planner needs to know: the size of the trace, its parameters and, for now, the naive plan
+//! (every value its own bytes). The lifetime-based planner (issue 3) replaces `plan_naive` here.
 
 use clap::Args;
 use rumble_core::ir::InputRole;
@@ -25,7 +25,8 @@ pub struct PlanArgs {
 pub fn run(a: PlanArgs) -> Result<()> {
     let r = a.model.resolve(None)?;
     let step = build_train_step(&r.config, &r.step)?;
-    let t = &step.trace;
+    let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
+    let t = &trace;
     if a.trace {
         println!("{t}");
     }
@@ -45,6 +46,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
                    "ops": ops})
         );
         return Ok(());
+    }
+    for l in &log {
+        println!("pass {l}");
     }
     println!(
         "{}: {} nodes, {} values, {} inputs, {} outputs",
