@@ -7,7 +7,12 @@ weights and biases included, so nothing is trivially one or zero), and writes wi
 in float64 on fixed token ids with `labels = input_ids` and stores the loss, the logits and every
 parameter's gradient in reference.safetensors.
 
-usage: python make_reference.py OUT_DIR     (needs torch, transformers, safetensors)
+It also takes folders that rumble wrote (`rumble train --out DIR`): transformers loads them with
+`from_pretrained` and the same reference is written beside them, which checks the other direction
+(rumble's config.json and safetensors, bf16 included, read by transformers).
+
+usage: python make_reference.py OUT_DIR [RUMBLE_CHECKPOINT_DIR ...]   (needs torch, transformers,
+safetensors)
 """
 import json, os, sys
 
@@ -25,19 +30,10 @@ CASES = {
                                     rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=64),
 }
 B, T = 2, 12
-for name, cfg in CASES.items():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif pname.endswith(".bias"):
-                p.copy_(0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
-    d = os.path.join(out_dir, name)
-    model.save_pretrained(d, safe_serialization=True)
+
+
+def reference(model, cfg, d):
+    """Loss, logits and gradients of `model` in float64 on fixed ids, into d/reference.safetensors."""
     m64 = model.double()
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
     outputs = m64(input_ids=ids, labels=ids)
@@ -47,6 +43,24 @@ for name, cfg in CASES.items():
     for pname, p in m64.named_parameters():
         ref["grad." + pname] = p.grad.detach().clone()
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
-    print(json.dumps({"case": name, "loss": outputs.loss.item(), "files": sorted(os.listdir(d))}))
+    print(json.dumps({"case": d, "loss": outputs.loss.item(), "files": sorted(os.listdir(d))}))
+
+
+for name, cfg in CASES.items():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+    d = os.path.join(out_dir, name)
+    model.save_pretrained(d, safe_serialization=True)
+    reference(model, cfg, d)
+
+for d in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")
+    reference(model, model.config, d)
 import transformers
 print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}))
