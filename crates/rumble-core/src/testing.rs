@@ -1,6 +1,10 @@
 //! Small LLaMA-style programs for tests and benchmarks of the core crate (the real models,
 //! built from Hugging Face configs, live in `rumble-models`).
 
+mod train;
+
+pub use train::Optimizer;
+
 use crate::Result;
 use crate::ir::{DType, Graph, Tensor};
 

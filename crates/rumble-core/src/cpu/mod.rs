@@ -10,6 +10,7 @@
 //! [`run_op`] runs one node on bytes (used by every CPU executor); [`eval`] is the
 //! per-op-allocation executor that frees each value after its last use.
 
+pub mod arena;
 mod attention;
 mod composite;
 mod convert;

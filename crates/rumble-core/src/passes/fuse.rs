@@ -71,12 +71,24 @@ pub fn fuse(trace: &Trace) -> Result<Trace> {
                 }
             }
             // Can `node` join the union of `set` without a cycle or an oversized kernel?
+            // Every group reachable from `start`: a group runs as one kernel, so a value made by
+            // it depends on everything its outside operands depend on.
+            let reach = |start: &BTreeSet<usize>, parent: &[usize]| -> BTreeSet<usize> {
+                let mut seen: BTreeSet<usize> = BTreeSet::new();
+                let mut todo: Vec<usize> = start.iter().map(|&g| find(parent, g)).collect();
+                while let Some(g) = todo.pop() {
+                    if seen.insert(g) {
+                        todo.extend(ext[g].iter().map(|&e| find(parent, e)));
+                    }
+                }
+                seen
+            };
             let valid = |set: &[usize], parent: &[usize]| -> bool {
-                let inside = |g: usize| set.contains(&find(parent, g));
+                let hits = |r: BTreeSet<usize>| r.iter().any(|g| set.contains(g));
                 let node_ok = node.args.iter().all(|a| {
-                    group_at(a, parent).is_some_and(|g| set.contains(&g)) || !deps[a.index()].iter().any(|&g| inside(g))
+                    group_at(a, parent).is_some_and(|g| set.contains(&g)) || !hits(reach(&deps[a.index()], parent))
                 });
-                let groups_ok = set.iter().all(|&g| !ext[g].iter().any(|&e| inside(e)));
+                let groups_ok = set.iter().all(|&g| !hits(reach(&ext[g], parent)));
                 let size: usize = set.iter().map(|&g| groups[g].members.len()).sum();
                 let operands: HashSet<&ValueId> = set.iter().flat_map(|&g| &groups[g].operands).collect();
                 node_ok && groups_ok && size < MAX_BODY && operands.len() + node.args.len() <= MAX_OPERANDS

@@ -1,10 +1,17 @@
 //! Passes: `Trace -> Trace` rewrites. Each keeps the program's meaning, returns a verified,
 //! compact trace, and can be run through [`run`], which logs who made each trace, how long it
 //! took and what it changed.
+//!
+//! - [`dce`], [`cse`]: dead code and common subexpressions;
+//! - [`fuse`]: elementwise fusion;
+//! - [`schedule`]: a memory-aware topological reorder that lowers LOAD;
+//! - [`remat`]: recompute cheap forward values in the backward instead of saving them.
 
 mod cse;
 mod dce;
 mod fuse;
+pub mod remat;
+pub mod schedule;
 
 use std::time::Instant;
 

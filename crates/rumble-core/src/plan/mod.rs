@@ -5,13 +5,41 @@
 //! the **persistent** region (parameters, optimizer state). Executors on every backend read
 //! slots and nothing else.
 //!
-//! **Architecture Invariant**: no two values whose lifetimes overlap share a byte of the arena
-//! (checked independently by `check`).
+//! In pipeline order: [`lifetimes`] (when each value is written and last read, its class, which
+//! values share a buffer: views and in-place results) -> [`assign`] (offsets in one arena,
+//! best-fit over several orders) -> [`report`] (bytes per class, LOAD, peak, what is live there)
+//! -> [`svg`] (the timeline as a picture). [`check`] verifies a plan without trusting any of
+//! them. [`plan`] is the one entry point: trace and options in, plan and report out; it can
+//! run the memory-aware scheduler and rematerialisation (`crate::passes`) first.
 //!
-//! This first version (`plan_naive`) gives every value its own range: correct, no reuse. The
-//! lifetime-based planner replaces its internals behind the same types.
+//! **Architecture Invariant**: no two values whose lifetimes overlap share a byte of the arena
+//! (checked independently by [`check::check`]).
+//!
+//! **Architecture Invariant**: an executor runs no kernel for a value with `alias_of` set (a
+//! view: its slot lies inside its source's), and after the last node it copies each
+//! `copy_back` value into its persistent input's slot; nothing else moves.
+//!
+//! How an executor uses a plan: allocate `arena_bytes` and `persistent_bytes`; write each input
+//! at its slot (parameters and optimizer state once, per-step data before every step: a step
+//! may overwrite dead inputs); run the nodes in order, each reading its operands' slots and
+//! writing its results at theirs (a result with `inplace_of` set shares its operand's slot: the
+//! node is pointwise, so element `i` is read before it is written), skipping views, and giving
+//! a node with `scratch[node]` that range as scratch; library calls get the workspace at
+//! `workspace_offset()`; then copy back. Every `update_of` output not in `copy_back` already
+//! sits in its input's slot. `cpu::arena` is the reference implementation.
 
-use crate::ir::{InputRole, Trace};
+pub mod assign;
+pub mod check;
+pub mod lifetimes;
+mod pipeline;
+pub mod report;
+pub mod svg;
+
+pub use lifetimes::{Class, LifetimeOptions, Lifetimes, view_offset};
+pub use pipeline::{PlanOptions, Planned, plan, plan_in_order, plan_order};
+pub use report::PlanReport;
+
+use crate::ir::{OutputRole, Trace, ValueId};
 use crate::{Error, Result};
 
 /// GPU-friendly alignment of every slot, in bytes.
@@ -37,7 +65,7 @@ pub struct Slot {
 /// Placement of every value of one trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryPlan {
-    /// Bytes of the transient arena.
+    /// Bytes of the transient arena, workspace included: what an executor allocates.
     pub arena_bytes: usize,
     /// Bytes of the persistent region.
     pub persistent_bytes: usize,
@@ -48,10 +76,21 @@ pub struct MemoryPlan {
     pub load_bytes: usize,
     /// Indexed by `ValueId`; `None` for values that are never materialised.
     pub slots: Vec<Option<Slot>>,
+    /// Indexed by `ValueId`: for a view, the value whose bytes it reads. No kernel runs for it.
+    pub alias_of: Vec<Option<ValueId>>,
+    /// Indexed by `ValueId`: for a value computed in place, the operand whose bytes it
+    /// overwrites (same slot; the node is elementwise).
+    pub inplace_of: Vec<Option<ValueId>>,
+    /// `(value, input)`: after the last node, copy `value`'s bytes into persistent `input`'s
+    /// slot (an `update_of` output that could not be computed in place).
+    pub copy_back: Vec<(ValueId, ValueId)>,
+    /// Indexed by node: the arena range of the node's scratch memory (`Op::scratch_bytes`),
+    /// `None` for nodes that need none.
+    pub scratch: Vec<Option<Slot>>,
 }
 
 impl MemoryPlan {
-    pub fn slot(&self, v: crate::ir::ValueId) -> Result<Slot> {
+    pub fn slot(&self, v: ValueId) -> Result<Slot> {
         self.slots.get(v.index()).copied().flatten().ok_or_else(|| Error::Plan(format!("{v} has no slot")))
     }
     /// Offset of the library workspace inside the arena.
@@ -62,42 +101,66 @@ impl MemoryPlan {
     pub fn peak_bytes(&self) -> usize {
         self.arena_bytes + self.persistent_bytes
     }
+    /// Bytes of the arena that hold values (the arena less the workspace): compare with LOAD.
+    pub fn values_bytes(&self) -> usize {
+        self.arena_bytes - self.workspace_bytes
+    }
+    /// True if `v` is a view: executors read its source's bytes and run no kernel for it.
+    pub fn is_alias(&self, v: ValueId) -> bool {
+        self.alias_of.get(v.index()).copied().flatten().is_some()
+    }
 }
 
 pub fn align_up(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
 }
 
-/// Every value its own aligned range, nothing reused.
+/// Every value its own aligned range, nothing reused, nothing aliased; updates are copied back.
 pub fn plan_naive(trace: &Trace, workspace_bytes: usize) -> MemoryPlan {
     let mut slots = vec![None; trace.num_values()];
     let (mut arena, mut persistent) = (0, 0);
-    let mut place = |v: crate::ir::ValueId, region: Region| {
-        let bytes = trace.ty(v).size_in_bytes();
-        let cursor = if region == Region::Arena { &mut arena } else { &mut persistent };
-        slots[v.index()] = Some(Slot { region, offset: *cursor, bytes });
+    let take = |cursor: &mut usize, region: Region, bytes: usize| {
+        let s = Slot { region, offset: *cursor, bytes };
         *cursor += align_up(bytes.max(1), ALIGN);
+        s
     };
     for inp in &trace.inputs {
-        let region = if inp.role == InputRole::Param || inp.role == InputRole::OptState {
-            Region::Persistent
+        let bytes = trace.ty(inp.value).size_in_bytes();
+        slots[inp.value.index()] = Some(if inp.role.is_persistent() {
+            take(&mut persistent, Region::Persistent, bytes)
         } else {
-            Region::Arena
-        };
-        place(inp.value, region);
+            take(&mut arena, Region::Arena, bytes)
+        });
     }
+    let mut scratch = Vec::with_capacity(trace.nodes.len());
     for node in &trace.nodes {
         for o in &node.outs {
-            place(*o, Region::Arena);
+            slots[o.index()] = Some(take(&mut arena, Region::Arena, trace.ty(*o).size_in_bytes()));
         }
+        let at: Vec<&crate::ir::TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+        let bytes = node.op.scratch_bytes(&at);
+        scratch.push((bytes > 0).then(|| take(&mut arena, Region::Arena, bytes)));
     }
     let load = arena;
     let workspace = align_up(workspace_bytes, ALIGN);
+    let mut copy_back: Vec<(ValueId, ValueId)> = Vec::new();
+    for out in &trace.outputs {
+        if let OutputRole::Update { of } = out.role
+            && out.value != of
+            && !copy_back.iter().any(|&(_, d)| d == of)
+        {
+            copy_back.push((out.value, of));
+        }
+    }
     MemoryPlan {
         arena_bytes: arena + workspace,
         persistent_bytes: persistent,
         workspace_bytes: workspace,
         load_bytes: load,
         slots,
+        alias_of: vec![None; trace.num_values()],
+        inplace_of: vec![None; trace.num_values()],
+        copy_back,
+        scratch,
     }
 }

@@ -1,0 +1,184 @@
+//! Offsets: places buffers with known lifetimes in one arena so that no two buffers live at
+//! the same step share a byte.
+//!
+//! The method is greedy best-fit, as in TFLite's "greedy by size" and XLA's heap simulator:
+//! take buffers in some order; put each in the smallest gap left between the buffers already
+//! placed that live at the same time as it, or above them all if no gap fits. The order matters,
+//! so several are tried and the smallest arena is kept:
+//! - size, largest first (ties: longest lifetime first);
+//! - size times lifetime, largest first;
+//! - lifetime, longest first;
+//! - by breadth: steps in order of live bytes, most first, and at each step the buffers live
+//!   there, largest first (TFLite's "greedy by breadth");
+//! - start time (a linear scan, first fit).
+//!
+//! Sizes are already aligned; offsets are multiples of the alignment because every size is.
+
+/// One buffer to place: live over steps `start..=end`, `size` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Item {
+    pub start: usize,
+    pub end: usize,
+    pub size: usize,
+}
+
+/// A placement: an offset per item and the arena size it needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub offsets: Vec<usize>,
+    pub size: usize,
+    /// Name of the order that gave it.
+    pub order: &'static str,
+}
+
+/// Places `items` with every order and keeps the smallest arena (the first on ties).
+pub fn assign(items: &[Item]) -> Placement {
+    let mut best: Option<Placement> = None;
+    for (name, order) in orders(items) {
+        let p = place(items, &order, name, name == "start");
+        if best.as_ref().is_none_or(|b| p.size < b.size) {
+            best = Some(p);
+        }
+    }
+    best.unwrap_or(Placement { offsets: Vec::new(), size: 0, order: "empty" })
+}
+
+fn orders(items: &[Item]) -> Vec<(&'static str, Vec<usize>)> {
+    let len = |i: usize| items[i].end - items[i].start + 1;
+    let ids: Vec<usize> = (0..items.len()).collect();
+    let sorted = |key: &dyn Fn(usize) -> (usize, usize, usize)| {
+        let mut v = ids.clone();
+        v.sort_by_key(|&i| std::cmp::Reverse(key(i)));
+        v
+    };
+    let mut out = vec![
+        ("size", sorted(&|i| (items[i].size, len(i), usize::MAX - items[i].start))),
+        ("area", sorted(&|i| (items[i].size * len(i), items[i].size, usize::MAX - items[i].start))),
+        ("lifetime", sorted(&|i| (len(i), items[i].size, usize::MAX - items[i].start))),
+        ("start", {
+            let mut v = ids.clone();
+            v.sort_by_key(|&i| (items[i].start, std::cmp::Reverse(items[i].size)));
+            v
+        }),
+    ];
+    out.push(("breadth", breadth_order(items)));
+    out
+}
+
+/// Steps by live bytes, most first; at each, its not yet taken buffers, largest first. Only
+/// the busiest `BREADTH_STEPS` steps are visited (buffers live at none of them follow by size),
+/// which keeps this linear in the number of buffers.
+fn breadth_order(items: &[Item]) -> Vec<usize> {
+    const BREADTH_STEPS: usize = 64;
+    let steps = items.iter().map(|it| it.end + 1).max().unwrap_or(0);
+    let mut diff = vec![0i64; steps + 1];
+    for it in items {
+        diff[it.start] += it.size as i64;
+        diff[it.end + 1] -= it.size as i64;
+    }
+    let mut live = Vec::with_capacity(steps);
+    let mut acc = 0i64;
+    for d in &diff[..steps] {
+        acc += d;
+        live.push(acc);
+    }
+    let mut by_live: Vec<usize> = (0..steps).collect();
+    by_live.sort_by_key(|&s| (std::cmp::Reverse(live[s]), s));
+    let mut by_size: Vec<usize> = (0..items.len()).collect();
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(items[i].size), i));
+    let mut taken = vec![false; items.len()];
+    let mut order = Vec::with_capacity(items.len());
+    for s in by_live.into_iter().take(BREADTH_STEPS) {
+        for &i in &by_size {
+            if !taken[i] && items[i].start <= s && s <= items[i].end {
+                taken[i] = true;
+                order.push(i);
+            }
+        }
+    }
+    order.extend(by_size.into_iter().filter(|&i| !taken[i]));
+    order
+}
+
+/// Places items in `order`; best fit, or first fit if `first_fit`.
+fn place(items: &[Item], order: &[usize], name: &'static str, first_fit: bool) -> Placement {
+    // Placed buffers sorted by offset: (offset, size, start, end).
+    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len());
+    let mut offsets = vec![0; items.len()];
+    let mut size = 0;
+    for &i in order {
+        let it = items[i];
+        let mut cursor = 0;
+        let mut best: Option<(usize, usize)> = None; // (gap, offset)
+        for &(off, sz, s, e) in &placed {
+            if e < it.start || it.end < s {
+                continue;
+            }
+            if off >= cursor {
+                let gap = off - cursor;
+                if gap >= it.size && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, cursor));
+                    if first_fit {
+                        break;
+                    }
+                }
+            }
+            cursor = cursor.max(off + sz);
+        }
+        let off = match best {
+            Some((_, o)) => o,
+            None => cursor,
+        };
+        offsets[i] = off;
+        size = size.max(off + it.size);
+        let at = placed.partition_point(|p| p.0 < off);
+        placed.insert(at, (off, it.size, it.start, it.end));
+    }
+    Placement { offsets, size, order: name }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn overlaps(a: &Item, b: &Item, oa: usize, ob: usize) -> bool {
+        let time = a.start <= b.end && b.start <= a.end;
+        let space = oa < ob + b.size && ob < oa + a.size;
+        time && space
+    }
+
+    #[test]
+    fn reuses_memory_of_dead_buffers() {
+        // a [0,1] 512, b [1,2] 256, c [2,3] 512: c can take a's place.
+        let items = [
+            Item { start: 0, end: 1, size: 512 },
+            Item { start: 1, end: 2, size: 256 },
+            Item { start: 2, end: 3, size: 512 },
+        ];
+        let p = assign(&items);
+        assert_eq!(p.size, 768);
+        for i in 0..3 {
+            for j in 0..i {
+                assert!(!overlaps(&items[i], &items[j], p.offsets[i], p.offsets[j]), "{i} and {j} collide: {p:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn best_fit_takes_the_smallest_gap() {
+        // Two gaps open at step 5: 256 bytes (at 0) and 512 (at 512); a 256-byte buffer should
+        // take the small one so that the 512-byte one still fits.
+        let items = [
+            Item { start: 0, end: 4, size: 256 },
+            Item { start: 0, end: 9, size: 256 },
+            Item { start: 0, end: 4, size: 512 },
+            Item { start: 0, end: 9, size: 256 },
+            Item { start: 5, end: 9, size: 256 },
+            Item { start: 5, end: 9, size: 512 },
+        ];
+        let p = place(&items, &[0, 1, 2, 3, 4, 5], "test", false);
+        assert_eq!(p.offsets[4], 0);
+        assert_eq!(p.offsets[5], 512);
+        assert_eq!(p.size, 1280);
+    }
+}

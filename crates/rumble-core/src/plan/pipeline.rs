@@ -1,0 +1,184 @@
+//! The planner's entry points: [`plan`] (optionally schedule and rematerialise, then place) and
+//! [`plan_order`] (place the trace in the order it is given).
+
+use std::time::Instant;
+
+use super::assign::{Item, assign};
+use super::lifetimes::{LifetimeOptions, Lifetimes, Storage, lifetimes};
+use super::report::PlanReport;
+use super::{ALIGN, MemoryPlan, Region, Slot, align_up};
+use crate::ir::{Trace, ValueId, verify};
+use crate::passes::remat::{Remat, remat};
+use crate::passes::schedule::schedule;
+use crate::{Error, Result};
+
+/// What the planner does besides placing buffers.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// Bytes of library scratch space (e.g. cuBLASLt's workspace), given its own range at the
+    /// end of the arena.
+    pub workspace_bytes: usize,
+    /// Let elementwise nodes write over a dying operand (and updates over their parameter).
+    pub inplace: bool,
+    /// Reorder nodes to lower LOAD first (`passes::schedule`).
+    pub schedule: bool,
+    /// Recompute cheap values in the backward instead of saving them (`passes::remat`).
+    pub remat: Remat,
+    /// How many of the biggest buffers live at the peak the report lists.
+    pub peak_buffers: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { workspace_bytes: 0, inplace: true, schedule: true, remat: Remat::Off, peak_buffers: 12 }
+    }
+}
+
+/// A planned trace: the trace as it will run (after scheduling and rematerialisation, so its
+/// value ids are the ones the plan speaks of), its plan, its lifetimes and its report.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub trace: Trace,
+    pub plan: MemoryPlan,
+    pub lifetimes: Lifetimes,
+    pub report: PlanReport,
+}
+
+impl Planned {
+    /// The timeline picture (SVG) of this plan.
+    pub fn svg(&self) -> String {
+        super::svg::timeline(&self.trace, &self.lifetimes, &self.report)
+    }
+}
+
+/// Plans `trace`: rematerialises and schedules it as `opts` asks, then places every value.
+/// The trace must verify.
+pub fn plan(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
+    verify(trace)?;
+    let lt_opts = LifetimeOptions { inplace: opts.inplace };
+    let mut t = trace.clone();
+    let mut passes = Vec::new();
+    if opts.schedule {
+        let (s, r) = schedule(&t, lt_opts)?;
+        t = s;
+        passes.push(r);
+    }
+    if opts.remat != Remat::Off {
+        let (s, r) = remat(&t, opts.remat, opts.workspace_bytes, lt_opts)?;
+        let changed = s != t;
+        t = s;
+        passes.push(r);
+        if opts.schedule && changed {
+            let (s, r) = schedule(&t, lt_opts)?;
+            t = s;
+            passes.push(r);
+        }
+    }
+    let mut planned = plan_order(&t, opts)?;
+    planned.report.passes = passes;
+    if let Remat::Budget { peak_bytes } = opts.remat {
+        planned.report.budget_bytes = Some(peak_bytes);
+    }
+    Ok(planned)
+}
+
+/// The plan of `trace` in its own node order with in-place results, and nothing else: the
+/// drop-in replacement for `plan_naive` where the trace's order must not change.
+pub fn plan_in_order(trace: &Trace, workspace_bytes: usize) -> Result<MemoryPlan> {
+    let opts = PlanOptions { workspace_bytes, schedule: false, ..Default::default() };
+    Ok(plan_order(trace, &opts)?.plan)
+}
+
+/// Places every value of `trace` in its node order (no passes run). The trace must verify.
+pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
+    let t0 = Instant::now();
+    verify(trace)?;
+    let lt = lifetimes(trace, LifetimeOptions { inplace: opts.inplace });
+
+    // Persistent buffers one after another in input order; arena buffers by best fit.
+    let mut buf_offset = vec![0; lt.buffers.len()];
+    let mut persistent = 0;
+    let mut arena_ids = Vec::new();
+    let mut items = Vec::new();
+    for (i, b) in lt.buffers.iter().enumerate() {
+        match b.region {
+            Region::Persistent => {
+                buf_offset[i] = persistent;
+                persistent += b.aligned();
+            }
+            Region::Arena => {
+                arena_ids.push(i);
+                items.push(Item { start: b.start, end: b.end, size: b.aligned() });
+            }
+        }
+    }
+    let placement = assign(&items);
+    for (k, &i) in arena_ids.iter().enumerate() {
+        buf_offset[i] = placement.offsets[k];
+    }
+
+    let n = trace.num_values();
+    let mut slots = vec![None; n];
+    let mut alias_of = vec![None; n];
+    let mut inplace_of = vec![None; n];
+    for (i, life) in lt.values.iter().enumerate() {
+        let bytes = trace.types[i].size_in_bytes();
+        // (Scratch buffers have no members, so no value refers to them.)
+        let (buf, extra) = match life.storage {
+            Storage::Buffer(b) => (b, 0),
+            Storage::View { of, root, byte_offset } => {
+                alias_of[i] = Some(of);
+                match lt.values[root.index()].storage {
+                    Storage::Buffer(b) => (b, byte_offset),
+                    Storage::View { .. } => {
+                        return Err(Error::Plan(format!("view %{i}'s root {root} is itself a view")));
+                    }
+                }
+            }
+        };
+        let b = lt.buffers.get(buf).ok_or_else(|| Error::Plan(format!("%{i} was given no buffer")))?;
+        slots[i] = Some(Slot { region: b.region, offset: buf_offset[buf] + extra, bytes });
+        inplace_of[i] = life.inplace_of;
+    }
+    let mut scratch = vec![None; trace.nodes.len()];
+    for (i, b) in lt.buffers.iter().enumerate() {
+        if let Some(n) = b.scratch_of {
+            scratch[n] = Some(Slot { region: Region::Arena, offset: buf_offset[i], bytes: b.bytes });
+        }
+    }
+    let workspace = align_up(opts.workspace_bytes, ALIGN);
+    let plan = MemoryPlan {
+        arena_bytes: placement.size + workspace,
+        persistent_bytes: persistent,
+        workspace_bytes: workspace,
+        load_bytes: lt.load().0,
+        slots,
+        alias_of,
+        inplace_of,
+        copy_back: lt.copy_back.clone(),
+        scratch,
+    };
+    check_copy_back(trace, &plan)?;
+    let mut report = PlanReport::new(trace, &lt, &plan, placement.order, opts.peak_buffers);
+    report.plan_millis = t0.elapsed().as_secs_f64() * 1e3;
+    Ok(Planned { trace: trace.clone(), plan, lifetimes: lt, report })
+}
+
+/// Copies back run one after another, so none may read bytes another one writes.
+fn check_copy_back(trace: &Trace, plan: &MemoryPlan) -> Result<()> {
+    let name = |v: ValueId| trace.inputs.iter().find(|i| i.value == v).map_or(v.to_string(), |i| i.name.clone());
+    for &(src, of) in &plan.copy_back {
+        let s = plan.slot(src)?;
+        for &(_, dst) in &plan.copy_back {
+            let d = plan.slot(dst)?;
+            if s.region == d.region && s.offset < d.offset + d.bytes && d.offset < s.offset + s.bytes {
+                return Err(Error::Plan(format!(
+                    "the update of \"{}\" is {src}, which lies in the slot of \"{}\", itself overwritten by an update",
+                    name(of),
+                    name(dst)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
