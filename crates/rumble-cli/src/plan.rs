@@ -1,70 +1,66 @@
-//! `rumble plan`: builds a training step, runs the trainer's passes, and prints what the
-//! planner needs to know: the size of the trace, its parameters and, for now, the naive plan
-//! (every value its own bytes). The lifetime-based planner (issue 3) replaces `plan_naive` here.
+//! `rumble plan`: builds a training step, runs the trainer's passes, plans its memory with
+//! `rumble_core::plan::plan` (schedule, then one arena whose offsets are all fixed), and prints
+//! the planner's report: LOAD (the most bytes live at once), the arena, the persistent region,
+//! the buffers live at the peak. `--svg FILE` writes the timeline picture.
+
+use std::path::PathBuf;
 
 use clap::Args;
-use rumble_core::ir::InputRole;
-use rumble_core::plan::plan_naive;
+use rumble_core::plan::{PlanOptions, plan};
+use rumble_models::weights::write_atomic;
 use rumble_models::{Result, build_train_step};
-use serde_json::json;
 
-use crate::common::{ModelArgs, human};
+use crate::common::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Print the whole trace in rumble's text form.
+    /// Plan the forward and backward only (the anchors' step), without the optimizer.
+    #[arg(long)]
+    pub no_optimizer: bool,
+    /// Keep the trace's own node order (no memory-aware scheduling).
+    #[arg(long)]
+    pub no_schedule: bool,
+    /// Print the whole trace, as planned, in rumble's text form.
     #[arg(long)]
     pub trace: bool,
-    /// Print one JSON object instead of text.
+    /// Write the plan's timeline as an SVG picture.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
     let r = a.model.resolve(None)?;
-    let step = build_train_step(&r.config, &r.step)?;
-    let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
-    let t = &trace;
-    if a.trace {
-        println!("{t}");
+    let mut sc = r.step.clone();
+    if a.no_optimizer {
+        sc.optimizer = None;
     }
-    let plan = plan_naive(t, 0);
-    let bytes_of = |role: InputRole| -> usize {
-        t.inputs.iter().filter(|i| i.role == role).map(|i| t.ty(i.value).size_in_bytes()).sum()
-    };
-    let (params, states) = (bytes_of(InputRole::Param), bytes_of(InputRole::OptState));
+    let step = build_train_step(&r.config, &sc)?;
+    let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
+    let opts = PlanOptions { schedule: !a.no_schedule, ..Default::default() };
+    let planned = plan(&trace, &opts)?;
+    if a.trace {
+        println!("{}", planned.trace);
+    }
+    if let Some(path) = &a.svg {
+        write_atomic(path, planned.svg().as_bytes())?;
+    }
     if a.json {
-        let ops: serde_json::Map<String, serde_json::Value> =
-            t.op_counts().into_iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
-        println!(
-            "{}",
-            json!({"model": r.name, "nodes": t.nodes.len(), "values": t.num_values(), "inputs": t.inputs.len(),
-                   "outputs": t.outputs.len(), "param_bytes": params, "opt_state_bytes": states,
-                   "planner": "naive", "arena_bytes": plan.arena_bytes, "persistent_bytes": plan.persistent_bytes,
-                   "ops": ops})
-        );
+        println!("{}", planned.report.to_json());
         return Ok(());
     }
+    println!(
+        "{} ({}):",
+        r.name,
+        if sc.optimizer.is_some() { "forward, backward, optimizer" } else { "forward, backward" }
+    );
     for l in &log {
-        println!("pass {l}");
+        println!("  pass {l}");
     }
-    println!(
-        "{}: {} nodes, {} values, {} inputs, {} outputs",
-        t.name,
-        t.nodes.len(),
-        t.num_values(),
-        t.inputs.len(),
-        t.outputs.len()
-    );
-    println!("parameters {}B, optimizer state {}B", human(params as f64), human(states as f64));
-    println!(
-        "naive plan (no reuse; the lifetime planner replaces it): arena {}B, persistent {}B",
-        human(plan.arena_bytes as f64),
-        human(plan.persistent_bytes as f64)
-    );
-    let ops: Vec<String> = t.op_counts().into_iter().map(|(k, v)| format!("{k} {v}")).collect();
-    println!("ops: {}", ops.join(", "));
+    print!("{}", planned.report);
     Ok(())
 }
