@@ -425,6 +425,16 @@ mod tests {
     }
 
     #[test]
+    fn harmless_settings_are_accepted() {
+        // A sliding window that no layer uses (every layer is below max_window_layers), and an
+        // explicit null rope_scaling.
+        let text = with_all(&[("use_sliding_window", json!(true)), ("rope_scaling", Value::Null)]);
+        assert_eq!(Config::from_json_str(&text, "q.json").unwrap().num_hidden_layers, 28);
+        let text = with("layer_types", json!(vec!["full_attention"; 28]));
+        Config::from_json_str(&text, "q.json").unwrap();
+    }
+
+    #[test]
     fn unsupported_features_name_the_key() {
         let cases = [
             (with("rope_scaling", json!({"type": "yarn", "factor": 4.0})), "`rope_scaling`"),
@@ -435,6 +445,8 @@ mod tests {
             (with("torch_dtype", json!("float8_e4m3fn")), "`torch_dtype`"),
             (with("rope_parameters", json!({"rope_type": "llama3", "rope_theta": 1.0})), "`rope_parameters.rope_type`"),
             (with("vocab_size", json!("many")), "`vocab_size`"),
+            (with("layer_types", json!(["full_attention", "sliding_attention"])), "`layer_types`"),
+            (with("head_dim", json!(3)), "`head_dim`"),
         ];
         for (text, key) in cases {
             let e = Config::from_json_str(&text, "cfg.json").unwrap_err().to_string();
