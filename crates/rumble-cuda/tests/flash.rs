@@ -32,7 +32,9 @@ fn trace_of(op: &Op, inputs: &[HostTensor]) -> rumble_core::Trace {
 
 fn run_gpu(dev: &Arc<Device>, op: &Op, inputs: &[HostTensor]) -> Result<Vec<HostTensor>, String> {
     let trace = trace_of(op, inputs);
-    let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_naive).map_err(|e| e.to_string())?);
+    let prog = Arc::new(
+        Program::compile(dev.clone(), trace.clone(), |t, ws| Ok(plan_naive(t, ws))).map_err(|e| e.to_string())?,
+    );
     let mut ex = PlannedExecutor::new(prog, &[]).map_err(|e| e.to_string())?;
     ex.poison(0xff).map_err(|e| e.to_string())?;
     ex.step(inputs).map_err(|e| e.to_string())?;

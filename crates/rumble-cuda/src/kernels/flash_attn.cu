@@ -7,7 +7,8 @@
 // Warp-level building blocks (mma.sync m16n8k16, ldmatrix, cp.async) are wrapped in small
 // functions so that the CPU emulator (tests/flash_emu/) can stand in for them.
 //
-// Every block has 4 warps; a warp owns 16 rows of the first operand of each product. Fragment
+// Every block has 4 warps; a warp owns 16 rows of the first operand of each product (32 rows in
+// the forward for head sizes up to 128, each K/V fragment then feeding two mma). Fragment
 // layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and t = lane % 4, an accumulator tile c[4]
 // holds rows (g, g, g+8, g+8) and columns (2t, 2t+1, 2t, 2t+1); an A fragment a[4] holds rows
 // g / g+8 and columns 2t..2t+1 / 8+2t..8+2t+1; a B fragment b[2] holds k rows 2t..2t+1 and
@@ -78,14 +79,17 @@ struct Dims { i64 b, hq, hkv, t, s, d; };  // the blob every attention kernel ta
 constexpr int NT = 128;                      // threads per block (4 warps)
 constexpr int DP = FDP;                      // padded head size
 constexpr int LD = DP + 8;                   // smem row stride (elements): ldmatrix rows hit distinct banks
-constexpr int BR = 64;                       // forward / dq: queries per block (16 per warp)
-constexpr int BC = DP <= 128 ? 64 : 32;      // forward / dq: keys per tile
+constexpr int BR = 64;                       // dq: queries per block (16 per warp)
+constexpr int BC = DP <= 128 ? 64 : 32;      // dq: keys per tile
+constexpr int FMT = DP <= 128 ? 2 : 1;       // forward: 16-row m-tiles per warp (K/V fragments shared)
+constexpr int FBR = 64 * FMT;                // forward: queries per block
+constexpr int FBC = DP <= 64 ? 64 : 32;      // forward: keys per tile
 constexpr int BK = 64;                       // dk/dv: keys per block (16 per warp)
 constexpr int BQ = DP <= 64 ? 64 : 32;       // dk/dv: queries per tile
 constexpr int DC = DP <= 128 ? DP : 128;     // dk/dv: head dims accumulated per block
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
-constexpr int FWD_ROWS = BR, DQ_ROWS = BR, DKDV_KEYS = BK, NCHUNK = (DP + DC - 1) / DC;
-constexpr int SMEM_FWD = (BR + 4 * BC) * LD * 2;
+constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = BK, NCHUNK = (DP + DC - 1) / DC;
+constexpr int SMEM_FWD = (FBR + 4 * FBC) * LD * 2;
 constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2;
 constexpr int SMEM_DKDV = (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
 constexpr float LOG2E = 1.4426950408889634f;
@@ -161,6 +165,52 @@ __device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*p)[4], con
   }
 }
 
+// The forward's products with MT m-tiles per warp (rows a + mt * 16 * LD): each B fragment
+// loaded from shared memory feeds MT mma instructions.
+template <int MT, int N>
+__device__ __forceinline__ void mma_abt_m(float (*acc)[N / 8][4], const T* a, const T* b, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    u32 fa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ldsm_x4(fa[mt], a + mt * 16 * LD + a_off(lane) + kk * 16);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      u32 fb[4];
+      ldsm_x4(fb, b + np * 16 * LD + bt_off(lane) + kk * 16);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
+        mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+      }
+    }
+  }
+}
+template <int MT, int K>
+__device__ __forceinline__ void mma_pb_m(float (*acc)[DP / 8][4], const float (*p)[K / 8][4], const T* b, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < K / 16; ++kc) {
+    u32 fa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      fa[mt][0] = pack2(p[mt][2 * kc][0], p[mt][2 * kc][1]);
+      fa[mt][1] = pack2(p[mt][2 * kc][2], p[mt][2 * kc][3]);
+      fa[mt][2] = pack2(p[mt][2 * kc + 1][0], p[mt][2 * kc + 1][1]);
+      fa[mt][3] = pack2(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
+    }
+#pragma unroll
+    for (int np = 0; np < DP / 16; ++np) {
+      u32 fb[4];
+      ldsm_x4_t(fb, b + kc * 16 * LD + b_off(lane) + np * 16);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
+        mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, shfl_xor(v, 1));
   return fmaxf(v, shfl_xor(v, 2));
@@ -171,9 +221,10 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
 
-// ---- forward: one block per 64 queries of one (batch, query head) ----
+// ---- forward: one block per FBR queries of one (batch, query head); each warp FMT x 16 rows ----
 __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
                     float* __restrict__ lse, Dims dm, double scale, int causal) {
+  constexpr int MT = FMT, BR = FBR, BC = FBC;
   FLASH_SMEM(smem);
   T* sq = (T*)smem;
   T* sk = sq + BR * LD;      // 2 stages of BC rows
@@ -191,6 +242,7 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
   const float sl2 = (float)(scale * 1.4426950408889634);
+  const i64 wrow = q0 + w * 16 * MT;  // the warp's first row
 
   load_tile<BR>(sq, qh, q0, T_ - q0, d, vec);
   if (ntiles > 0) {
@@ -198,11 +250,15 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
     load_tile<BC>(sv, vh, 0, S, d, vec);
   }
   cp_commit();
-  float acc[DP / 8][4];
+  float acc[MT][DP / 8][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int n = 0; n < DP / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-  const i64 row[2] = {q0 + w * 16 + g, q0 + w * 16 + g + 8};
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+    m[mt][0] = m[mt][1] = NEG_INF;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
 
   for (int it = 0; it < ntiles; ++it) {
     const i64 j0 = (i64)it * BC;
@@ -218,68 +274,76 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
     FLASH_SYNC();
     const T* ks = sk + (it & 1) * BC * LD;
     const T* vs = sv + (it & 1) * BC * LD;
-    float s[BC / 8][4];
+    float s[MT][BC / 8][4];
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    mma_abt<BC>(s, sq + w * 16 * LD, ks, lane);
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+    mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
 
-    const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > q0 + w * 16);
-    float mx[2] = {NEG_INF, NEG_INF};
+    const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > wrow);
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
+    for (int mt = 0; mt < MT; ++mt) {
+      const i64 row[2] = {wrow + mt * 16 + g, wrow + mt * 16 + g + 8};
+      float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e] * sl2;
-        if (mask) {
-          const i64 key = j0 + n * 8 + 2 * tq + (e & 1);
-          if (key >= S || (causal && key > row[e >> 1])) x = NEG_INF;
+      for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][n][e] * sl2;
+          if (mask) {
+            const i64 key = j0 + n * 8 + 2 * tq + (e & 1);
+            if (key >= S || (causal && key > row[e >> 1])) x = NEG_INF;
+          }
+          s[mt][n][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-        s[n][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
-    float mu[2];
+      float mu[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float mn = fmaxf(m[i], quad_max(mx[i]));
-      mu[i] = mn == NEG_INF ? 0.f : mn;  // a row with nothing visible yet keeps p = 0
-      const float alpha = ex2(m[i] - mu[i]);
-      m[i] = mn;
-      l[i] *= alpha;
+      for (int i = 0; i < 2; ++i) {
+        const float mn = fmaxf(m[mt][i], quad_max(mx[i]));
+        mu[i] = mn == NEG_INF ? 0.f : mn;  // a row with nothing visible yet keeps p = 0
+        const float alpha = ex2(m[mt][i] - mu[i]);
+        m[mt][i] = mn;
+        l[mt][i] *= alpha;
 #pragma unroll
-      for (int n = 0; n < DP / 8; ++n) {
-        acc[n][2 * i] *= alpha;
-        acc[n][2 * i + 1] *= alpha;
+        for (int n = 0; n < DP / 8; ++n) {
+          acc[mt][n][2 * i] *= alpha;
+          acc[mt][n][2 * i + 1] *= alpha;
+        }
       }
+#pragma unroll
+      for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = ex2(s[mt][n][e] - mu[e >> 1]);
+          s[mt][n][e] = p;
+          l[mt][e >> 1] += p;
+        }
     }
-#pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = ex2(s[n][e] - mu[e >> 1]);
-        s[n][e] = p;
-        l[e >> 1] += p;
-      }
-    mma_pb<BC, DP>(acc, s, vs, 0, lane);
+    mma_pb_m<MT, BC>(acc, s, vs, lane);
     FLASH_SYNC();
   }
   cp_wait<0>();
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float lt = quad_sum(l[i]);
-    const float inv = lt > 0.f ? 1.f / lt : 0.f;
-    const i64 r = row[i];
-    if (r < T_) {
-      if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] + log2f(lt)) * LN2 : NEG_INF;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < DP / 8; ++n)
+    for (int i = 0; i < 2; ++i) {
+      const float lt = quad_sum(l[mt][i]);
+      const float inv = lt > 0.f ? 1.f / lt : 0.f;
+      const i64 r = wrow + mt * 16 + g + 8 * i;
+      if (r < T_) {
+        if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[mt][i] + log2f(lt)) * LN2 : NEG_INF;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = n * 8 + 2 * tq + e;
-          if (c < d) st(&o[(bh * T_ + r) * d + c], acc[n][2 * i + e] * inv);
-        }
+        for (int n = 0; n < DP / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const i64 c = n * 8 + 2 * tq + e;
+            if (c < d) st(&o[(bh * T_ + r) * d + c], acc[mt][n][2 * i + e] * inv);
+          }
+      }
     }
-  }
 }
 
 // ---- backward 1/3: delta = rowsum(dO * O) in f32, one warp per row ----

@@ -44,20 +44,20 @@ constexpr float LN2 = 0.6931471805599453f;
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 
 // Rows [row0, row0 + ROWS) of a row-major [*, d] matrix, transposed into sm[c * LDT + r]
-// (c < d); rows at or past `valid` are zeros.
+// (c < d); rows at or past `valid` are zeros. A warp takes a row, its lanes the columns.
 template <int ROWS, int LDT>
 __device__ __forceinline__ void load_t(float* sm, const float* g, i64 row0, i64 valid, i64 d) {
-  for (i64 e = threadIdx.x; e < ROWS * d; e += NT) {
-    const int r = (int)(e / d), c = (int)(e % d);
-    sm[c * LDT + r] = r < valid ? g[(row0 + r) * d + c] : 0.f;
+  for (int r = threadIdx.x >> 5; r < ROWS; r += NT / 32) {
+    const float* src = g + (row0 + r) * d;
+    for (int c = threadIdx.x & 31; c < (int)d; c += 32) sm[c * LDT + r] = r < valid ? src[c] : 0.f;
   }
 }
 // The same rows as they are, into sm[r * DP + c]; columns d..DP and invalid rows are zeros.
 template <int ROWS>
 __device__ __forceinline__ void load_r(float* sm, const float* g, i64 row0, i64 valid, i64 d) {
-  for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-    const int r = e / DP, c = e % DP;
-    sm[e] = (r < valid && c < d) ? g[(row0 + r) * d + c] : 0.f;
+  for (int r = threadIdx.x >> 5; r < ROWS; r += NT / 32) {
+    const float* src = g + (row0 + r) * d;
+    for (int c = threadIdx.x & 31; c < DP; c += 32) sm[r * DP + c] = (r < valid && c < d) ? src[c] : 0.f;
   }
 }
 __device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }

@@ -3,10 +3,16 @@
 # against exact double attention on the issue-6 matrix: head sizes 1..256 (vectorised and
 # element-wise loads), sequences that are and are not multiples of the tiles, GQA 1 and 7,
 # causal and not, bf16 / f16 (tensor-core kernels) and f32 (FMA kernels). No GPU needed.
-#   tests/flash_emu/run.sh [quick]     (BUILD=dir for the binaries; default a temp dir)
+#   tests/flash_emu/run.sh [quick|full]   (BUILD=dir keeps the binaries; default: a temp dir, removed)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-build=${BUILD:-$(mktemp -d)}
+if [ -n "${BUILD:-}" ]; then
+  build=$BUILD
+  mkdir -p "$build"
+else
+  build=$(mktemp -d)
+  trap 'rm -rf "$build"' EXIT
+fi
 fail=0
 bin() { # name defines...
   local name=$1
