@@ -1,0 +1,119 @@
+//! Options shared by the subcommands: which model (a preset or a config.json), the batch
+//! shape, the optimizer; and turning them into a `Config` and a `StepConfig`.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+use rumble_models::{Config, Objective, Optimizer, Result, StepConfig, preset};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerArg {
+    Adamw,
+    Sgd,
+}
+
+/// Which model and how a step is shaped.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A preset (tiny, small, seed-llama, seed-qwen2), a config.json file, or a folder holding
+    /// one. Default: tiny, or the config.json beside --init-from.
+    #[arg(long, value_name = "FILE|PRESET")]
+    pub config: Option<String>,
+    /// Sequences per micro-batch (default: the preset's, 1 for a config file).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per sequence (default: the preset's, 256 for a config file).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Micro-batches accumulated into one optimizer step.
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    pub grad_accum: usize,
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    pub optimizer: OptimizerArg,
+    /// Weight decay (AdamW: decoupled; SGD: L2). Default 0.1 for AdamW, 0 for SGD.
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Clip the global gradient norm to this value.
+    #[arg(long, value_name = "MAX_NORM")]
+    pub clip: Option<f64>,
+    /// Compute the logits as a tensor and then the loss (as transformers does), instead of
+    /// the fused projection-and-loss op that never holds all the logits.
+    #[arg(long)]
+    pub materialize_logits: bool,
+}
+
+/// A resolved model choice.
+pub struct Resolved {
+    pub name: String,
+    pub config: Config,
+    pub step: StepConfig,
+    /// The preset's learning rate (3e-4 for config files).
+    pub lr: f64,
+}
+
+impl ModelArgs {
+    /// Resolves the config; `beside` is a checkpoint whose folder may hold a config.json.
+    pub fn resolve(&self, beside: Option<&Path>) -> Result<Resolved> {
+        let sibling = beside.and_then(|p| p.parent()).map(|d| d.join("config.json")).filter(|p| p.is_file());
+        let (name, config, batch, seq, objective, lr) = match (&self.config, sibling) {
+            (Some(c), _) if Path::new(c).exists() => {
+                let (name, cfg) = config_from_path(Path::new(c))?;
+                (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
+            }
+            (None, Some(file)) => {
+                let (name, cfg) = config_from_path(&file)?;
+                (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
+            }
+            (c, _) => {
+                let p = preset(c.as_deref().unwrap_or("tiny"))?;
+                (p.name.to_string(), p.config, p.batch, p.seq, p.objective, p.lr)
+            }
+        };
+        let optimizer = match self.optimizer {
+            OptimizerArg::Adamw => match (Optimizer::adamw(), self.weight_decay) {
+                (Optimizer::AdamW { beta1, beta2, eps, .. }, Some(wd)) => {
+                    Optimizer::AdamW { beta1, beta2, eps, weight_decay: wd }
+                }
+                (o, _) => o,
+            },
+            OptimizerArg::Sgd => {
+                Optimizer::Sgd { momentum: self.momentum, weight_decay: self.weight_decay.unwrap_or(0.0) }
+            }
+        };
+        let step = StepConfig {
+            batch: self.batch.unwrap_or(batch),
+            seq: self.seq.unwrap_or(seq),
+            objective,
+            optimizer: Some(optimizer),
+            grad_accum: self.grad_accum,
+            clip: self.clip,
+            fused_loss: !self.materialize_logits,
+        };
+        Ok(Resolved { name, config, step, lr })
+    }
+}
+
+fn config_from_path(p: &Path) -> Result<(String, Config)> {
+    let file: PathBuf = if p.is_dir() { p.join("config.json") } else { p.to_path_buf() };
+    let cfg = Config::from_file(&file)?;
+    let name = file
+        .parent()
+        .and_then(|d| d.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "model".into());
+    Ok((name, cfg))
+}
+
+/// `12.3 M`-style counts.
+pub fn human(n: f64) -> String {
+    match n {
+        n if n >= 1e9 => format!("{:.2} G", n / 1e9),
+        n if n >= 1e6 => format!("{:.2} M", n / 1e6),
+        n if n >= 1e3 => format!("{:.1} k", n / 1e3),
+        n => format!("{n:.0}"),
+    }
+}

@@ -1,0 +1,108 @@
+//! The `rumble` binary as a user runs it: training writes JSON lines, a checkpoint and a loss
+//! log; a checkpoint trains on; bad input gets a one-line error and a non-zero exit.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn rumble(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rumble-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn lines(stdout: &str) -> Vec<Value> {
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
+}
+
+#[test]
+fn train_writes_json_lines_checkpoint_and_log_then_resumes() {
+    let out = tmp("train");
+    let o = out.to_str().unwrap();
+    let args = [
+        "train", "--steps", "6", "--batch", "2", "--seq", "16", "--json", "--out", o, "--device", "cpu", "--clip", "1",
+    ];
+    let (ok, stdout, stderr) = rumble(&args);
+    assert!(ok, "{stderr}");
+    let ls = lines(&stdout);
+    assert_eq!(ls[0]["event"], "start");
+    let steps: Vec<&Value> = ls.iter().filter(|l| l["event"] == "step").collect();
+    assert_eq!(steps.len(), 6);
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["step"], i + 1);
+        assert!(s["loss"].as_f64().is_some_and(|l| l > 0.0 && l < 6.0), "{s}");
+        assert!(s["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0) && s["grad_norm"].is_number(), "{s}");
+    }
+    assert_eq!(ls.last().unwrap()["event"], "done");
+    assert_eq!(std::fs::read_to_string(out.join("loss.jsonl")).unwrap().lines().count(), 6);
+    assert!(out.join("model.safetensors").is_file() && out.join("config.json").is_file());
+
+    // Resume from the checkpoint (its config.json is picked up) with SGD and accumulation.
+    let ckpt = out.join("model.safetensors");
+    let out2 = tmp("resume");
+    let args = [
+        "train",
+        "--init-from",
+        ckpt.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.01",
+        "--grad-accum",
+        "2",
+        "--json",
+        "--out",
+        out2.to_str().unwrap(),
+    ];
+    let (ok, stdout, stderr) = rumble(&args);
+    assert!(ok, "{stderr}");
+    let ls = lines(&stdout);
+    assert_eq!(ls[0]["model"], format!("rumble-cli-{}-train", std::process::id()));
+    assert_eq!((ls[0]["grad_accum"].as_u64(), ls[0]["optimizer"].as_str()), (Some(2), Some("sgd")));
+    // The resumed model starts where the first run ended, well below ln 256.
+    let first = ls.iter().find(|l| l["event"] == "step").unwrap()["loss"].as_f64().unwrap();
+    assert!(first < 5.3, "resumed loss {first}");
+}
+
+#[test]
+fn bad_input_is_one_clear_error() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["train", "--config", "huge"], "unknown preset `huge`"),
+        (&["train", "--device", "tpu"], "unknown device `tpu`"),
+        (&["train", "--device", "cuda", "--steps", "1"], "device `cuda` is not available"),
+        (&["train", "--init-from", "/nonexistent/model.safetensors"], "/nonexistent/model.safetensors"),
+    ];
+    for (args, want) in cases {
+        let (ok, _, stderr) = rumble(args);
+        assert!(!ok && stderr.starts_with("error: ") && stderr.contains(want), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn plan_and_bench_print_json() {
+    let (ok, stdout, stderr) = rumble(&["plan", "--config", "seed-qwen2", "--seq", "64", "--json"]);
+    assert!(ok, "{stderr}");
+    let p = &lines(&stdout)[0];
+    assert_eq!(p["trace"], "qwen2_train_step");
+    assert!(p["nodes"].as_u64().is_some_and(|n| n > 100), "{p}");
+    let (load, arena) = (p["load_bytes"].as_u64().unwrap(), p["arena_bytes"].as_u64().unwrap());
+    assert!(load > 0 && arena >= load, "{p}");
+    let (ok, stdout, stderr) =
+        rumble(&["bench", "tiny", "--steps", "1", "--batch", "1", "--seq", "8", "--json", "--device", "cpu"]);
+    assert!(ok, "{stderr}");
+    let b = &lines(&stdout)[0];
+    assert_eq!((b["workload"].as_str(), b["executor"].as_str()), (Some("tiny"), Some("rumble-cpu")));
+    assert!(b["median_step_ms"].as_f64().is_some_and(|m| m > 0.0), "{b}");
+}

@@ -1,0 +1,463 @@
+//! Model configuration, read from and written to Hugging Face `config.json`.
+//!
+//! Two architectures: `LlamaForCausalLM` and `Qwen2ForCausalLM` (LLaMA plus q/k/v biases).
+//! Both the transformers 4 spelling (`rope_theta`, `torch_dtype`) and the transformers 5 one
+//! (`rope_parameters`, `dtype`) are read. Keys that change the computation in a way rumble does
+//! not implement (`rope_scaling`, a sliding window in use, `attention_bias` on LLaMA, another
+//! activation...) are refused with an error naming the key; keys that do not change the
+//! computation of a training step (token ids, `use_cache`...) are ignored.
+
+use std::path::Path;
+
+use rumble_core::DType;
+use serde_json::{Map, Value, json};
+
+use crate::error::{ModelError, Result};
+
+/// The model family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+}
+
+impl Arch {
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// Everything the forward pass needs; field names follow Hugging Face's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    /// Per-head size; `hidden_size / num_attention_heads` unless the config says otherwise.
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (Qwen2 always; LLaMA never, here).
+    pub qkv_bias: bool,
+    /// Parameter dtype (`torch_dtype` / `dtype`).
+    pub dtype: DType,
+    /// Standard deviation of the normal initialisation of weights.
+    pub initializer_range: f64,
+    pub max_position_embeddings: usize,
+}
+
+impl Config {
+    /// Reads a `config.json` file.
+    pub fn from_file(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        Config::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// Parses config.json text; `source_name` (a file name) appears in errors.
+    pub fn from_json_str(text: &str, source_name: &str) -> Result<Config> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| ModelError::config(source_name, "<document>", format!("not valid JSON: {e}")))?;
+        let Value::Object(map) = value else {
+            return Err(ModelError::config(source_name, "<document>", "expected a JSON object"));
+        };
+        Reader { map: &map, src: source_name }.config()
+    }
+
+    /// The config.json text that transformers reads back as the same model.
+    pub fn to_json_string(&self) -> String {
+        let mut m = Map::new();
+        m.insert("architectures".into(), json!([self.arch.hf_class()]));
+        m.insert("model_type".into(), json!(self.arch.model_type()));
+        m.insert("vocab_size".into(), json!(self.vocab_size));
+        m.insert("hidden_size".into(), json!(self.hidden_size));
+        m.insert("intermediate_size".into(), json!(self.intermediate_size));
+        m.insert("num_hidden_layers".into(), json!(self.num_hidden_layers));
+        m.insert("num_attention_heads".into(), json!(self.num_attention_heads));
+        m.insert("num_key_value_heads".into(), json!(self.num_key_value_heads));
+        // Qwen2Config has no head_dim field: write it only when it is not the derived value.
+        if self.arch == Arch::Llama || self.head_dim * self.num_attention_heads != self.hidden_size {
+            m.insert("head_dim".into(), json!(self.head_dim));
+        }
+        m.insert("hidden_act".into(), json!("silu"));
+        m.insert("rms_norm_eps".into(), json!(self.rms_norm_eps));
+        m.insert("rope_theta".into(), json!(self.rope_theta));
+        m.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": self.rope_theta}));
+        m.insert("rope_scaling".into(), Value::Null);
+        m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
+        m.insert("initializer_range".into(), json!(self.initializer_range));
+        m.insert("max_position_embeddings".into(), json!(self.max_position_embeddings));
+        m.insert("attention_dropout".into(), json!(0.0));
+        match self.arch {
+            Arch::Llama => {
+                m.insert("attention_bias".into(), json!(false));
+                m.insert("mlp_bias".into(), json!(false));
+            }
+            Arch::Qwen2 => {
+                m.insert("use_sliding_window".into(), json!(false));
+            }
+        }
+        let dt = hf_dtype_name(self.dtype);
+        m.insert("dtype".into(), json!(dt));
+        m.insert("torch_dtype".into(), json!(dt));
+        let mut s = serde_json::to_string_pretty(&Value::Object(m)).unwrap_or_default();
+        s.push('\n');
+        s
+    }
+
+    /// Number of parameter elements (tied embeddings counted once).
+    pub fn num_params(&self) -> usize {
+        crate::model::param_specs(self).iter().map(|p| p.ty.numel()).sum()
+    }
+
+    /// Checks the relations between fields (also run on presets and hand-built configs).
+    pub fn validate(&self, src: &str) -> Result<()> {
+        let bad = |key: &str, msg: String| Err(ModelError::config(src, key, msg));
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+        ] {
+            if v == 0 {
+                return bad(key, "must be at least 1".into());
+            }
+        }
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+            return bad(
+                "num_key_value_heads",
+                format!(
+                    "{} attention heads are not a multiple of {} key/value heads",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            );
+        }
+        if self.head_dim != 1 && !self.head_dim.is_multiple_of(2) {
+            return bad(
+                "head_dim",
+                format!(
+                    "{} is odd: rotary embeddings need an even head size (or 1, as transformers allows)",
+                    self.head_dim
+                ),
+            );
+        }
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+            return bad("rms_norm_eps", format!("{} must be positive", self.rms_norm_eps));
+        }
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
+            return bad("rope_theta", format!("{} must be positive", self.rope_theta));
+        }
+        if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return bad("torch_dtype", format!("{} is not a parameter dtype rumble trains", self.dtype));
+        }
+        Ok(())
+    }
+}
+
+/// The transformers name of a dtype.
+pub fn hf_dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        DType::I32 => "int32",
+        DType::I64 => "int64",
+        DType::Bool => "bool",
+    }
+}
+
+struct Reader<'a> {
+    map: &'a Map<String, Value>,
+    src: &'a str,
+}
+
+impl Reader<'_> {
+    fn err(&self, key: &str, msg: impl Into<String>) -> ModelError {
+        ModelError::config(self.src, key, msg)
+    }
+
+    /// The value of `key`, treating JSON `null` as absent.
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize_req(&self, key: &str) -> Result<usize> {
+        let v = self.get(key).ok_or_else(|| self.err(key, "missing"))?;
+        v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(key, format!("expected a non-negative integer, got {v}")))
+    }
+
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        if self.get(key).is_some() { self.usize_req(key) } else { Ok(default) }
+    }
+
+    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_f64().ok_or_else(|| self.err(key, format!("expected a number, got {v}"))),
+        }
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| self.err(key, format!("expected true or false, got {v}"))),
+        }
+    }
+
+    fn str_opt(&self, key: &str) -> Result<Option<&str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.err(key, format!("expected a string, got {v}"))),
+        }
+    }
+
+    fn arch(&self) -> Result<Arch> {
+        let from_name = |n: &str| match n {
+            "LlamaForCausalLM" | "llama" => Some(Arch::Llama),
+            "Qwen2ForCausalLM" | "qwen2" => Some(Arch::Qwen2),
+            _ => None,
+        };
+        if let Some(v) = self.get("architectures") {
+            let list = v.as_array().ok_or_else(|| self.err("architectures", "expected a list"))?;
+            let [one] = list.as_slice() else {
+                return Err(self.err("architectures", format!("expected exactly one architecture, got {v}")));
+            };
+            let name = one.as_str().unwrap_or_default();
+            return from_name(name).ok_or_else(|| {
+                self.err("architectures", format!("{one} is not supported (LlamaForCausalLM or Qwen2ForCausalLM)"))
+            });
+        }
+        match self.str_opt("model_type")? {
+            Some(t) => {
+                from_name(t).ok_or_else(|| self.err("model_type", format!("`{t}` is not supported (llama or qwen2)")))
+            }
+            None => Err(self.err("architectures", "missing, and no `model_type` either")),
+        }
+    }
+
+    fn rope_theta(&self) -> Result<f64> {
+        if self.get("rope_scaling").is_some() {
+            return Err(self.err("rope_scaling", "RoPE scaling is not supported; only default RoPE"));
+        }
+        if let Some(p) = self.get("rope_parameters") {
+            let key = "rope_parameters";
+            let obj = p.as_object().ok_or_else(|| self.err(key, "expected an object"))?;
+            if let Some(t) = obj.get("rope_type").filter(|t| !t.is_null())
+                && t.as_str() != Some("default")
+            {
+                return Err(self.err("rope_parameters.rope_type", format!("{t} is not supported; only \"default\"")));
+            }
+            if let Some(f) = obj.get("partial_rotary_factor").and_then(Value::as_f64)
+                && f != 1.0
+            {
+                return Err(self.err("rope_parameters.partial_rotary_factor", format!("{f}: only 1.0")));
+            }
+            if let Some(t) = obj.get("rope_theta").filter(|t| !t.is_null()) {
+                return t.as_f64().ok_or_else(|| self.err("rope_parameters.rope_theta", format!("not a number: {t}")));
+            }
+        }
+        self.f64_or("rope_theta", 10000.0)
+    }
+
+    fn dtype(&self) -> Result<DType> {
+        let (key, name) = match (self.str_opt("dtype")?, self.str_opt("torch_dtype")?) {
+            (Some(d), _) => ("dtype", d),
+            (None, Some(d)) => ("torch_dtype", d),
+            (None, None) => return Ok(DType::F32),
+        };
+        match name.trim_start_matches("torch.") {
+            "float32" | "float" => Ok(DType::F32),
+            "bfloat16" => Ok(DType::BF16),
+            "float16" | "half" => Ok(DType::F16),
+            other => Err(self.err(key, format!("`{other}` is not supported (float32, bfloat16 or float16)"))),
+        }
+    }
+
+    fn config(&self) -> Result<Config> {
+        let arch = self.arch()?;
+        if let Some(act) = self.str_opt("hidden_act")?
+            && act != "silu"
+        {
+            return Err(self.err("hidden_act", format!("`{act}` is not supported; only silu (SwiGLU)")));
+        }
+        let f = self.f64_or("partial_rotary_factor", 1.0)?;
+        if f != 1.0 {
+            return Err(self.err("partial_rotary_factor", format!("{f}: only 1.0 (full rotary) is supported")));
+        }
+        let layers = self.usize_req("num_hidden_layers")?;
+        let qkv_bias = match arch {
+            Arch::Llama => {
+                for key in ["attention_bias", "mlp_bias"] {
+                    if self.bool_or(key, false)? {
+                        return Err(self.err(key, "biases in LLaMA projections are not supported"));
+                    }
+                }
+                false
+            }
+            Arch::Qwen2 => {
+                self.check_no_sliding_window(layers)?;
+                true
+            }
+        };
+        if let Some(v) = self.get("layer_types") {
+            let types = v.as_array().ok_or_else(|| self.err("layer_types", "expected a list"))?;
+            if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                return Err(self.err("layer_types", format!("{t} layers are not supported; only full_attention")));
+            }
+        }
+        let hidden = self.usize_req("hidden_size")?;
+        let heads = self.usize_req("num_attention_heads")?;
+        let head_dim = match self.get("head_dim") {
+            Some(_) => self.usize_req("head_dim")?,
+            None if heads > 0 && hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(self.err(
+                    "hidden_size",
+                    format!("{hidden} is not a multiple of num_attention_heads {heads}, and no head_dim is given"),
+                ));
+            }
+        };
+        let cfg = Config {
+            arch,
+            vocab_size: self.usize_req("vocab_size")?,
+            hidden_size: hidden,
+            intermediate_size: self.usize_req("intermediate_size")?,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: self.usize_or("num_key_value_heads", heads)?,
+            head_dim,
+            rms_norm_eps: self.f64_or("rms_norm_eps", 1e-6)?,
+            rope_theta: self.rope_theta()?,
+            tie_word_embeddings: self.bool_or("tie_word_embeddings", false)?,
+            qkv_bias,
+            dtype: self.dtype()?,
+            initializer_range: self.f64_or("initializer_range", 0.02)?,
+            max_position_embeddings: self.usize_or("max_position_embeddings", 2048)?,
+        };
+        cfg.validate(self.src)?;
+        Ok(cfg)
+    }
+
+    /// Qwen2 uses a sliding window on layers `>= max_window_layers` when `use_sliding_window`.
+    fn check_no_sliding_window(&self, layers: usize) -> Result<()> {
+        if !self.bool_or("use_sliding_window", false)? || self.get("sliding_window").is_none() {
+            return Ok(());
+        }
+        let first = self.usize_or("max_window_layers", 28)?;
+        if first < layers {
+            return Err(self.err(
+                "use_sliding_window",
+                format!("sliding-window attention (layers {first}..{layers}) is not supported"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN25_7B: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+      "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+      "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+      "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+      "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": false,
+      "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": true,
+      "use_sliding_window": false, "vocab_size": 152064 }"#;
+
+    #[test]
+    fn reads_a_real_qwen2_config() {
+        let c = Config::from_json_str(QWEN25_7B, "qwen.json").unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        assert_eq!((c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim), (3584, 28, 4, 128));
+        assert_eq!((c.rope_theta, c.dtype, c.qkv_bias, c.tie_word_embeddings), (1e6, DType::BF16, true, false));
+    }
+
+    #[test]
+    fn reads_transformers5_spelling() {
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "dtype": "bfloat16",
+            "tie_word_embeddings": true}"#;
+        let c = Config::from_json_str(text, "c.json").unwrap();
+        assert_eq!((c.rope_theta, c.dtype, c.num_key_value_heads, c.head_dim), (500000.0, DType::BF16, 4, 16));
+        assert!(c.tie_word_embeddings && !c.qkv_bias);
+    }
+
+    #[test]
+    fn json_round_trips() {
+        for name in crate::presets::PRESET_NAMES {
+            let c = crate::presets::preset(name).unwrap().config;
+            let back = Config::from_json_str(&c.to_json_string(), name).unwrap();
+            assert_eq!(back, c, "{name}");
+        }
+    }
+
+    fn with(key: &str, value: Value) -> String {
+        with_all(&[(key, value)])
+    }
+
+    fn with_all(kv: &[(&str, Value)]) -> String {
+        let mut v: Value = serde_json::from_str(QWEN25_7B).unwrap();
+        for (key, value) in kv {
+            v[*key] = value.clone();
+        }
+        v.to_string()
+    }
+
+    #[test]
+    fn harmless_settings_are_accepted() {
+        // A sliding window that no layer uses (every layer is below max_window_layers), and an
+        // explicit null rope_scaling.
+        let text = with_all(&[("use_sliding_window", json!(true)), ("rope_scaling", Value::Null)]);
+        assert_eq!(Config::from_json_str(&text, "q.json").unwrap().num_hidden_layers, 28);
+        let text = with("layer_types", json!(vec!["full_attention"; 28]));
+        Config::from_json_str(&text, "q.json").unwrap();
+    }
+
+    #[test]
+    fn unsupported_features_name_the_key() {
+        let cases = [
+            (with("rope_scaling", json!({"type": "yarn", "factor": 4.0})), "`rope_scaling`"),
+            (with_all(&[("use_sliding_window", json!(true)), ("max_window_layers", json!(4))]), "`use_sliding_window`"),
+            (with("architectures", json!(["MistralForCausalLM"])), "`architectures`"),
+            (with("hidden_act", json!("gelu")), "`hidden_act`"),
+            (with("num_key_value_heads", json!(5)), "`num_key_value_heads`"),
+            (with("torch_dtype", json!("float8_e4m3fn")), "`torch_dtype`"),
+            (with("rope_parameters", json!({"rope_type": "llama3", "rope_theta": 1.0})), "`rope_parameters.rope_type`"),
+            (with("vocab_size", json!("many")), "`vocab_size`"),
+            (with("layer_types", json!(["full_attention", "sliding_attention"])), "`layer_types`"),
+            (with("head_dim", json!(3)), "`head_dim`"),
+        ];
+        for (text, key) in cases {
+            let e = Config::from_json_str(&text, "cfg.json").unwrap_err().to_string();
+            assert!(e.contains(key) && e.starts_with("cfg.json"), "{key}: {e}");
+        }
+        let llama_bias = r#"{"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "attention_bias": true}"#;
+        let e = Config::from_json_str(llama_bias, "l.json").unwrap_err().to_string();
+        assert!(e.contains("`attention_bias`"), "{e}");
+        let missing = r#"{"model_type": "llama", "vocab_size": 8}"#;
+        let e = Config::from_json_str(missing, "m.json").unwrap_err().to_string();
+        assert!(e.contains("`num_hidden_layers`") && e.contains("missing"), "{e}");
+    }
+}

@@ -1,0 +1,92 @@
+//! Byte-level training data: a text corpus read as bytes (token id = byte value, vocab 256),
+//! cut into random windows of `T + 1` bytes: the first `T` are the tokens, the last `T` the
+//! next-token targets.
+
+use std::path::Path;
+
+use crate::error::{ModelError, Result};
+use crate::model;
+use crate::rng::Rng;
+
+/// One micro-batch: token ids `(B, T)` and targets `(B*T)`, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub batch: usize,
+    pub seq: usize,
+    pub tokens: Vec<i64>,
+    pub targets: Vec<i64>,
+}
+
+impl Batch {
+    /// Random token ids below `vocab` with Hugging Face's `labels = input_ids` targets: the
+    /// benchmark workloads' input.
+    pub fn random(rng: &mut Rng, vocab: usize, batch: usize, seq: usize) -> Batch {
+        let tokens: Vec<i64> = (0..batch * seq).map(|_| rng.below(vocab) as i64).collect();
+        let targets = model::hf_causal_targets(&tokens, batch, seq);
+        Batch { batch, seq, tokens, targets }
+    }
+}
+
+/// A corpus of bytes to sample windows from.
+pub struct Corpus {
+    bytes: Vec<u8>,
+}
+
+impl Corpus {
+    pub fn new(bytes: Vec<u8>) -> Corpus {
+        Corpus { bytes }
+    }
+
+    pub fn from_file(path: &Path) -> Result<Corpus> {
+        Ok(Corpus::new(std::fs::read(path).map_err(|e| ModelError::io(path, e))?))
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// `batch` windows at random offsets.
+    pub fn sample(&self, rng: &mut Rng, batch: usize, seq: usize) -> Result<Batch> {
+        if self.bytes.len() < seq + 1 {
+            return Err(ModelError::Usage(format!(
+                "the corpus has {} bytes; a window of seq {seq} needs at least {}",
+                self.bytes.len(),
+                seq + 1
+            )));
+        }
+        let mut tokens = Vec::with_capacity(batch * seq);
+        let mut targets = Vec::with_capacity(batch * seq);
+        for _ in 0..batch {
+            let at = rng.below(self.bytes.len() - seq);
+            let w = &self.bytes[at..at + seq + 1];
+            tokens.extend(w[..seq].iter().map(|&b| b as i64));
+            targets.extend(w[1..].iter().map(|&b| b as i64));
+        }
+        Ok(Batch { batch, seq, tokens, targets })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_are_shifted_by_one() {
+        let c = Corpus::new(b"abcdefghij".to_vec());
+        let b = c.sample(&mut Rng::new(3), 4, 5).unwrap();
+        for r in 0..4 {
+            assert_eq!(b.tokens[r * 5 + 1..r * 5 + 5], b.targets[r * 5..r * 5 + 4]);
+            assert_eq!(b.targets[r * 5] - b.tokens[r * 5], 1);
+        }
+        assert!(c.sample(&mut Rng::new(3), 1, 10).unwrap_err().to_string().contains("10 bytes"));
+    }
+
+    #[test]
+    fn hf_targets_shift_left_and_ignore_the_last() {
+        assert_eq!(model::hf_causal_targets(&[5, 6, 7, 8, 9, 10], 2, 3), vec![6, 7, -100, 9, 10, -100]);
+    }
+}

@@ -1,0 +1,31 @@
+//! The LLaMA family on rumble: models built from Hugging Face `config.json`, weights in
+//! safetensors with Hugging Face names, and the whole training step as one trace.
+//!
+//! In the order data flows: [`config`] and [`presets`] (what model) -> [`weights`] (its
+//! numbers: seeded init, safetensors load/save) -> [`model`] (the forward pass, built with
+//! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
+//! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
+//! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows).
+
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod exec;
+pub mod host;
+pub mod model;
+pub mod optim;
+pub mod presets;
+pub mod rng;
+pub mod step;
+pub mod trainer;
+pub mod weights;
+
+pub use config::{Arch, Config};
+pub use data::{Batch, Corpus};
+pub use error::{ModelError, Result};
+pub use exec::{Device, DeviceChoice, Executor, HostTensor};
+pub use optim::Optimizer;
+pub use presets::{Objective, PRESET_NAMES, Preset, preset};
+pub use step::{StepConfig, TrainStep, build_forward, build_train_step};
+pub use trainer::{LrSchedule, ScheduleKind, StepStats, Trainer, save_checkpoint};
+pub use weights::Weights;

@@ -1,0 +1,228 @@
+//! The LLaMA / Qwen2 decoder, written with rumble_core's builder.
+//!
+//! It follows Hugging Face transformers' `modeling_llama.py` and `modeling_qwen2.py` (v5):
+//! pre-norm blocks; RMSNorm with statistics in f32, the result cast back, then times the weight;
+//! rotate-half RoPE on q and k; grouped-query causal attention scaled by `head_dim^-0.5`; a SwiGLU
+//! MLP (`down(silu(gate(x)) * up(x))`); a final RMSNorm and the `lm_head` (or the embedding table
+//! again when embeddings are tied). Parameter names are exactly Hugging Face's, so checkpoints
+//! move between rumble and transformers unchanged.
+//!
+//! Shapes: B batch, T sequence, C hidden, Hq/Hkv query/key-value heads, D head size,
+//! F MLP size, V vocabulary. The hidden state is kept as `(B*T, C)` between blocks.
+
+use std::collections::HashMap;
+
+use rumble_core::{DType, Graph, Tensor, TensorType};
+
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+
+/// How a parameter is initialised (Hugging Face's `_init_weights`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Normal with mean 0 and this standard deviation (`initializer_range`).
+    Normal(f64),
+    Ones,
+    Zeros,
+}
+
+/// One parameter: its Hugging Face name, type and initialisation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub ty: TensorType,
+    pub init: Init,
+}
+
+/// Every parameter of the model in a fixed order (the order of trace inputs and of checkpoint
+/// listings). Tied embeddings appear once, as `model.embed_tokens.weight`.
+pub fn param_specs(cfg: &Config) -> Vec<ParamSpec> {
+    let (c, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q_out, kv_out) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+    let normal = Init::Normal(cfg.initializer_range);
+    let mut specs = Vec::new();
+    let mut add = |name: String, dims: Vec<usize>, init: Init| {
+        specs.push(ParamSpec { name, ty: TensorType::new(cfg.dtype, dims), init });
+    };
+    add("model.embed_tokens.weight".into(), vec![v, c], normal);
+    for l in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        for (proj, out) in [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)] {
+            add(p(&format!("self_attn.{proj}.weight")), vec![out, c], normal);
+            if cfg.qkv_bias {
+                add(p(&format!("self_attn.{proj}.bias")), vec![out], Init::Zeros);
+            }
+        }
+        add(p("self_attn.o_proj.weight"), vec![c, q_out], normal);
+        add(p("mlp.gate_proj.weight"), vec![f, c], normal);
+        add(p("mlp.up_proj.weight"), vec![f, c], normal);
+        add(p("mlp.down_proj.weight"), vec![c, f], normal);
+        add(p("input_layernorm.weight"), vec![c], Init::Ones);
+        add(p("post_attention_layernorm.weight"), vec![c], Init::Ones);
+    }
+    add("model.norm.weight".into(), vec![c], Init::Ones);
+    if !cfg.tie_word_embeddings {
+        add("lm_head.weight".into(), vec![v, c], normal);
+    }
+    specs
+}
+
+/// The parameters as inputs of one graph, by name, in `param_specs` order.
+pub struct Params {
+    pub list: Vec<Tensor>,
+    pub names: Vec<String>,
+    index: HashMap<String, usize>,
+}
+
+impl Params {
+    /// Declares every parameter of `cfg` as a `param` input of `g`.
+    pub fn declare(g: &Graph, cfg: &Config) -> Result<Params> {
+        let specs = param_specs(cfg);
+        let mut list = Vec::with_capacity(specs.len());
+        let mut names = Vec::with_capacity(specs.len());
+        for s in &specs {
+            list.push(g.param(&s.name, s.ty.dtype, s.ty.dims())?);
+            names.push(s.name.clone());
+        }
+        let index = names.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
+        Ok(Params { list, names, index })
+    }
+
+    pub fn get(&self, name: &str) -> Result<&Tensor> {
+        self.index
+            .get(name)
+            .map(|&i| &self.list[i])
+            .ok_or_else(|| ModelError::Usage(format!("the model has no parameter `{name}`")))
+    }
+}
+
+/// `x @ w^T (+ b)`: a Hugging Face `nn.Linear` on `x (N, in)` with `w (out, in)`.
+fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tensor> {
+    let y = x.matmul_t(params.get(&format!("{prefix}.weight"))?)?; // (N, out)
+    if !bias {
+        return Ok(y);
+    }
+    let b = params.get(&format!("{prefix}.bias"))?.broadcast_to(y.dims())?; // (N, out)
+    Ok(y.add(&b)?)
+}
+
+/// Rotary embedding of `x (B, H, T, D)`; returns the rotated tensor and the factor by which its
+/// dot products grow relative to transformers' (see below).
+///
+/// For even `D` this is the `rope` op. For `D == 1` transformers still builds `cos`/`sin` of
+/// width 2 (`cat(freqs, freqs)` with one frequency, 1.0) and broadcasting makes q and k two
+/// identical columns `x * (cos t - sin t)` (since `rotate_half(x) == -x`), so q.k doubles. We
+/// keep one column and let the caller double the attention scale: same result, half the bytes.
+/// `cos t - sin t` is column 0 of `rope(ones (1, 1, T, 2))`.
+fn rotary(x: &Tensor, theta: f64) -> Result<(Tensor, f64)> {
+    let (b, h, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
+    if d != 1 {
+        return Ok((x.rope(theta)?, 1.0)); // (B, H, T, D)
+    }
+    let ones = x.graph().full(1.0, x.dtype(), &[1, 1, t, 2]); // (1, 1, T, 2)
+    let factor = ones.rope(theta)?.slice(3, 0, 1)?; // (1, 1, T, 1): cos t - sin t
+    Ok((x.mul(&factor.broadcast_to(&[b, h, t, 1])?)?, 2.0)) // (B, H, T, 1)
+}
+
+/// One decoder layer on `x (B*T, C)`.
+fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize) -> Result<Tensor> {
+    let (hq, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let eps = cfg.rms_norm_eps;
+    let p = |s: &str| format!("model.layers.{l}.{s}");
+
+    // Attention.
+    let h = x.rms_norm(params.get(&p("input_layernorm.weight"))?, eps)?; // (B*T, C)
+    let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+        Ok(y.reshape(&[b, t, n, d])?.permute(&[0, 2, 1, 3])?) // (B, n, T, D)
+    };
+    let q = heads(linear(&h, params, &p("self_attn.q_proj"), cfg.qkv_bias)?, hq)?; // (B, Hq, T, D)
+    let k = heads(linear(&h, params, &p("self_attn.k_proj"), cfg.qkv_bias)?, hkv)?; // (B, Hkv, T, D)
+    let v = heads(linear(&h, params, &p("self_attn.v_proj"), cfg.qkv_bias)?, hkv)?; // (B, Hkv, T, D)
+    let (q, grow) = rotary(&q, cfg.rope_theta)?; // (B, Hq, T, D)
+    let (k, _) = rotary(&k, cfg.rope_theta)?; // (B, Hkv, T, D)
+    let scale = grow / (d as f64).sqrt();
+    let (o, _lse) = Tensor::attention(&q, &k, &v, scale, true)?; // (B, Hq, T, D), lse (B, Hq, T)
+    let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b * t, hq * d])?; // (B*T, Hq*D)
+    let x = x.add(&linear(&o, params, &p("self_attn.o_proj"), false)?)?; // (B*T, C)
+
+    // MLP.
+    let h = x.rms_norm(params.get(&p("post_attention_layernorm.weight"))?, eps)?; // (B*T, C)
+    let gate = linear(&h, params, &p("mlp.gate_proj"), false)?; // (B*T, F)
+    let up = linear(&h, params, &p("mlp.up_proj"), false)?; // (B*T, F)
+    let m = linear(&gate.swiglu(&up)?, params, &p("mlp.down_proj"), false)?; // (B*T, C)
+    Ok(x.add(&m)?) // (B*T, C)
+}
+
+/// The final hidden state `(B*T, C)` (after the last RMSNorm) for token ids `tokens (B, T)`.
+pub fn hidden(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> {
+    let [b, t] = tokens.dims() else {
+        return Err(ModelError::Usage(format!("tokens must be (B, T), got {:?}", tokens.ty())));
+    };
+    let (b, t) = (*b, *t);
+    let embed = params.get("model.embed_tokens.weight")?; // (V, C)
+    let mut x = embed.gather(&tokens.reshape(&[b * t])?)?; // (B*T, C)
+    for l in 0..cfg.num_hidden_layers {
+        x = block(cfg, params, &x, l, b, t)?; // (B*T, C)
+    }
+    Ok(x.rms_norm(params.get("model.norm.weight")?, cfg.rms_norm_eps)?) // (B*T, C)
+}
+
+/// The output projection `(V, C)`: `lm_head.weight`, or the embedding table when tied.
+pub fn head_weight<'p>(cfg: &Config, params: &'p Params) -> Result<&'p Tensor> {
+    params.get(if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" })
+}
+
+/// The logits `(B*T, V)` for token ids `tokens (B, T)` (i64).
+pub fn logits(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> {
+    let x = hidden(cfg, params, tokens)?; // (B*T, C)
+    Ok(x.matmul_t(head_weight(cfg, params)?)?) // (B*T, V)
+}
+
+/// The scalar f32 loss of `logits (B*T, V)`: HF's causal-LM cross-entropy against `targets
+/// (B*T)` (i64, `-100` ignored; the op reads logits in f32), or `logits.sum()` in f32.
+pub fn loss(logits: &Tensor, targets: Option<&Tensor>) -> Result<Tensor> {
+    Ok(match targets {
+        Some(t) => logits.cross_entropy(t, IGNORE_INDEX)?, // f32[]
+        None => logits.cast(DType::F32)?.sum_all()?,       // f32[]
+    })
+}
+
+/// Rows of logits a fused head-and-loss op works on at once: about 64 MiB of f32 scratch.
+pub fn loss_chunk(vocab: usize, rows: usize) -> usize {
+    ((64 << 20) / (4 * vocab.max(1))).clamp(1, rows.max(1))
+}
+
+/// The model's objective on `tokens (B, T)`: f32 `[]`. With `fused` and targets, the last
+/// projection and the cross-entropy are one `linear_cross_entropy` op that never holds all the
+/// logits (same value as HF's loss up to rounding: the logits are not rounded to bf16 first).
+pub fn objective(
+    cfg: &Config,
+    params: &Params,
+    tokens: &Tensor,
+    targets: Option<&Tensor>,
+    fused: bool,
+) -> Result<Tensor> {
+    let x = hidden(cfg, params, tokens)?; // (B*T, C)
+    let head = head_weight(cfg, params)?; // (V, C)
+    match targets {
+        Some(t) if fused => {
+            let chunk = loss_chunk(cfg.vocab_size, x.dims()[0]);
+            Ok(x.linear_cross_entropy(head, t, IGNORE_INDEX, chunk)?) // f32[]
+        }
+        _ => loss(&x.matmul_t(head)?, targets), // logits (B*T, V) -> f32[]
+    }
+}
+
+/// Hugging Face's ignore index for targets.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Hugging Face's targets for `labels = input_ids` (transformers 5 `ForCausalLMLoss`): each
+/// row shifted left by one, the last position ignored. `tokens` is `(B, T)` row-major.
+pub fn hf_causal_targets(tokens: &[i64], batch: usize, seq: usize) -> Vec<i64> {
+    let mut out = Vec::with_capacity(batch * seq);
+    for row in tokens.chunks(seq).take(batch) {
+        out.extend_from_slice(&row[1..]);
+        out.push(IGNORE_INDEX);
+    }
+    out
+}

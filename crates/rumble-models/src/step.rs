@@ -1,0 +1,197 @@
+//! The training step as one trace: forward, loss, backward, gradient accumulation, clipping and
+//! the optimizer, so the planner and the CUDA-graph executor see the whole program.
+//!
+//! **Gradient accumulation** puts the `k` micro-batches in the same trace, one after another:
+//! forward 1, backward 1, forward 2, backward 2, ..., then the optimizer. Each backward is
+//! appended right after its forward, so micro-batch `i`'s activations die before micro-batch
+//! `i+1`'s are born and the planner reuses their memory; only the running gradient sums (f32 when
+//! `k > 1`) live across micro-batches. We chose this over a separate "accumulate" program and an
+//! "apply" program because one program is one replay a step, keeps the gradient sums in the
+//! transient arena instead of persistent buffers, and lets the planner see every lifetime; the
+//! cost is a trace `k` times longer, which is fine for the small `k` used in practice.
+//! The loss is the mean of the micro-batch losses and the gradient is the mean of theirs, which
+//! equals the full-batch mean when every micro-batch has as many counted targets (always true
+//! for corpus windows and for Hugging Face's `labels = input_ids`).
+//!
+//! Trace inputs, in order: per micro-batch `tokens` (i64 `[B, T]`) and, for the causal-LM
+//! objective, `targets` (i64 `[B*T]`), named `tokens.{i}`/`targets.{i}` when `k > 1`; the
+//! optimizer's scalars (`lr`, ...); the parameters (Hugging Face names); the optimizer states.
+//! Outputs: `loss` (f32 `[]`), `grad_norm` when clipping, then `new.{name}` updates of every
+//! parameter and state. Without an optimizer the outputs are `loss` and `grad.{name}` (role
+//! `Grad`): the benchmark workloads' forward + backward.
+
+use rumble_core::ir::{InputRole, OutputRole, Phase};
+use rumble_core::{DType, Graph, Tensor, TensorType, Trace};
+
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+use crate::model::{self, Params};
+use crate::optim::{self, Optimizer};
+use crate::presets::Objective;
+
+/// The shape of one step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepConfig {
+    pub batch: usize,
+    pub seq: usize,
+    pub objective: Objective,
+    /// `None`: forward and backward only, gradients as outputs.
+    pub optimizer: Option<Optimizer>,
+    /// Micro-batches per step (1: no accumulation).
+    pub grad_accum: usize,
+    /// Clip the global gradient norm to this value.
+    pub clip: Option<f64>,
+    /// Compute the last projection and the cross-entropy as one `linear_cross_entropy` op
+    /// (never materialising the `(B*T, V)` logits) instead of `matmul` + `cross_entropy`.
+    pub fused_loss: bool,
+}
+
+/// A built step and what its inputs are.
+#[derive(Debug)]
+pub struct TrainStep {
+    pub trace: Trace,
+    /// Names of the per-step data inputs, in trace order.
+    pub data_inputs: Vec<String>,
+    /// Optimizer states: name and type, in trace order.
+    pub states: Vec<(String, TensorType)>,
+}
+
+/// The trace of a forward pass and its loss (output `loss`); no backward.
+pub fn build_forward(cfg: &Config, batch: usize, seq: usize, objective: Objective, fused_loss: bool) -> Result<Trace> {
+    let g = Graph::new(format!("{}_forward", cfg.arch.model_type()));
+    let tokens = g.data("tokens", DType::I64, &[batch, seq])?;
+    let targets = match objective {
+        Objective::CausalLm => Some(g.data("targets", DType::I64, &[batch * seq])?),
+        Objective::LogitsSum => None,
+    };
+    let params = Params::declare(&g, cfg)?;
+    let loss = model::objective(cfg, &params, &tokens, targets.as_ref(), fused_loss)?; // f32[]
+    g.output(&loss, "loss")?;
+    Ok(g.finish()?)
+}
+
+/// Builds the whole step described by `sc` for `cfg`.
+pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
+    let k = sc.grad_accum;
+    if k == 0 || sc.batch == 0 || sc.seq == 0 {
+        return Err(ModelError::Usage(format!(
+            "batch ({}), seq ({}) and grad_accum ({k}) must be at least 1",
+            sc.batch, sc.seq
+        )));
+    }
+    if sc.clip.is_some_and(|c| c.is_nan() || c <= 0.0) {
+        return Err(ModelError::Usage(format!("clip must be positive, got {:?}", sc.clip)));
+    }
+    let kind = if sc.optimizer.is_some() { "train_step" } else { "grad_step" };
+    let g = Graph::new(format!("{}_{kind}", cfg.arch.model_type()));
+    let (b, t) = (sc.batch, sc.seq);
+
+    // Inputs: data, optimizer scalars, parameters, optimizer states.
+    let mut data_inputs = Vec::new();
+    let mut micro = Vec::new();
+    for i in 0..k {
+        let name = |s: &str| if k == 1 { s.to_string() } else { format!("{s}.{i}") };
+        let tokens = g.data(&name("tokens"), DType::I64, &[b, t])?;
+        data_inputs.push(name("tokens"));
+        let targets = match sc.objective {
+            Objective::CausalLm => {
+                data_inputs.push(name("targets"));
+                Some(g.data(&name("targets"), DType::I64, &[b * t])?)
+            }
+            Objective::LogitsSum => None,
+        };
+        micro.push((tokens, targets));
+    }
+    let hyper = match &sc.optimizer {
+        Some(opt) => {
+            data_inputs.extend(opt.hyper_names().iter().map(|s| s.to_string()));
+            Some(opt.declare_hyper(&g)?)
+        }
+        None => None,
+    };
+    let params = Params::declare(&g, cfg)?;
+    let mut states = Vec::new();
+    let mut state_tensors = Vec::new();
+    if let Some(opt) = &sc.optimizer {
+        for (name, p) in params.names.iter().zip(&params.list) {
+            let mut mine = Vec::new();
+            for (sname, ty) in opt.state_specs(name, p.ty()) {
+                mine.push((sname.clone(), g.input(&sname, ty.clone(), InputRole::OptState)?));
+                states.push((sname, ty));
+            }
+            state_tensors.push(mine);
+        }
+    }
+
+    // Forward and backward of each micro-batch; gradient sums.
+    let wrt: Vec<&Tensor> = params.list.iter().collect();
+    let mut sums: Vec<Tensor> = Vec::new();
+    let mut losses = Vec::new();
+    for (tokens, targets) in &micro {
+        g.set_phase(Phase::Forward);
+        let loss = model::objective(cfg, &params, tokens, targets.as_ref(), sc.fused_loss)?; // f32[]
+        let grads = rumble_core::autodiff::backward(&loss, &wrt)?;
+        g.set_phase(Phase::Backward);
+        sums = if sums.is_empty() && k == 1 {
+            grads
+        } else if sums.is_empty() {
+            grads.iter().map(|gr| gr.cast(DType::F32)).collect::<rumble_core::Result<_>>()?
+        } else {
+            sums.iter().zip(&grads).map(|(s, gr)| s.add(&gr.cast(DType::F32)?)).collect::<rumble_core::Result<_>>()?
+        };
+        losses.push(loss);
+    }
+
+    g.set_phase(Phase::Optimizer);
+    let mut loss = losses[0].clone();
+    for l in &losses[1..] {
+        loss = loss.add(l)?;
+    }
+    if k > 1 {
+        loss = loss.mul_scalar(1.0 / k as f64)?;
+    }
+    g.output(&loss, "loss")?;
+
+    // Mean over micro-batches and clipping, folded into one f32 scale of the summed gradients.
+    let mut scale: Option<Tensor> = None;
+    if let Some(max_norm) = sc.clip {
+        let norm = optim::global_norm(&sums)?.mul_scalar(1.0 / k as f64)?; // f32[]: norm of the mean gradient
+        g.output(&norm, "grad_norm")?;
+        scale = Some(optim::clip_coefficient(&norm, max_norm)?);
+    }
+    if k > 1 {
+        let inv_k = g.scalar(1.0 / k as f64, DType::F32);
+        scale = Some(match scale {
+            Some(s) => s.mul(&inv_k)?,
+            None => inv_k,
+        });
+    }
+
+    match (&sc.optimizer, hyper) {
+        (Some(opt), Some(mut hyper)) => {
+            opt.derive(&mut hyper)?;
+            let mut new_states = Vec::new();
+            for (i, p) in params.list.iter().enumerate() {
+                let old: Vec<Tensor> = state_tensors[i].iter().map(|(_, s)| s.clone()).collect();
+                let (np, ns) = opt.update(&hyper, p, &sums[i], scale.as_ref(), &old)?;
+                g.output_with_role(&np, &format!("new.{}", params.names[i]), OutputRole::Update { of: p.id() })?;
+                new_states.extend(state_tensors[i].iter().zip(ns));
+            }
+            for ((name, old), new) in new_states {
+                g.output_with_role(&new, &format!("new.{name}"), OutputRole::Update { of: old.id() })?;
+            }
+        }
+        _ => {
+            for (i, p) in params.list.iter().enumerate() {
+                let mut gr = sums[i].clone();
+                if let Some(s) = &scale {
+                    gr = gr.cast(DType::F32)?.mul(&s.broadcast_to(gr.dims())?)?;
+                }
+                let gr = gr.cast(p.dtype())?;
+                g.output_with_role(&gr, &format!("grad.{}", params.names[i]), OutputRole::Grad { of: p.id() })?;
+            }
+        }
+    }
+    let trace = g.finish()?;
+    Ok(TrainStep { trace, data_inputs, states })
+}

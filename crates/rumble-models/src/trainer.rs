@@ -1,0 +1,190 @@
+//! The `Trainer`: one built training step on one executor, fed batch after batch.
+//!
+//! It owns the schedule of the learning rate (an input of the trace each step), the step count
+//! (Adam's bias corrections), and writes checkpoints as Hugging Face folders
+//! (`model.safetensors` and `config.json`).
+
+use std::path::Path;
+
+use rumble_core::passes::{self, Pass};
+
+use crate::config::Config;
+use crate::data::Batch;
+use crate::error::{ModelError, Result};
+use crate::exec::{Device, DeviceChoice, Executor, executor};
+use crate::host::{self, HostTensor};
+use crate::model::param_specs;
+use crate::optim::Optimizer;
+use crate::presets::Objective;
+use crate::step::{StepConfig, TrainStep, build_train_step};
+use crate::weights::{Weights, write_atomic};
+
+/// The passes a step goes through before it runs: dead code, common subexpressions (the
+/// optimizer's shared scalars, repeated broadcasts), dead code again, elementwise fusion.
+pub const PIPELINE: &[Pass] =
+    &[("dce", passes::dce), ("cse", passes::cse), ("dce", passes::dce), ("fuse", passes::fuse)];
+
+/// How the learning rate moves over a run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ScheduleKind {
+    Constant,
+    /// Cosine decay from the peak to a tenth of it at the last step.
+    Cosine,
+}
+
+/// Linear warmup over `warmup` steps, then `kind`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    pub peak: f64,
+    pub warmup: u64,
+    pub total: u64,
+    pub kind: ScheduleKind,
+}
+
+impl LrSchedule {
+    pub fn constant(lr: f64) -> Self {
+        LrSchedule { peak: lr, warmup: 0, total: 1, kind: ScheduleKind::Constant }
+    }
+
+    /// The learning rate of step `step` (1-based).
+    pub fn at(&self, step: u64) -> f64 {
+        if step <= self.warmup {
+            return self.peak * step as f64 / self.warmup as f64;
+        }
+        match self.kind {
+            ScheduleKind::Constant => self.peak,
+            ScheduleKind::Cosine => {
+                let span = self.total.saturating_sub(self.warmup).max(1) as f64;
+                let frac = ((step - self.warmup) as f64 / span).min(1.0);
+                let min = 0.1 * self.peak;
+                min + (self.peak - min) * 0.5 * (1.0 + (std::f64::consts::PI * frac).cos())
+            }
+        }
+    }
+}
+
+/// What one step reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepStats {
+    pub step: u64,
+    pub loss: f32,
+    /// The global gradient norm before clipping (when clipping).
+    pub grad_norm: Option<f32>,
+    pub lr: f64,
+    /// Tokens processed this step (all micro-batches).
+    pub tokens: usize,
+}
+
+pub struct Trainer {
+    cfg: Config,
+    sc: StepConfig,
+    optimizer: Optimizer,
+    data_inputs: Vec<String>,
+    exec: Box<dyn Executor>,
+    schedule: LrSchedule,
+    step: u64,
+}
+
+impl Trainer {
+    /// Builds the step for `cfg` and `sc` (which must have an optimizer) and loads `weights`
+    /// onto the chosen device, optimizer states starting at zero.
+    pub fn new(
+        cfg: Config,
+        sc: StepConfig,
+        weights: Weights,
+        schedule: LrSchedule,
+        device: DeviceChoice,
+    ) -> Result<Trainer> {
+        let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
+        let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
+        let (trace, _log) = passes::run(&trace, PIPELINE)?;
+        let mut persistent = weights.tensors;
+        persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
+        let exec = executor(device, trace, persistent)?;
+        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0 })
+    }
+
+    pub fn device(&self) -> Device {
+        self.exec.device()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn step_config(&self) -> &StepConfig {
+        &self.sc
+    }
+
+    /// Steps taken so far.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// One optimizer step over `batches` (one per micro-batch).
+    pub fn step(&mut self, batches: &[Batch]) -> Result<StepStats> {
+        if batches.len() != self.sc.grad_accum {
+            return Err(ModelError::Usage(format!(
+                "the step takes {} micro-batches, got {}",
+                self.sc.grad_accum,
+                batches.len()
+            )));
+        }
+        let (b, t) = (self.sc.batch, self.sc.seq);
+        let mut data: Vec<HostTensor> = Vec::with_capacity(self.data_inputs.len());
+        for batch in batches {
+            if (batch.batch, batch.seq) != (b, t) {
+                return Err(ModelError::Usage(format!(
+                    "batch of shape ({}, {}) given to a step built for ({b}, {t})",
+                    batch.batch, batch.seq
+                )));
+            }
+            let vocab = self.cfg.vocab_size as i64;
+            if let Some(bad) = batch.tokens.iter().find(|&&x| x < 0 || x >= vocab) {
+                return Err(ModelError::Usage(format!("token id {bad} is outside the vocabulary 0..{vocab}")));
+            }
+            data.push(host::from_i64s(&[b, t], &batch.tokens)?);
+            if self.sc.objective == Objective::CausalLm {
+                data.push(host::from_i64s(&[b * t], &batch.targets)?);
+            }
+        }
+        let step = self.step + 1;
+        let lr = self.schedule.at(step);
+        data.extend(self.optimizer.hyper_values(step, lr));
+        let outs = self.exec.run(&data)?;
+        self.step = step;
+        let loss = host::item(outs.first().ok_or_else(|| ModelError::Usage("the step returned no loss".into()))?)?;
+        let grad_norm = match self.sc.clip {
+            Some(_) => Some(host::item(
+                outs.get(1).ok_or_else(|| ModelError::Usage("the step returned no grad_norm".into()))?,
+            )?),
+            None => None,
+        };
+        Ok(StepStats { step, loss, grad_norm, lr, tokens: b * t * batches.len() })
+    }
+
+    /// The current parameters.
+    pub fn weights(&self) -> Result<Weights> {
+        let mut all: std::collections::HashMap<String, HostTensor> = self.exec.persistent()?.into_iter().collect();
+        let mut tensors = Vec::new();
+        for spec in param_specs(&self.cfg) {
+            let t = all
+                .remove(&spec.name)
+                .ok_or_else(|| ModelError::Usage(format!("the executor lost parameter `{}`", spec.name)))?;
+            tensors.push((spec.name, t));
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads).
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+        save_checkpoint(dir, &self.cfg, &self.weights()?)
+    }
+}
+
+/// Writes a Hugging Face model folder: `model.safetensors` and `config.json`, each atomically.
+pub fn save_checkpoint(dir: &Path, cfg: &Config, weights: &Weights) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    weights.save(&dir.join("model.safetensors"))?;
+    write_atomic(&dir.join("config.json"), cfg.to_json_string().as_bytes())
+}

@@ -1,0 +1,201 @@
+//! Model weights on the host: seeded initialisation, and safetensors files with Hugging Face
+//! names and dtypes, so a checkpoint moves between rumble and transformers unchanged.
+//!
+//! Loading checks every tensor against the config (missing, shape, dtype, unexpected) and names
+//! the file and the tensor when something is off. Writes are atomic: a temporary file in the
+//! same folder, flushed, then renamed over the target, so a crash never leaves half a checkpoint.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rumble_core::{DType, TensorType};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+use crate::host::{self, HostTensor};
+use crate::model::{Init, param_specs};
+use crate::rng::Rng;
+
+/// Named host tensors in a fixed order (for a model: `param_specs` order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Weights {
+    pub tensors: Vec<(String, HostTensor)>,
+}
+
+impl Weights {
+    /// Hugging Face's initialisation, seeded: weights normal with std `initializer_range`,
+    /// norms one, biases zero. Each tensor draws from its own stream (seed and name).
+    pub fn init(cfg: &Config, seed: u64) -> Result<Weights> {
+        let mut tensors = Vec::new();
+        for spec in param_specs(cfg) {
+            let n = spec.ty.numel();
+            let vals: Vec<f32> = match spec.init {
+                Init::Ones => vec![1.0; n],
+                Init::Zeros => vec![0.0; n],
+                Init::Normal(std) => {
+                    let mut rng = Rng::for_name(seed, &spec.name);
+                    (0..n).map(|_| (rng.normal() * std) as f32).collect()
+                }
+            };
+            tensors.push((spec.name, host::from_f32s(spec.ty.dtype, spec.ty.dims(), &vals)?));
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Reads a checkpoint for `cfg`: every parameter must be there with its exact shape and
+    /// dtype. A tied model accepts (and ignores) a stored `lm_head.weight`; rotary buffers
+    /// (`*.rotary_emb.inv_freq`) of old checkpoints are ignored; any other extra tensor is an
+    /// error, since it means the config and the file disagree.
+    pub fn load(path: &Path, cfg: &Config) -> Result<Weights> {
+        let mut stored: HashMap<String, HostTensor> = read_safetensors(path)?.into_iter().collect();
+        let mut tensors = Vec::new();
+        for spec in param_specs(cfg) {
+            let Some(t) = stored.remove(&spec.name) else {
+                return Err(ModelError::MissingTensor {
+                    file: path.into(),
+                    name: spec.name,
+                    expected: spec.ty.to_string(),
+                });
+            };
+            if t.ty.dims() != spec.ty.dims() {
+                return Err(ModelError::Shape {
+                    file: path.into(),
+                    name: spec.name,
+                    expected: spec.ty.dims().to_vec(),
+                    got: t.ty.dims().to_vec(),
+                });
+            }
+            if t.ty.dtype != spec.ty.dtype {
+                return Err(ModelError::DType {
+                    file: path.into(),
+                    name: spec.name,
+                    expected: spec.ty.dtype.to_string(),
+                    got: t.ty.dtype.to_string(),
+                });
+            }
+            tensors.push((spec.name, t));
+        }
+        let mut extra: Vec<String> = stored
+            .into_keys()
+            .filter(|n| {
+                let ignorable =
+                    n.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == "lm_head.weight");
+                !ignorable
+            })
+            .collect();
+        extra.sort();
+        if let Some(name) = extra.into_iter().next() {
+            return Err(ModelError::UnexpectedTensor { file: path.into(), name });
+        }
+        Ok(Weights { tensors })
+    }
+
+    /// Writes the weights as a safetensors file (atomically).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        write_safetensors(path, &self.tensors)
+    }
+
+    pub fn get(&self, name: &str) -> Option<&HostTensor> {
+        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+
+    pub fn num_bytes(&self) -> usize {
+        self.tensors.iter().map(|(_, t)| t.bytes.len()).sum()
+    }
+}
+
+fn to_st_dtype(d: DType) -> StDtype {
+    match d {
+        DType::F32 => StDtype::F32,
+        DType::F64 => StDtype::F64,
+        DType::BF16 => StDtype::BF16,
+        DType::F16 => StDtype::F16,
+        DType::I32 => StDtype::I32,
+        DType::I64 => StDtype::I64,
+        DType::Bool => StDtype::BOOL,
+    }
+}
+
+fn from_st_dtype(d: StDtype) -> Option<DType> {
+    Some(match d {
+        StDtype::F32 => DType::F32,
+        StDtype::F64 => DType::F64,
+        StDtype::BF16 => DType::BF16,
+        StDtype::F16 => DType::F16,
+        StDtype::I32 => DType::I32,
+        StDtype::I64 => DType::I64,
+        StDtype::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// Every tensor of a safetensors file, in the file's name order.
+pub fn read_safetensors(path: &Path) -> Result<Vec<(String, HostTensor)>> {
+    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+    let bad = |msg: String| ModelError::Safetensors { file: path.into(), msg };
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(describe(&e, bytes.len())))?;
+    let mut out = Vec::with_capacity(st.len());
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    for name in names {
+        let view = st.tensor(&name).map_err(|e| bad(format!("tensor `{name}`: {e}")))?;
+        let dtype = from_st_dtype(view.dtype())
+            .ok_or_else(|| bad(format!("tensor `{name}` has dtype {:?}, which rumble does not read", view.dtype())))?;
+        let ty = TensorType::new(dtype, view.shape().to_vec());
+        out.push((name, HostTensor { ty, bytes: view.data().to_vec() }));
+    }
+    Ok(out)
+}
+
+fn describe(e: &safetensors::SafeTensorError, len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::MetadataIncompleteBuffer | E::InvalidOffset(_) => {
+            format!("the file is truncated or its header does not match its data ({len} bytes): {e}")
+        }
+        E::HeaderTooSmall | E::InvalidHeaderLength => format!("the header is cut short ({len} bytes): {e}"),
+        _ => e.to_string(),
+    }
+}
+
+/// Writes `tensors` as a safetensors file with `{"format": "pt"}` metadata (what transformers
+/// expects), atomically: a temporary file beside `path`, synced, then renamed.
+pub fn write_safetensors(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
+    let bad = |msg: String| ModelError::Safetensors { file: path.into(), msg };
+    let mut views = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if t.bytes.len() != t.ty.size_in_bytes() {
+            return Err(bad(format!("tensor `{name}`: {} bytes do not hold a {}", t.bytes.len(), t.ty)));
+        }
+        let view = TensorView::new(to_st_dtype(t.ty.dtype), t.ty.dims().to_vec(), &t.bytes)
+            .map_err(|e| bad(format!("tensor `{name}`: {e}")))?;
+        views.push((name.as_str(), view));
+    }
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| bad(e.to_string()))?;
+    write_atomic(path, &bytes)
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let file_name =
+        path.file_name().ok_or_else(|| ModelError::Usage(format!("{}: not a file path", path.display())))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file_name);
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let tmp: PathBuf = dir.join(tmp_name);
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(ModelError::io(path, e));
+    }
+    Ok(())
+}

@@ -1,0 +1,93 @@
+//! rumble against Hugging Face transformers (5.24, torch 2.15). `reference/make_reference.py`
+//! built small LLaMA and Qwen2 models with transformers, wrote them with `save_pretrained`, and
+//! stored the float64 loss, logits and gradients for fixed token ids with `labels = input_ids`.
+//! Here rumble reads transformers' own config.json and model.safetensors, runs the same step on
+//! the CPU in f32, and must agree. A third folder went the other way (see its test).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use rumble_core::cpu::{HostTensor, eval};
+use rumble_core::{DType, Graph};
+use rumble_models::model::{self, Params};
+use rumble_models::weights::read_safetensors;
+use rumble_models::{Config, Objective, StepConfig, Weights, build_train_step};
+
+fn close(got: &[f64], want: &[f64], rel: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0, "{what}: reference is all zero");
+    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    eprintln!("{what}: max error {:.2e} of scale", worst / scale);
+    assert!(worst <= rel * scale, "{what}: max error {worst:e} vs scale {scale:e}");
+}
+
+/// Checks case `name`; `rel` bounds the errors of the loss and logits, `rel_grad` of gradients,
+/// both relative to the largest reference value of each tensor.
+fn check_case(name: &str, rel: f64, rel_grad: f64) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference").join(name);
+    let cfg = Config::from_file(&dir.join("config.json")).unwrap();
+    let weights = Weights::load(&dir.join("model.safetensors"), &cfg).unwrap();
+    let reference: HashMap<String, HostTensor> =
+        read_safetensors(&dir.join("reference.safetensors")).unwrap().into_iter().collect();
+    let ids = &reference["input_ids"];
+    let (b, t) = (ids.ty.dims()[0], ids.ty.dims()[1]);
+    let tokens = ids.to_i64();
+    let targets = model::hf_causal_targets(&tokens, b, t);
+    let mut inputs = vec![
+        HostTensor::from_i64(DType::I64, &[b, t], &tokens).unwrap(),
+        HostTensor::from_i64(DType::I64, &[b * t], &targets).unwrap(),
+    ];
+    inputs.extend(weights.tensors.iter().map(|(_, w)| w.clone()));
+
+    // Logits.
+    let g = Graph::new("logits");
+    let tok = g.data("tokens", DType::I64, &[b, t]).unwrap();
+    let _targets = g.data("targets", DType::I64, &[b * t]).unwrap();
+    let params = Params::declare(&g, &cfg).unwrap();
+    g.output(&model::logits(&cfg, &params, &tok).unwrap(), "logits").unwrap();
+    let out = eval(&g.finish().unwrap(), &inputs).unwrap();
+    close(&out[0].to_f64(), &reference["logits"].to_f64(), rel, &format!("{name}: logits"));
+
+    // Loss and every gradient, with the logits materialised and with the fused loss.
+    for fused_loss in [false, true] {
+        let sc = StepConfig {
+            batch: b,
+            seq: t,
+            objective: Objective::CausalLm,
+            optimizer: None,
+            grad_accum: 1,
+            clip: None,
+            fused_loss,
+        };
+        let step = build_train_step(&cfg, &sc).unwrap();
+        let out = eval(&step.trace, &inputs).unwrap();
+        let what = format!("{name} (fused {fused_loss})");
+        close(&out[0].to_f64(), &reference["loss"].to_f64(), rel, &format!("{what}: loss"));
+        let mut checked = 0;
+        for (o, v) in step.trace.outputs.iter().zip(&out).skip(1) {
+            let want = reference.get(&o.name).unwrap_or_else(|| panic!("{what}: no reference for {}", o.name));
+            close(&v.to_f64(), &want.to_f64(), rel_grad, &format!("{what}: {}", o.name));
+            checked += 1;
+        }
+        assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{what}");
+    }
+}
+
+#[test]
+fn llama_with_grouped_query_attention_and_tied_embeddings_matches_transformers() {
+    check_case("llama_gqa_tied", 1e-5, 1e-4);
+}
+
+#[test]
+fn qwen2_with_biases_and_head_dim_1_matches_transformers() {
+    check_case("qwen2_head_dim_1", 1e-5, 1e-4);
+}
+
+/// The other direction, in bf16: a checkpoint written by `rumble train` (rumble's config.json
+/// and safetensors) that transformers loaded with `from_pretrained` to make the reference.
+/// rumble rounds every bf16 activation, the reference is float64: bf16-sized tolerances.
+#[test]
+fn rumble_bf16_checkpoint_loads_in_transformers_and_agrees() {
+    check_case("rumble_bf16_untied", 2e-2, 5e-2);
+}

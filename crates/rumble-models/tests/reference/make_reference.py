@@ -1,0 +1,66 @@
+"""Makes the Hugging Face reference checkpoints that tests/reference.rs checks rumble against.
+
+For each case it builds a small transformers model (LLaMA with grouped-query attention and tied
+embeddings; Qwen2 with q/k/v biases and head_dim 1), sets every parameter to random values (norm
+weights and biases included, so nothing is trivially one or zero), and writes with
+`save_pretrained` (transformers' own config.json and model.safetensors). It then runs the model
+in float64 on fixed token ids with `labels = input_ids` and stores the loss, the logits and every
+parameter's gradient in reference.safetensors.
+
+It also takes folders that rumble wrote (`rumble train --out DIR`): transformers loads them with
+`from_pretrained` and the same reference is written beside them, which checks the other direction
+(rumble's config.json and safetensors, bf16 included, read by transformers).
+
+usage: python make_reference.py OUT_DIR [RUMBLE_CHECKPOINT_DIR ...]   (needs torch, transformers,
+safetensors)
+"""
+import json, os, sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+out_dir = sys.argv[1]
+CASES = {
+    "llama_gqa_tied": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=64),
+    "qwen2_head_dim_1": Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=24, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                    rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=64),
+}
+B, T = 2, 12
+
+
+def reference(model, cfg, d):
+    """Loss, logits and gradients of `model` in float64 on fixed ids, into d/reference.safetensors."""
+    m64 = model.double()
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    outputs = m64(input_ids=ids, labels=ids)
+    outputs.loss.backward()
+    ref = {"input_ids": ids.to(torch.int64), "loss": outputs.loss.detach().reshape(()),
+           "logits": outputs.logits.detach().reshape(B * T, cfg.vocab_size)}
+    for pname, p in m64.named_parameters():
+        ref["grad." + pname] = p.grad.detach().clone()
+    save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(d, "reference.safetensors"))
+    print(json.dumps({"case": d, "loss": outputs.loss.item(), "files": sorted(os.listdir(d))}))
+
+
+for name, cfg in CASES.items():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+    d = os.path.join(out_dir, name)
+    model.save_pretrained(d, safe_serialization=True)
+    reference(model, cfg, d)
+
+for d in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")
+    reference(model, model.config, d)
+import transformers
+print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}))
