@@ -15,6 +15,10 @@ fn flash_kernels_match_exact_attention_on_the_cpu_emulator() {
         return;
     }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/flash_emu/run.sh");
+    if !std::path::Path::new(script).exists() {
+        println!("skipped: {script} is not on this machine (a test binary built elsewhere)");
+        return;
+    }
     let mode = if std::env::var("RUMBLE_FLASH_EMU").is_ok_and(|v| v == "full") { "full" } else { "quick" };
     let out = Command::new("bash").arg(script).arg(mode).output().expect("running tests/flash_emu/run.sh");
     let text = String::from_utf8_lossy(&out.stdout);
