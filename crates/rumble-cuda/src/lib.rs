@@ -2,7 +2,8 @@
 //!
 //! In the order work flows through it: [`device`] (libraries loaded at run time, context,
 //! stream, status word) -> [`compile`] (NVRTC to the device's own architecture, cached) ->
-//! [`fused`] (elementwise expressions to kernels) and the fixed kernels under `kernels/` ->
+//! [`fused`] (elementwise expressions to kernels), [`flash`] (tiled attention) and the fixed kernels
+//! under `kernels/` ->
 //! [`recipe`] (each IR op as prepared launch steps) and [`matmul`] (cuBLASLt) -> [`launch`] ->
 //! [`exec`] (eager, planned and graphed executors over one [`exec::Program`]).
 //!
@@ -17,6 +18,7 @@ pub mod compile;
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod flash;
 pub mod fused;
 pub mod launch;
 pub mod matmul;

@@ -336,6 +336,10 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
         }
         Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
+            // The tiled kernels where `flash::choose` takes them; the per-row kernels below otherwise.
+            if let Some(r) = crate::flash::recipe(dev, op, at) {
+                return r;
+            }
             let (q, k) = (at[0].dims(), at[1].dims());
             let d = q[3];
             if d > ATTN_MAX_HEAD {

@@ -1,5 +1,6 @@
 //! Every kernel source compiles with NVRTC for sm_90 (no GPU needed, only libnvrtc): the
-//! fixed kernel files and the generated kernel of every elementwise op on every dtype.
+//! fixed kernel files, the generated kernel of every elementwise op on every dtype, and every
+//! flash-attention module.
 
 mod common;
 
@@ -91,4 +92,20 @@ fn every_kernel_compiles_for_sm90() {
         }
     }
     println!("compiled the {n} elementwise/fused nodes of the test training steps");
+}
+
+/// Every flash-attention module (bf16/f16 tensor-core kernels per head size rounded to 16,
+/// f32 FMA kernels per head size rounded to 32), with the options and source the recipes use.
+#[test]
+fn every_flash_attention_variant_compiles_for_sm90() {
+    if !nvrtc_available() {
+        println!("skipped: no NVRTC");
+        return;
+    }
+    let all = rumble_cuda::flash::Variant::all();
+    for v in &all {
+        compile_cubin("sm_90", &v.name(), &v.source(), rumble_cuda::flash::OPTIONS)
+            .unwrap_or_else(|e| panic!("{}: {e}", v.name()));
+    }
+    println!("compiled {} flash-attention modules", all.len());
 }

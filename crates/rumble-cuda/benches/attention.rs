@@ -1,0 +1,146 @@
+//! Attention forward + backward time on the GPU: the issue-6 shapes (bf16, B=1, 32 query heads,
+//! 8 kv heads, causal, head size 64 and 128, seq 2048 and 4096) and the attention of the
+//! `seed-qwen2` (bf16, head size 1, 28/4 heads, seq 4096) and `seed-llama` (f32, head size 100,
+//! 32 heads, seq 2048) workloads. Kernels run straight on device buffers (no executor, no
+//! host copies in the timed loop). Prints a table; `RUMBLE_ATTN_ITERS` sets the timed
+//! iterations, `RUMBLE_ATTN_SHAPES=name,name` picks shapes.
+//!
+//! With `RUMBLE_ATTN_DUMP=DIR` it also writes each shape's inputs (q, k, v, do) and rumble's
+//! results (o, lse, dq, dk, dv) as raw little-endian files, and a line of `DIR/manifest.jsonl`
+//! with the shape and the times, so `bench/reference/attention_ref.py DIR` can time PyTorch's
+//! `scaled_dot_product_attention` on the same inputs, check rumble's results against it, and
+//! print the ratio. Without a GPU it prints "skipped: no CUDA device".
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::Write;
+use std::time::Instant;
+
+use rumble_core::cpu::{HostTensor, Rng};
+use rumble_core::ir::{DType, Op, TensorType};
+use rumble_cuda::Device;
+use rumble_cuda::flash::choose;
+use rumble_cuda::launch::{Buffers, Recipe};
+use rumble_cuda::memory::{DeviceBuffer, download};
+use rumble_cuda::recipe::prepare;
+
+struct Shape {
+    name: &'static str,
+    dtype: DType,
+    hq: usize,
+    hkv: usize,
+    t: usize,
+    d: usize,
+}
+
+fn shapes() -> Vec<Shape> {
+    let s = |name, dtype, hq, hkv, t, d| Shape { name, dtype, hq, hkv, t, d };
+    vec![
+        s("d64-t2048", DType::BF16, 32, 8, 2048, 64),
+        s("d128-t2048", DType::BF16, 32, 8, 2048, 128),
+        s("d64-t4096", DType::BF16, 32, 8, 4096, 64),
+        s("d128-t4096", DType::BF16, 32, 8, 4096, 128),
+        s("qwen2-d1-t4096", DType::BF16, 28, 4, 4096, 1),
+        s("llama-f32-d100-t2048", DType::F32, 32, 32, 2048, 100),
+    ]
+}
+
+/// Milliseconds per run of `r` (mean over `iters`, after 3 warm-up runs).
+fn time(dev: &Device, r: &Recipe, b: &Buffers, iters: usize) -> f64 {
+    for _ in 0..3 {
+        unsafe { r.launch(dev, 1, b) }.expect("launch");
+    }
+    dev.synchronize().expect("sync");
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        unsafe { r.launch(dev, 1, b) }.expect("launch");
+    }
+    dev.synchronize().expect("sync");
+    t0.elapsed().as_secs_f64() * 1e3 / iters as f64
+}
+
+fn main() {
+    let Some(dev) = common::device() else { return };
+    let iters: usize = std::env::var("RUMBLE_ATTN_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let pick = std::env::var("RUMBLE_ATTN_SHAPES").ok();
+    let dump = std::env::var("RUMBLE_ATTN_DUMP").ok().map(std::path::PathBuf::from);
+    if let Some(d) = &dump {
+        std::fs::create_dir_all(d).expect("dump dir");
+        let _ = std::fs::remove_file(d.join("manifest.jsonl"));
+    }
+    println!("device: {} ({}), {} SMs", dev.name, dev.arch, dev.multiprocessors);
+    println!("attention fwd+bwd, B=1, causal (ms; TFLOP/s counts causal matmul flops, bwd = 2.5 x fwd)");
+    println!(
+        "{:<22} {:<5} {:>3}/{:<3} {:>5} {:>4} {:>9} {:>9} {:>9} {:>8}  kernels",
+        "shape", "dtype", "hq", "kv", "seq", "d", "fwd", "bwd", "total", "TFLOP/s"
+    );
+    let mut rng = Rng::new(7);
+    for sh in shapes().into_iter().filter(|s| pick.as_ref().is_none_or(|p| p.split(',').any(|x| x == s.name))) {
+        let (dt, b, t, d) = (sh.dtype, 1, sh.t, sh.d);
+        let scale = 1.0 / (d as f64).sqrt();
+        let qt = TensorType::new(dt, [b, sh.hq, t, d]);
+        let kt = TensorType::new(dt, [b, sh.hkv, t, d]);
+        let lt = TensorType::new(rumble_core::ir::stat_dtype(dt), [b, sh.hq, t]);
+        let fwd_op = Op::Attention { scale, causal: true };
+        let bwd_op = Op::AttentionBackward { scale, causal: true };
+        let fwd = prepare(&dev, &fwd_op, &[&qt, &kt, &kt], &[&qt, &lt]).expect("prepare forward");
+        let bwd = prepare(&dev, &bwd_op, &[&qt, &kt, &kt, &qt, &lt, &qt], &[&qt, &kt, &kt]).expect("prepare backward");
+        let host: Vec<HostTensor> =
+            [&qt, &kt, &kt, &qt].iter().map(|ty| HostTensor::randn((*ty).clone(), 1.0, &mut rng)).collect();
+        let buf = |ty: &TensorType, what: &str| DeviceBuffer::new(&dev, ty.size_in_bytes(), what).expect("alloc");
+        let (q, k, v, g) = (buf(&qt, "q"), buf(&kt, "k"), buf(&kt, "v"), buf(&qt, "do"));
+        for (bf, h) in [&q, &k, &v, &g].iter().zip(&host) {
+            bf.upload(&dev, 0, &h.bytes).expect("upload");
+        }
+        let (o, lse) = (buf(&qt, "o"), buf(&lt, "lse"));
+        let (dq, dk, dv) = (buf(&qt, "dq"), buf(&kt, "dk"), buf(&kt, "dv"));
+        let ws = fwd.scratch.max(bwd.scratch);
+        let scratch = DeviceBuffer::new(&dev, ws, "scratch").expect("scratch");
+        let (fa, fo) = ([q.ptr, k.ptr, v.ptr], [o.ptr, lse.ptr]);
+        let fb = Buffers { args: &fa, outs: &fo, scratch: scratch.ptr, scratch_bytes: ws };
+        let fwd_ms = time(&dev, &fwd, &fb, iters);
+        let (ba, bo) = ([q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, g.ptr], [dq.ptr, dk.ptr, dv.ptr]);
+        let bb = Buffers { args: &ba, outs: &bo, scratch: scratch.ptr, scratch_bytes: ws };
+        let bwd_ms = time(&dev, &bwd, &bb, iters);
+        dev.check_status(|_| "attention".into()).expect("device status");
+        let flops = 4.0 * (b * sh.hq) as f64 * (t as f64) * (t as f64) * d as f64 / 2.0;
+        let tflops = 3.5 * flops / ((fwd_ms + bwd_ms) * 1e-3) / 1e12;
+        let kind = if choose(dev.capability, dt, d).is_some() { "flash" } else { "per-row" };
+        println!(
+            "{:<22} {:<5} {:>3}/{:<3} {:>5} {:>4} {:>9.3} {:>9.3} {:>9.3} {:>8.1}  {kind}",
+            sh.name,
+            dt.name(),
+            sh.hq,
+            sh.hkv,
+            t,
+            d,
+            fwd_ms,
+            bwd_ms,
+            fwd_ms + bwd_ms,
+            tflops
+        );
+        if let Some(dir) = &dump {
+            let save = |name: &str, bytes: &[u8]| std::fs::write(dir.join(format!("{}.{name}.bin", sh.name)), bytes);
+            for (name, h) in ["q", "k", "v", "do"].iter().zip(&host) {
+                save(name, &h.bytes).expect("dump input");
+            }
+            for (name, bf) in [("o", &o), ("lse", &lse), ("dq", &dq), ("dk", &dk), ("dv", &dv)] {
+                save(name, &download(&dev, bf.ptr, bf.bytes).expect("download")).expect("dump output");
+            }
+            let line = format!(
+                "{{\"name\":\"{}\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{},\"hkv\":{},\"t\":{t},\"d\":{d},\"causal\":true,\"scale\":{scale},\"fwd_ms\":{fwd_ms},\"bwd_ms\":{bwd_ms},\"kernels\":\"{kind}\"}}\n",
+                sh.name,
+                dt.name(),
+                sh.hq,
+                sh.hkv
+            );
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("manifest.jsonl"))
+                .expect("manifest");
+            f.write_all(line.as_bytes()).expect("manifest line");
+        }
+    }
+}

@@ -1,0 +1,160 @@
+// Runs the flash-attention kernels of one module (flash_attn.cu for FT = bf16/f16, or
+// flash_fma.cu for f32) under the CPU emulator (emu.h) on random inputs and compares o, lse,
+// dq, dk and dv with attention computed exactly in double, as rumble_core's CPU reference does.
+//   emu_main B HQ HKV T S D CAUSAL SEED    prints one line; exits 1 over tolerance
+#include "emu.h"
+#ifndef FLASH_FMA
+#define FLASH_FMA 0
+#endif
+#include <random>
+#include <string>
+#include <cstdio>
+#include <cstdlib>
+
+#if FLASH_FMA
+#include "../../src/kernels/flash_fma.cu"
+#else
+#include "../../src/kernels/flash_attn.cu"
+#endif
+
+using fa::T;
+static float val(T x) { return ld(x); }
+static T mk(float f) { T x; st(&x, f); return x; }
+
+struct Ref { std::vector<double> o, lse, dq, dk, dv; };
+
+// Exact attention in double on the given (already rounded) inputs; `oin`, `lsein` are the
+// forward results the backward is given.
+static Ref reference(int B, int HQ, int HKV, int Tn, int S, int D, bool causal, double scale, const std::vector<float>& q,
+                     const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& dout,
+                     const std::vector<float>* oin, const std::vector<float>* lsein) {
+  Ref r;
+  r.o.assign((size_t)B * HQ * Tn * D, 0);
+  r.lse.assign((size_t)B * HQ * Tn, 0);
+  r.dq.assign(r.o.size(), 0);
+  r.dk.assign((size_t)B * HKV * S * D, 0);
+  r.dv.assign(r.dk.size(), 0);
+  int group = HQ / HKV;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < HQ; ++h) {
+      size_t bh = (size_t)b * HQ + h, kv = (size_t)b * HKV + h / group;
+      for (int i = 0; i < Tn; ++i) {
+        int n = causal ? i + 1 : S;
+        std::vector<double> s(n);
+        double m = -INFINITY;
+        for (int j = 0; j < n; ++j) {
+          double a = 0;
+          for (int c = 0; c < D; ++c) a += (double)q[(bh * Tn + i) * D + c] * k[(kv * S + j) * D + c];
+          s[j] = a * scale;
+          m = std::max(m, s[j]);
+        }
+        double sum = 0;
+        for (int j = 0; j < n; ++j) sum += std::exp(s[j] - m);
+        double lse = m + std::log(sum);
+        r.lse[bh * Tn + i] = lse;
+        for (int c = 0; c < D; ++c) {
+          double a = 0;
+          for (int j = 0; j < n; ++j) a += std::exp(s[j] - lse) * v[(kv * S + j) * D + c];
+          r.o[(bh * Tn + i) * D + c] = a;
+        }
+        if (!oin) continue;
+        double L = (*lsein)[bh * Tn + i], delta = 0;
+        for (int c = 0; c < D; ++c) delta += (double)dout[(bh * Tn + i) * D + c] * (*oin)[(bh * Tn + i) * D + c];
+        for (int j = 0; j < n; ++j) {
+          double p = std::exp(s[j] - L), dp = 0;
+          for (int c = 0; c < D; ++c) dp += (double)dout[(bh * Tn + i) * D + c] * v[(kv * S + j) * D + c];
+          double ds = p * (dp - delta);
+          for (int c = 0; c < D; ++c) {
+            r.dq[(bh * Tn + i) * D + c] += scale * ds * k[(kv * S + j) * D + c];
+            r.dk[(kv * S + j) * D + c] += scale * ds * q[(bh * Tn + i) * D + c];
+            r.dv[(kv * S + j) * D + c] += p * dout[(bh * Tn + i) * D + c];
+          }
+        }
+      }
+    }
+  return r;
+}
+
+static double rel_err(const std::vector<T>& got, const std::vector<double>& want, double* maxabs) {
+  double num = 0, den = 0;
+  *maxabs = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    double g = val(got[i]);
+    if (std::isnan(g)) return INFINITY;
+    num += (g - want[i]) * (g - want[i]);
+    den += want[i] * want[i];
+    *maxabs = std::max(*maxabs, std::abs(g - want[i]));
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+static double rel_err_f(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(got[i])) return INFINITY;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+int main(int argc, char** argv) {
+  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED\n"); return 2; }
+  int B = atoi(argv[1]), HQ = atoi(argv[2]), HKV = atoi(argv[3]), Tn = atoi(argv[4]), S = atoi(argv[5]), D = atoi(argv[6]);
+  bool causal = atoi(argv[7]);
+  std::mt19937_64 rng(atoi(argv[8]));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  double scale = 1.0 / std::sqrt((double)D);
+  if (D > fa::DP || (D <= fa::DP - (FLASH_FMA ? 32 : 16))) {
+    fprintf(stderr, "head size %d does not belong to the module of DP %d\n", D, fa::DP);
+    return 2;
+  }
+  auto rnd = [&](size_t n, std::vector<T>& t, std::vector<float>& f) {
+    t.resize(n); f.resize(n);
+    for (size_t i = 0; i < n; ++i) { t[i] = mk(nd(rng)); f[i] = val(t[i]); }
+  };
+  size_t nq = (size_t)B * HQ * Tn * D, nk = (size_t)B * HKV * S * D, rows = (size_t)B * HQ * Tn;
+  std::vector<T> q, k, v, dout;
+  std::vector<float> qf, kf, vf, df;
+  rnd(nq, q, qf); rnd(nk, k, kf); rnd(nk, v, vf); rnd(nq, dout, df);
+  // Device buffers: 256-byte aligned like the planner's slots.
+  auto alloc = [](size_t bytes) { return (unsigned char*)std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256); };
+  T* o = (T*)alloc(nq * sizeof(T));
+  float* lse = (float*)alloc(rows * 4);
+  std::fill((unsigned char*)o, (unsigned char*)o + nq * sizeof(T), 0xff);
+  std::fill((unsigned char*)lse, (unsigned char*)lse + rows * 4, 0xff);
+  fa::Dims dm{B, HQ, HKV, Tn, S, D};
+  emu::launch({(unsigned)((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_FWD,
+              [&] { flash_fwd(q.data(), k.data(), v.data(), o, lse, dm, scale, causal); });
+  Ref r0 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, nullptr, nullptr);
+  double mo, e_o = rel_err(std::vector<T>(o, o + nq), r0.o, &mo);
+  double e_l = rel_err_f(std::vector<float>(lse, lse + rows), r0.lse);
+  // The backward gets the reference's o (rounded) and lse (f32), as the Rust tests feed the CPU's.
+  std::vector<T> oref(nq);
+  std::vector<float> oreff(nq), lsef(rows);
+  for (size_t i = 0; i < nq; ++i) { oref[i] = mk((float)r0.o[i]); oreff[i] = val(oref[i]); }
+  for (size_t i = 0; i < rows; ++i) lsef[i] = (float)r0.lse[i];
+  Ref r1 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, &oreff, &lsef);
+  float* delta = (float*)alloc(rows * 4);
+  T* dq = (T*)alloc(nq * sizeof(T));
+  T* dk = (T*)alloc(nk * sizeof(T));
+  T* dv = (T*)alloc(nk * sizeof(T));
+  std::fill((unsigned char*)dq, (unsigned char*)dq + nq * sizeof(T), 0xff);
+  std::fill((unsigned char*)dk, (unsigned char*)dk + nk * sizeof(T), 0xff);
+  std::fill((unsigned char*)dv, (unsigned char*)dv + nk * sizeof(T), 0xff);
+  emu::launch({(unsigned)std::min<size_t>((rows + 3) / 4, 64), 1, 1}, fa::NT, 0,
+              [&] { flash_bwd_delta(oref.data(), dout.data(), delta, rows, D); });
+  emu::launch({(unsigned)(((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK), (unsigned)(B * HKV), 1}, fa::NT,
+              fa::SMEM_DKDV,
+              [&] { flash_bwd_dkdv(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dk, dv, dm, scale, causal); });
+  emu::launch({(unsigned)((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ,
+              [&] { flash_bwd_dq(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal); });
+  double m1, m2, m3;
+  double e_dq = rel_err(std::vector<T>(dq, dq + nq), r1.dq, &m1);
+  double e_dk = rel_err(std::vector<T>(dk, dk + nk), r1.dk, &m2);
+  double e_dv = rel_err(std::vector<T>(dv, dv + nk), r1.dv, &m3);
+  double tol = sizeof(T) == 4 ? 2e-5 : 1e-2;
+  bool ok = e_o <= tol && e_l <= tol && e_dq <= tol && e_dk <= tol && e_dv <= tol;
+  printf("%s DP%d B%d HQ%d HKV%d T%d S%d D%d causal%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
+         ok ? "ok  " : "FAIL", fa::DP, B, HQ, HKV, Tn, S, D, (int)causal, e_o, e_l, e_dq, e_dk, e_dv, tol);
+  return ok ? 0 : 1;
+}
