@@ -1,17 +1,21 @@
 //! `rumble bench [WORKLOAD]`: times steps of a workload on random tokens. A step is a forward,
 //! the objective and a backward producing every parameter gradient (the anchors' step), or with
-//! `--train` the whole training step with the optimizer. Prints one JSON line with the keys
-//! bench/compare.py reads. The benchmark issue (7) grows it: the CUDA executors, memory figures
-//! from the plan.
+//! `--train` the whole training step with the optimizer. On CUDA it times the eager, planned
+//! and graphed executors in turn; each prints one JSON line with the keys bench/compare.py
+//! reads (`executor`, `peak_allocated_bytes`, `device_used_bytes`, `load_bytes`,
+//! `first_step_ms`, `median_step_ms`, ...).
 
 use std::time::Instant;
 
 use clap::Args;
-use rumble_models::exec::executor;
+use rumble_core::Trace;
+use rumble_core::passes;
+use rumble_models::exec::{CpuExecutor, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
 use rumble_models::rng::Rng;
 use rumble_models::{
-    Batch, DeviceChoice, LrSchedule, ModelError, Objective, Result, Trainer, Weights, build_train_step,
+    Batch, CudaExecutor, CudaMode, DeviceChoice, ExecStats, Executor, LrSchedule, ModelError, Objective, PIPELINE,
+    Result, Trainer, Weights, build_train_step,
 };
 use serde_json::json;
 
@@ -32,6 +36,10 @@ pub struct BenchArgs {
     /// cpu, cuda or auto.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// On CUDA, time only this executor (eager, planned, graphed, graphed-fwd-bwd); all but
+    /// graphed-fwd-bwd by default.
+    #[arg(long)]
+    pub executor: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print only the JSON line (the default prints it too, after a readable summary).
@@ -41,6 +49,28 @@ pub struct BenchArgs {
 
 /// One timed step: micro-batches in, loss out.
 type StepFn = dyn FnMut(&[Batch]) -> Result<f32>;
+
+/// Which executors to time: on CUDA each of eager, planned and graphed; on the CPU its one.
+fn executors(device: DeviceChoice, only: Option<&str>) -> Result<Vec<Option<CudaMode>>> {
+    let cuda = match device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => match cuda_unavailable() {
+            Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
+            None => true,
+        },
+        DeviceChoice::Auto => cuda_unavailable().is_none(),
+    };
+    if !cuda {
+        return Ok(vec![None]);
+    }
+    let modes = [CudaMode::Eager, CudaMode::Planned, CudaMode::Graphed];
+    match only {
+        None => Ok(modes.into_iter().map(Some).collect()),
+        Some(name) => CudaMode::ALL.into_iter().find(|m| m.name() == name).map(|m| vec![Some(m)]).ok_or_else(|| {
+            ModelError::Usage(format!("unknown executor `{name}` (eager, planned, graphed, graphed-fwd-bwd)"))
+        }),
+    }
+}
 
 pub fn run(mut a: BenchArgs) -> Result<()> {
     let device: DeviceChoice = a.device.parse()?;
@@ -56,59 +86,91 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         sc.optimizer = None;
     }
     let weights = Weights::init(&r.config, a.seed)?;
-    let t_build = Instant::now();
-    let mut step: Box<StepFn> = if a.train {
-        let mut trainer = Trainer::new(r.config.clone(), sc.clone(), weights, LrSchedule::constant(r.lr), device)?;
-        Box::new(move |b| Ok(trainer.step(b)?.loss))
-    } else {
-        let trace = build_train_step(&r.config, &sc)?.trace;
-        let mut exec = executor(device, trace, weights.tensors)?;
-        let causal = sc.objective == Objective::CausalLm;
-        Box::new(move |batches| {
-            let mut data: Vec<HostTensor> = Vec::new();
-            for b in batches {
-                data.push(host::from_i64s(&[b.batch, b.seq], &b.tokens)?);
-                if causal {
-                    data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
-                }
+    for mode in executors(device, a.executor.as_deref())? {
+        let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
+            match mode {
+                None => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
+                Some(m) => Ok(Box::new(CudaExecutor::new(trace, persistent, m)?)),
             }
-            let outs = exec.run(&data)?;
-            host::item(outs.first().ok_or_else(|| ModelError::Usage("the step returned no loss".into()))?)
-        })
-    };
-    let build_ms = t_build.elapsed().as_secs_f64() * 1e3;
-    let mut rng = Rng::for_name(a.seed, "bench");
-    let (mut first_ms, mut times, mut loss) = (0.0, Vec::new(), f32::NAN);
-    for i in 0..=a.steps {
-        let batches: Vec<Batch> =
-            (0..sc.grad_accum).map(|_| Batch::random(&mut rng, r.config.vocab_size, sc.batch, sc.seq)).collect();
-        let t = Instant::now();
-        loss = step(&batches)?;
-        let ms = t.elapsed().as_secs_f64() * 1e3;
-        if i == 0 { first_ms = ms } else { times.push(ms) }
+        };
+        let t_build = Instant::now();
+        let (mut step, stats): (Box<StepFn>, Box<dyn Fn() -> Option<ExecStats>>) = if a.train {
+            let trainer = Trainer::with_executor(
+                r.config.clone(),
+                sc.clone(),
+                weights.clone(),
+                LrSchedule::constant(r.lr),
+                make,
+            )?;
+            let trainer = std::rc::Rc::new(std::cell::RefCell::new(trainer));
+            let t2 = trainer.clone();
+            (Box::new(move |b| Ok(trainer.borrow_mut().step(b)?.loss)), Box::new(move || t2.borrow().stats()))
+        } else {
+            let (trace, _) = passes::run(&build_train_step(&r.config, &sc)?.trace, PIPELINE)?;
+            let exec = std::rc::Rc::new(std::cell::RefCell::new(make(trace, weights.tensors.clone())?));
+            let e2 = exec.clone();
+            let causal = sc.objective == Objective::CausalLm;
+            (
+                Box::new(move |batches| {
+                    let mut data: Vec<HostTensor> = Vec::new();
+                    for b in batches {
+                        data.push(host::from_i64s(&[b.batch, b.seq], &b.tokens)?);
+                        if causal {
+                            data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
+                        }
+                    }
+                    let outs = exec.borrow_mut().run(&data)?;
+                    host::item(outs.first().ok_or_else(|| ModelError::Usage("the step returned no loss".into()))?)
+                }),
+                Box::new(move || e2.borrow().stats()),
+            )
+        };
+        let build_ms = t_build.elapsed().as_secs_f64() * 1e3;
+        let mut rng = Rng::for_name(a.seed, "bench");
+        let (mut first_ms, mut times, mut loss) = (0.0, Vec::new(), f32::NAN);
+        for i in 0..=a.steps {
+            let batches: Vec<Batch> =
+                (0..sc.grad_accum).map(|_| Batch::random(&mut rng, r.config.vocab_size, sc.batch, sc.seq)).collect();
+            let t = Instant::now();
+            loss = step(&batches)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if i == 0 { first_ms = ms } else { times.push(ms) }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times.get(times.len() / 2).copied().unwrap_or(first_ms);
+        let tokens = (sc.batch * sc.seq * sc.grad_accum) as f64;
+        let executor = match mode {
+            None => "rumble-cpu".to_string(),
+            Some(m) => format!("rumble-{}", m.name()),
+        };
+        let mut line = json!({
+            "workload": r.name, "executor": executor, "train": a.train,
+            "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": times.len(),
+            "build_ms": round2(build_ms), "first_step_ms": round2(first_ms + build_ms), "median_step_ms": round2(median),
+            "tokens_per_s": (tokens / median * 1e3).round(), "last_loss": loss,
+        });
+        if let Some(s) = stats() {
+            for (k, v) in [
+                ("peak_allocated_bytes", s.peak_allocated_bytes),
+                ("device_used_bytes", s.device_used_bytes),
+                ("load_bytes", s.load_bytes),
+                ("arena_bytes", s.arena_bytes),
+                ("persistent_bytes", s.persistent_bytes),
+                ("plan_peak_bytes", s.plan_peak_bytes),
+            ] {
+                line[k] = json!(v);
+            }
+        }
+        if !a.json {
+            eprintln!(
+                "{} {executor}: median {median:.2} ms a step ({:.0} tokens/s) over {} steps; build {build_ms:.0} ms",
+                r.name,
+                tokens / median * 1e3,
+                times.len()
+            );
+        }
+        println!("{line}");
     }
-    times.sort_by(f64::total_cmp);
-    let median = times.get(times.len() / 2).copied().unwrap_or(first_ms);
-    let tokens = (sc.batch * sc.seq * sc.grad_accum) as f64;
-    let device_name = match device {
-        DeviceChoice::Cuda => "cuda",
-        DeviceChoice::Cpu | DeviceChoice::Auto => "cpu",
-    };
-    let line = json!({
-        "workload": r.name, "executor": format!("rumble-{device_name}"), "train": a.train,
-        "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": times.len(),
-        "build_ms": round2(build_ms), "first_step_ms": round2(first_ms + build_ms), "median_step_ms": round2(median),
-        "tokens_per_s": (tokens / median * 1e3).round(), "last_loss": loss,
-    });
-    if !a.json {
-        eprintln!(
-            "{} on {device_name}: median {median:.2} ms a step ({:.0} tokens/s) over {} steps; build {build_ms:.0} ms",
-            r.name,
-            tokens / median * 1e3,
-            times.len()
-        );
-    }
-    println!("{line}");
     Ok(())
 }
 

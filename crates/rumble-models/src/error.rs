@@ -42,6 +42,10 @@ pub enum ModelError {
     #[error("device `{device}` is not available: {why}")]
     DeviceUnavailable { device: String, why: String },
 
+    /// Compiling or running a trace on the GPU failed.
+    #[error(transparent)]
+    Cuda(#[from] rumble_cuda::CudaError),
+
     /// Building or running a trace failed in the core crate.
     #[error(transparent)]
     Core(#[from] rumble_core::Error),

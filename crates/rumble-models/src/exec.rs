@@ -12,6 +12,7 @@ use std::str::FromStr;
 use rumble_core::ir::{InputRole, OutputRole};
 use rumble_core::{TensorType, Trace};
 
+use crate::cuda::{CudaExecutor, CudaMode};
 use crate::error::{ModelError, Result};
 
 pub use rumble_core::cpu::HostTensor;
@@ -58,16 +59,38 @@ pub trait Executor {
     fn device(&self) -> Device;
 
     /// Runs one step. `data` holds the trace's `input`-role inputs, in trace order. Returns
-    /// every output that is not an `Update`, in trace order; updates are written back.
+    /// the plain (`Output`-role) outputs, such as the loss, in trace order; updates are written
+    /// back, and gradients stay where the step left them.
     fn run(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>>;
 
     /// The current values of the persistent inputs (parameters, optimizer states), by name.
     fn persistent(&self) -> Result<Vec<(String, HostTensor)>>;
+
+    /// Memory and plan figures, for executors that measure them.
+    fn stats(&self) -> Option<ExecStats> {
+        None
+    }
 }
 
-/// Why CUDA cannot be used by this build, or `None` when it can.
+/// What an executor reports about its memory (bytes) and set-up.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExecStats {
+    /// Most bytes the framework held at once (what `torch.cuda.max_memory_allocated` counts).
+    pub peak_allocated_bytes: usize,
+    /// The device's own used-memory rise since the executor was made.
+    pub device_used_bytes: usize,
+    /// The plan's LOAD, arena, persistent region and peak (persistent + arena).
+    pub load_bytes: usize,
+    pub arena_bytes: usize,
+    pub persistent_bytes: usize,
+    pub plan_peak_bytes: usize,
+    /// Seconds spent planning, compiling kernels and capturing graphs.
+    pub build_secs: f64,
+}
+
+/// Why CUDA cannot be used on this machine, or `None` when it can.
 pub fn cuda_unavailable() -> Option<String> {
-    Some("this build has no CUDA executor yet (the rumble-cuda backend, issue 5, has not landed)".into())
+    rumble_cuda::Device::new(0).err().map(|e| e.to_string())
 }
 
 /// The executor for `choice`: `auto` falls back to the CPU when CUDA is unavailable.
@@ -78,12 +101,14 @@ pub fn executor(
 ) -> Result<Box<dyn Executor>> {
     match choice {
         DeviceChoice::Cpu => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
-        DeviceChoice::Cuda => Err(ModelError::DeviceUnavailable {
-            device: "cuda".into(),
-            why: cuda_unavailable().unwrap_or_else(|| "the CUDA executor is not wired into rumble-models yet".into()),
-        }),
-        // Until a CUDA executor exists, `auto` is the CPU.
-        DeviceChoice::Auto => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
+        DeviceChoice::Cuda => match cuda_unavailable() {
+            Some(why) => Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
+            None => Ok(Box::new(CudaExecutor::new(trace, persistent, CudaMode::Graphed)?)),
+        },
+        DeviceChoice::Auto => match cuda_unavailable() {
+            Some(_) => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
+            None => Ok(Box::new(CudaExecutor::new(trace, persistent, CudaMode::Graphed)?)),
+        },
     }
 }
 
@@ -169,10 +194,11 @@ impl Executor for CpuExecutor {
         }
         let outs = rumble_core::cpu::eval(&self.trace, &self.inputs)?;
         let mut plain = Vec::new();
-        for (out, update) in outs.into_iter().zip(&self.updates) {
+        for ((out, update), o) in outs.into_iter().zip(&self.updates).zip(&self.trace.outputs) {
             match update {
                 Some(i) => self.inputs[*i] = out,
-                None => plain.push(out),
+                None if o.role == OutputRole::Output => plain.push(out),
+                None => {}
             }
         }
         Ok(plain)

@@ -8,6 +8,7 @@
 //! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows).
 
 pub mod config;
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;
@@ -21,11 +22,12 @@ pub mod trainer;
 pub mod weights;
 
 pub use config::{Arch, Config};
+pub use cuda::{CudaExecutor, CudaMode};
 pub use data::{Batch, Corpus};
 pub use error::{ModelError, Result};
-pub use exec::{Device, DeviceChoice, Executor, HostTensor};
+pub use exec::{Device, DeviceChoice, ExecStats, Executor, HostTensor};
 pub use optim::Optimizer;
 pub use presets::{Objective, PRESET_NAMES, Preset, preset};
 pub use step::{StepConfig, TrainStep, build_forward, build_train_step};
-pub use trainer::{LrSchedule, ScheduleKind, StepStats, Trainer, save_checkpoint};
+pub use trainer::{LrSchedule, PIPELINE, ScheduleKind, StepStats, Trainer, save_checkpoint};
 pub use weights::Weights;

@@ -6,12 +6,13 @@
 
 use std::path::Path;
 
+use rumble_core::Trace;
 use rumble_core::passes::{self, Pass};
 
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{Device, DeviceChoice, Executor, executor};
+use crate::exec::{Device, DeviceChoice, ExecStats, Executor, executor};
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
@@ -95,17 +96,34 @@ impl Trainer {
         schedule: LrSchedule,
         device: DeviceChoice,
     ) -> Result<Trainer> {
+        Self::with_executor(cfg, sc, weights, schedule, |trace, persistent| executor(device, trace, persistent))
+    }
+
+    /// As `new`, with the executor made by `make` from the step's trace (after the passes) and
+    /// its persistent values.
+    pub fn with_executor(
+        cfg: Config,
+        sc: StepConfig,
+        weights: Weights,
+        schedule: LrSchedule,
+        make: impl FnOnce(Trace, Vec<(String, HostTensor)>) -> Result<Box<dyn Executor>>,
+    ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
         let (trace, _log) = passes::run(&trace, PIPELINE)?;
         let mut persistent = weights.tensors;
         persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
-        let exec = executor(device, trace, persistent)?;
+        let exec = make(trace, persistent)?;
         Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0 })
     }
 
     pub fn device(&self) -> Device {
         self.exec.device()
+    }
+
+    /// The executor's memory and plan figures, where it has them.
+    pub fn stats(&self) -> Option<ExecStats> {
+        self.exec.stats()
     }
 
     pub fn config(&self) -> &Config {

@@ -28,19 +28,24 @@ impl Weights {
     /// Hugging Face's initialisation, seeded: weights normal with std `initializer_range`,
     /// norms one, biases zero. Each tensor draws from its own stream (seed and name).
     pub fn init(cfg: &Config, seed: u64) -> Result<Weights> {
-        let mut tensors = Vec::new();
-        for spec in param_specs(cfg) {
-            let n = spec.ty.numel();
-            let vals: Vec<f32> = match spec.init {
-                Init::Ones => vec![1.0; n],
-                Init::Zeros => vec![0.0; n],
-                Init::Normal(std) => {
-                    let mut rng = Rng::for_name(seed, &spec.name);
-                    (0..n).map(|_| (rng.normal() * std) as f32).collect()
-                }
-            };
-            tensors.push((spec.name, host::from_f32s(spec.ty.dtype, spec.ty.dims(), &vals)?));
-        }
+        // Each tensor has its own generator (seeded by its name), so they fill in parallel and
+        // the values do not depend on the thread count.
+        use rayon::prelude::*;
+        let tensors = param_specs(cfg)
+            .into_par_iter()
+            .map(|spec| {
+                let n = spec.ty.numel();
+                let vals: Vec<f32> = match spec.init {
+                    Init::Ones => vec![1.0; n],
+                    Init::Zeros => vec![0.0; n],
+                    Init::Normal(std) => {
+                        let mut rng = Rng::for_name(seed, &spec.name);
+                        (0..n).map(|_| (rng.normal() * std) as f32).collect()
+                    }
+                };
+                Ok((spec.name, host::from_f32s(spec.ty.dtype, spec.ty.dims(), &vals)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Weights { tensors })
     }
 

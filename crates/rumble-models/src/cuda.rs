@@ -1,0 +1,137 @@
+//! The CUDA executor behind the models' [`Executor`] trait: plans the trace with the core
+//! planner (memory-aware schedule, in-place updates, one arena), compiles it for the GPU and
+//! runs it eagerly, op by op in the arena, or replayed as CUDA graphs.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rumble_core::Trace;
+use rumble_core::plan::{PlanOptions, PlanReport};
+use rumble_cuda::{EagerExecutor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program};
+
+use crate::error::{ModelError, Result};
+use crate::exec::{Device, ExecStats, Executor, HostTensor};
+
+/// How the GPU runs the planned program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaMode {
+    /// Op by op, each value from a caching allocator (the baseline).
+    Eager,
+    /// Op by op in the plan's arena.
+    Planned,
+    /// The whole step captured as one CUDA graph and replayed.
+    Graphed,
+    /// Forward and backward as two graphs sharing the arena.
+    GraphedForwardBackward,
+}
+
+impl CudaMode {
+    pub const ALL: [CudaMode; 4] =
+        [CudaMode::Eager, CudaMode::Planned, CudaMode::Graphed, CudaMode::GraphedForwardBackward];
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaMode::Eager => "eager",
+            CudaMode::Planned => "planned",
+            CudaMode::Graphed => "graphed",
+            CudaMode::GraphedForwardBackward => "graphed-fwd-bwd",
+        }
+    }
+}
+
+/// A training-step trace on the GPU.
+pub struct CudaExecutor {
+    inner: Box<dyn rumble_cuda::Executor>,
+    prog: Arc<Program>,
+    report: PlanReport,
+    /// Seconds spent planning, compiling and capturing.
+    pub build_secs: f64,
+}
+
+impl CudaExecutor {
+    /// Plans `trace`, compiles it on device 0 and uploads `persistent` (parameters and
+    /// optimizer states, by name).
+    pub fn new(trace: Trace, persistent: Vec<(String, HostTensor)>, mode: CudaMode) -> Result<CudaExecutor> {
+        let t0 = Instant::now();
+        let dev = rumble_cuda::Device::new(0)?;
+        let ws = Program::workspace_bytes(&dev, &trace)?;
+        let planned = rumble_core::plan::plan(&trace, &PlanOptions { workspace_bytes: ws, ..PlanOptions::default() })?;
+        let report = planned.report.clone();
+        let prog = Arc::new(Program::new(dev, planned.trace, planned.plan)?);
+        let mut given: HashMap<String, HostTensor> = persistent.into_iter().collect();
+        let (pers_idx, _) = prog.input_split();
+        let mut values = Vec::with_capacity(pers_idx.len());
+        for &i in &pers_idx {
+            let inp = &prog.trace.inputs[i];
+            let t = given.remove(&inp.name).ok_or_else(|| {
+                ModelError::Usage(format!(
+                    "trace `{}`: no value given for {} `{}`",
+                    prog.trace.name,
+                    inp.role.name(),
+                    inp.name
+                ))
+            })?;
+            values.push(t);
+        }
+        if let Some(name) = given.into_keys().next() {
+            return Err(ModelError::Usage(format!("trace `{}` has no input `{name}`", prog.trace.name)));
+        }
+        let inner: Box<dyn rumble_cuda::Executor> = match mode {
+            CudaMode::Eager => Box::new(EagerExecutor::new(prog.clone(), &values)?),
+            CudaMode::Planned => Box::new(PlannedExecutor::new(prog.clone(), &values)?),
+            CudaMode::Graphed => Box::new(GraphedExecutor::new(prog.clone(), &values, GraphMode::Whole)?),
+            CudaMode::GraphedForwardBackward => {
+                Box::new(GraphedExecutor::new(prog.clone(), &values, GraphMode::ForwardBackward)?)
+            }
+        };
+        Ok(CudaExecutor { inner, prog, report, build_secs: t0.elapsed().as_secs_f64() })
+    }
+
+    /// Memory the executor has held (peak, reserved, the device's own rise).
+    pub fn memory(&self) -> MemoryStats {
+        self.inner.memory()
+    }
+
+    /// The planner's report on the program (LOAD, arena, classes).
+    pub fn report(&self) -> &PlanReport {
+        &self.report
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.prog
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+
+    fn run(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        Ok(self.inner.step(data)?)
+    }
+
+    fn persistent(&self) -> Result<Vec<(String, HostTensor)>> {
+        let (pers_idx, _) = self.prog.input_split();
+        pers_idx
+            .iter()
+            .map(|&i| {
+                let name = &self.prog.trace.inputs[i].name;
+                Ok((name.clone(), self.inner.persistent(name)?))
+            })
+            .collect()
+    }
+
+    fn stats(&self) -> Option<ExecStats> {
+        let m = self.memory();
+        Some(ExecStats {
+            peak_allocated_bytes: m.peak_bytes,
+            device_used_bytes: m.device_rise_bytes,
+            load_bytes: self.report.load_bytes,
+            arena_bytes: self.report.arena_bytes,
+            persistent_bytes: self.report.persistent_bytes,
+            plan_peak_bytes: self.report.peak_bytes,
+            build_secs: self.build_secs,
+        })
+    }
+}
