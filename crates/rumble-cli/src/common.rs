@@ -10,6 +10,16 @@ use rumble_models::{Config, Objective, Optimizer, Result, StepConfig, preset};
 pub enum OptimizerArg {
     Adamw,
     Sgd,
+    /// No optimizer: forward and backward only (train needs one).
+    None,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ObjectiveArg {
+    /// The causal-LM cross-entropy loss.
+    Loss,
+    /// `logits.sum()` in f32 (the seed reproduction's objective).
+    Sum,
 }
 
 /// Which model and how a step is shaped.
@@ -30,6 +40,9 @@ pub struct ModelArgs {
     pub grad_accum: usize,
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
     pub optimizer: OptimizerArg,
+    /// The objective (default: the preset's; `loss` for config files).
+    #[arg(long, value_enum)]
+    pub objective: Option<ObjectiveArg>,
     /// Weight decay (AdamW: decoupled; SGD: L2). Default 0.1 for AdamW, 0 for SGD.
     #[arg(long)]
     pub weight_decay: Option<f64>,
@@ -73,21 +86,27 @@ impl ModelArgs {
             }
         };
         let optimizer = match self.optimizer {
-            OptimizerArg::Adamw => match (Optimizer::adamw(), self.weight_decay) {
+            OptimizerArg::Adamw => Some(match (Optimizer::adamw(), self.weight_decay) {
                 (Optimizer::AdamW { beta1, beta2, eps, .. }, Some(wd)) => {
                     Optimizer::AdamW { beta1, beta2, eps, weight_decay: wd }
                 }
                 (o, _) => o,
-            },
+            }),
             OptimizerArg::Sgd => {
-                Optimizer::Sgd { momentum: self.momentum, weight_decay: self.weight_decay.unwrap_or(0.0) }
+                Some(Optimizer::Sgd { momentum: self.momentum, weight_decay: self.weight_decay.unwrap_or(0.0) })
             }
+            OptimizerArg::None => None,
+        };
+        let objective = match self.objective {
+            None => objective,
+            Some(ObjectiveArg::Loss) => Objective::CausalLm,
+            Some(ObjectiveArg::Sum) => Objective::LogitsSum,
         };
         let step = StepConfig {
             batch: self.batch.unwrap_or(batch),
             seq: self.seq.unwrap_or(seq),
             objective,
-            optimizer: Some(optimizer),
+            optimizer,
             grad_accum: self.grad_accum,
             clip: self.clip,
             fused_loss: !self.materialize_logits,

@@ -14,9 +14,12 @@ use crate::common::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
+    /// The workload: a preset (tiny, small, seed-llama, seed-qwen2) or a config.json (same as
+    /// --config).
+    pub workload: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Plan the forward and backward only (the anchors' step), without the optimizer.
+    /// Plan the forward and backward only (the anchors' step); same as `--optimizer none`.
     #[arg(long)]
     pub no_optimizer: bool,
     /// Keep the trace's own node order (no memory-aware scheduling).
@@ -33,7 +36,15 @@ pub struct PlanArgs {
     pub json: bool,
 }
 
-pub fn run(a: PlanArgs) -> Result<()> {
+pub fn run(mut a: PlanArgs) -> Result<()> {
+    if let Some(w) = a.workload.take() {
+        if a.model.config.is_some() {
+            return Err(rumble_models::ModelError::Usage(
+                "give the workload once: as an argument or with --config".into(),
+            ));
+        }
+        a.model.config = Some(w);
+    }
     let r = a.model.resolve(None)?;
     let mut sc = r.step.clone();
     if a.no_optimizer {
