@@ -10,13 +10,15 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export RUMBLE_CUDA_CACHE=${RUMBLE_CUDA_CACHE:-$PWD/.gpu/kcache}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 results=$OUT/bench.jsonl
 for w in ${WORKLOADS:-small seed-qwen2 seed-llama}; do
-  timeout "${PER:-180}" .gpu/rumble bench "$w" --json ${EXTRA:-} >> "$results" 2>> "$OUT/rumble.err" \
+  timeout "${PER:-180}" .gpu/rumble bench "$w" --device cuda --json ${EXTRA:-} >> "$results" 2>> "$OUT/rumble.err" \
     || echo "{\"workload\":\"$w\",\"executor\":\"rumble\",\"failed\":true}" >> "$results"
   for r in ${REFS:-torch-eager torch-compile torch-compile-ro thunder thunder-cudagraph}; do
     timeout "${PER:-180}" python3 bench/reference/torch_ref.py "$w" "$r" ${EXTRA:-} >> "$results" 2>> "$OUT/ref.err" \
