@@ -80,6 +80,16 @@ fn llama_with_grouped_query_attention_and_tied_embeddings_matches_transformers()
 }
 
 #[test]
+fn llama_with_full_heads_untied_matches_transformers() {
+    check_case("llama_mha_untied", 1e-5, 1e-4);
+}
+
+#[test]
+fn qwen2_with_seven_query_heads_per_kv_head_and_tied_embeddings_matches_transformers() {
+    check_case("qwen2_gqa7_tied", 1e-5, 1e-4);
+}
+
+#[test]
 fn qwen2_with_biases_and_head_dim_1_matches_transformers() {
     check_case("qwen2_head_dim_1", 1e-5, 1e-4);
 }

@@ -1,7 +1,8 @@
 """Makes the Hugging Face reference checkpoints that tests/reference.rs checks rumble against.
 
 For each case it builds a small transformers model (LLaMA with grouped-query attention and tied
-embeddings; Qwen2 with q/k/v biases and head_dim 1), sets every parameter to random values (norm
+embeddings, and with full heads, untied; Qwen2 with q/k/v biases and head_dim 1, and with 7 query
+heads per key/value head and tied embeddings), sets every parameter to random values (norm
 weights and biases included, so nothing is trivially one or zero), and writes with
 `save_pretrained` (transformers' own config.json and model.safetensors). It then runs the model
 in float64 on fixed token ids with `labels = input_ids` and stores the loss, the logits and every
@@ -28,6 +29,12 @@ CASES = {
     "qwen2_head_dim_1": Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=24, num_hidden_layers=2,
                                     num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
                                     rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=64),
+    "llama_mha_untied": LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5,
+                                    rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=64),
+    "qwen2_gqa7_tied": Qwen2Config(vocab_size=80, hidden_size=56, intermediate_size=40, num_hidden_layers=2,
+                                   num_attention_heads=7, num_key_value_heads=1, rms_norm_eps=1e-6,
+                                   rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=64),
 }
 B, T = 2, 12
 
