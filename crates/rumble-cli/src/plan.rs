@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use rumble_core::passes::remat::Remat;
 use rumble_core::plan::{PlanOptions, plan};
 use rumble_models::weights::write_atomic;
 use rumble_models::{Result, build_train_step};
@@ -25,6 +26,15 @@ pub struct PlanArgs {
     /// Keep the trace's own node order (no memory-aware scheduling).
     #[arg(long)]
     pub no_schedule: bool,
+    /// Recompute cheap values in the backward instead of saving them: `auto` (wherever it
+    /// lowers LOAD) or `off`.
+    #[arg(long, default_value = "off", value_parser = ["off", "auto"])]
+    pub remat: String,
+    /// Recompute as little as needed for the step's peak (persistent + arena) to fit this
+    /// many bytes (`12e9`, `12GB`, `11GiB`); the report says whether it fits and the extra
+    /// FLOPs.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    pub memory_budget: Option<usize>,
     /// Print the whole trace, as planned, in rumble's text form.
     #[arg(long)]
     pub trace: bool,
@@ -52,7 +62,12 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
     }
     let step = build_train_step(&r.config, &sc)?;
     let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
-    let opts = PlanOptions { schedule: !a.no_schedule, ..Default::default() };
+    let remat = match (a.memory_budget, a.remat.as_str()) {
+        (Some(peak_bytes), _) => Remat::Budget { peak_bytes },
+        (None, "auto") => Remat::Auto,
+        _ => Remat::Off,
+    };
+    let opts = PlanOptions { schedule: !a.no_schedule, remat, ..Default::default() };
     let planned = plan(&trace, &opts)?;
     if a.trace {
         println!("{}", planned.trace);
@@ -74,4 +89,16 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
     }
     print!("{}", planned.report);
     Ok(())
+}
+
+/// `12e9`, `12000000000`, `12GB`, `11.5GiB`, `800MB`, `800MiB` -> bytes.
+fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let units: [(&str, f64); 7] =
+        [("GiB", 1073741824.0), ("MiB", 1048576.0), ("KiB", 1024.0), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1.0)];
+    let (num, scale) = units.iter().find_map(|(u, k)| t.strip_suffix(u).map(|n| (n.trim(), *k))).unwrap_or((t, 1.0));
+    match num.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok((v * scale) as usize),
+        _ => Err(format!("`{s}` is not a byte count (e.g. 12e9, 12GB, 11GiB)")),
+    }
 }
