@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU call that checks and measures what matters most, in priority order, each part with
+# its own time limit (for leases of a few minutes). From the repo root on the GPU machine, with
+# .gpu/ and .whl/ carried. Logs go to $OUT; a short summary is printed last.
+#   1. the flash-attention and op tests (if flash fails, the benches fall back to the old kernel)
+#   2. rumble bench on small, seed-qwen2, seed-llama (eager, planned, graphed)
+#   3. the PyTorch references for small and seed-qwen2 (eager, compile reduce-overhead)
+#   4. the attention bench against PyTorch SDPA
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export RUMBLE_CUDA_CACHE=$PWD/.gpu/kcache PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/summary.txt"
+echo "commit $(cat .gpu/COMMIT)" >> "$OUT/summary.txt"
+for t in ${TESTS:-flash ops exec}; do
+  timeout "${TEST_TIMEOUT:-120}" .gpu/bin/$t --test-threads=1 > "$OUT/test-$t.log" 2>&1
+  rc=$?
+  echo "test $t rc=$rc $(grep -E '^test result' "$OUT/test-$t.log" | tail -1)" >> "$OUT/summary.txt"
+  if [ "$t" = flash ] && [ $rc != 0 ]; then export RUMBLE_ATTENTION=naive; echo "flash failed: benches use the old attention kernel" >> "$OUT/summary.txt"; fi
+done
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+res=$OUT/bench.jsonl
+for w in ${WORKLOADS:-small seed-qwen2 seed-llama}; do
+  timeout "${PER:-150}" .gpu/rumble bench "$w" --device cuda --json --steps "${STEPS:-6}" >> "$res" 2>> "$OUT/rumble.err" \
+    || echo "{\"workload\":\"$w\",\"executor\":\"rumble\",\"failed\":true}" >> "$res"
+done
+for w in ${REF_WORKLOADS:-small seed-qwen2}; do
+  for r in ${REFS:-torch-eager torch-compile-ro}; do
+    timeout "${REF_PER:-120}" python3 bench/reference/torch_ref.py "$w" "$r" --steps 8 >> "$res" 2>> "$OUT/ref.err" \
+      || echo "{\"workload\":\"$w\",\"executor\":\"$r\",\"failed\":true}" >> "$res"
+  done
+done
+if [ "${ATTN:-1}" = 1 ]; then
+  RUMBLE_ATTN_DUMP=/tmp/rumble-attn timeout 150 .gpu/bin/attention-bench > "$OUT/attention.log" 2>&1
+  timeout 120 python3 bench/reference/attention_ref.py /tmp/rumble-attn >> "$OUT/attention.log" 2>&1
+fi
+python3 bench/compare.py "$res" > "$OUT/table.md"
+cat "$OUT/summary.txt" "$OUT/table.md"
+sed -n '/^attention fwd+bwd/,$p' "$OUT/attention.log" 2>/dev/null | head -30
+tail -3 "$OUT/rumble.err" 2>/dev/null
