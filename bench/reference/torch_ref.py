@@ -107,7 +107,8 @@ def step():
     if opt is not None:
         opt.step()
     model.zero_grad(set_to_none=True)
-    return loss
+    # A copy: under reduce-overhead the graph's output buffer is overwritten by the next step.
+    return loss.detach().float().clone()
 
 
 torch.cuda.synchronize()
@@ -131,6 +132,6 @@ print(json.dumps({
     "device_used_bytes": free0 - free1,
     "first_step_ms": round(first_ms, 2),
     "median_step_ms": round(statistics.median(times[1:] or times), 3) if times else None,
-    "loss": float(loss.float()),
+    "loss": float(loss),
     "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
 }), flush=True)

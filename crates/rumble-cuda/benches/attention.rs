@@ -98,10 +98,10 @@ fn main() {
         let ws = fwd.scratch.max(bwd.scratch);
         let scratch = DeviceBuffer::new(&dev, ws, "scratch").expect("scratch");
         let (fa, fo) = ([q.ptr, k.ptr, v.ptr], [o.ptr, lse.ptr]);
-        let fb = Buffers { args: &fa, outs: &fo, scratch: scratch.ptr, scratch_bytes: ws };
+        let fb = Buffers { args: &fa, outs: &fo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
         let fwd_ms = time(&dev, &fwd, &fb, iters);
         let (ba, bo) = ([q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, g.ptr], [dq.ptr, dk.ptr, dv.ptr]);
-        let bb = Buffers { args: &ba, outs: &bo, scratch: scratch.ptr, scratch_bytes: ws };
+        let bb = Buffers { args: &ba, outs: &bo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
         let bwd_ms = time(&dev, &bwd, &bb, iters);
         dev.check_status(|_| "attention".into()).expect("device status");
         let flops = 4.0 * (b * sh.hq) as f64 * (t as f64) * (t as f64) * d as f64 / 2.0;

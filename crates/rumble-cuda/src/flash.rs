@@ -203,7 +203,7 @@ fn build(
             let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), dims, sc, ca];
             steps.push(kernel("flash_fwd", (t.div_ceil(sh.fwd_rows), b * hq), sh.smem_fwd, args)?);
         }
-        return Ok(Recipe { op: "attention", steps, scratch: 0 });
+        return Ok(Recipe { op: "attention", steps, scratch: 0, node_scratch: 0 });
     }
     // Scratch: delta, one f32 per query row.
     if rows > 0 {
@@ -242,7 +242,7 @@ fn build(
         ];
         steps.push(kernel("flash_bwd_dq", (t.div_ceil(sh.dq_rows), b * hq), sh.smem_dq, args)?);
     }
-    Ok(Recipe { op: "attention_backward", steps, scratch: (rows * 4).div_ceil(256) * 256 })
+    Ok(Recipe { op: "attention_backward", steps, scratch: (rows * 4).div_ceil(256) * 256, node_scratch: 0 })
 }
 
 #[cfg(test)]

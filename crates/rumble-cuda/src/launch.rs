@@ -21,6 +21,9 @@ pub enum Arg {
     Out(usize),
     /// The address `offset` bytes into the node's scratch (the plan's workspace).
     Scratch(usize),
+    /// The address `offset` bytes into the node's own scratch range of the plan
+    /// (`MemoryPlan::scratch`, sized by `Op::scratch_bytes`), live during the node only.
+    Node(usize),
     /// The address `offset` bytes into operand `i`.
     InAt(usize, usize),
     /// The address `offset` bytes into output `i`.
@@ -77,6 +80,7 @@ fn addr(a: &Arg, b: &Buffers) -> Result<sys::CUdeviceptr> {
         Arg::In(i) => b.args[*i],
         Arg::Out(i) => b.outs[*i],
         Arg::Scratch(off) => b.scratch + *off as u64,
+        Arg::Node(off) => b.node + *off as u64,
         Arg::InAt(i, off) => b.args[*i] + *off as u64,
         Arg::OutAt(i, off) => b.outs[*i] + *off as u64,
         other => return Err(CudaError::usage(format!("{other:?} is not an address"))),
@@ -90,6 +94,8 @@ pub struct Recipe {
     pub steps: Vec<Step>,
     /// Scratch bytes the steps use (a part of the plan's workspace).
     pub scratch: usize,
+    /// Bytes the steps use of the node's own scratch range (at most `Op::scratch_bytes`).
+    pub node_scratch: usize,
 }
 
 /// Device addresses of one node's buffers.
@@ -98,6 +104,8 @@ pub struct Buffers<'a> {
     pub outs: &'a [sys::CUdeviceptr],
     pub scratch: sys::CUdeviceptr,
     pub scratch_bytes: usize,
+    /// The node's own scratch range (0 when it needs none).
+    pub node: sys::CUdeviceptr,
 }
 
 impl Recipe {
@@ -119,7 +127,12 @@ impl Recipe {
                     let mut words: Vec<Vec<u64>> = Vec::with_capacity(args.len());
                     for a in args {
                         words.push(match a {
-                            Arg::In(_) | Arg::Out(_) | Arg::Scratch(_) | Arg::InAt(..) | Arg::OutAt(..) => {
+                            Arg::In(_)
+                            | Arg::Out(_)
+                            | Arg::Scratch(_)
+                            | Arg::Node(_)
+                            | Arg::InAt(..)
+                            | Arg::OutAt(..) => {
                                 vec![addr(a, b)?]
                             }
                             Arg::Status => vec![dev.status_ptr()],

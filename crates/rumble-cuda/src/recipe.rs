@@ -83,6 +83,7 @@ struct Builder<'a> {
     op: &'static str,
     steps: Vec<Step>,
     scratch: usize,
+    node: usize,
 }
 
 impl Builder<'_> {
@@ -99,6 +100,12 @@ impl Builder<'_> {
         self.steps.push(Step::Kernel { func, name, grid, block, smem, args });
         Ok(())
     }
+    /// Reserves `bytes` of the node's own scratch range and returns its offset.
+    fn node(&mut self, bytes: usize) -> usize {
+        let off = self.node;
+        self.node += align(bytes);
+        off
+    }
     /// Reserves `bytes` of scratch and returns its offset.
     fn scratch(&mut self, bytes: usize) -> usize {
         let off = self.scratch;
@@ -110,7 +117,7 @@ impl Builder<'_> {
 /// Prepares the work of `op` on operands of types `at` giving outputs of types `ot`,
 /// compiling its kernels now (never during graph capture).
 pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
-    let mut b = Builder { dev, op: op.name(), steps: Vec::new(), scratch: 0 };
+    let mut b = Builder { dev, op: op.name(), steps: Vec::new(), scratch: 0, node: 0 };
     let out_n = ot.first().map(|t| t.numel()).unwrap_or(0);
     let dt = at.first().map(|t| t.dtype).unwrap_or(ot[0].dtype);
     let unsupported = |what: String| CudaError::Unsupported(format!("{} on {what}", op.name()));
@@ -402,7 +409,14 @@ pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) ->
             }
         }
     }
-    Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch })
+    let want = op.scratch_bytes(at);
+    if b.node > want {
+        return Err(CudaError::usage(format!(
+            "{}: the kernels need {} bytes of node scratch, Op::scratch_bytes plans {want}",
+            b.op, b.node
+        )));
+    }
+    Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch, node_scratch: b.node })
 }
 
 /// The recipe of an elementwise expression (one kernel).
@@ -424,7 +438,7 @@ pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Resu
     } else {
         vec![Step::Kernel { func, name, grid: grid_for(dev, n, 256), block: 256, smem: 0, args }]
     };
-    Ok(Recipe { op, steps, scratch: 0 })
+    Ok(Recipe { op, steps, scratch: 0, node_scratch: 0 })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -518,12 +532,14 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         }
     }
     b.scratch(ws);
-    let logits = b.scratch(chunk * v * ssz);
+    // The chunk buffers live in the node's own scratch range (Op::scratch_bytes lays it out
+    // the same way), so the planner overlaps them with buffers dead at this node.
+    let logits = b.node(chunk * v * ssz);
     let s_name = sfx(s);
     let i_name = sfx(tg.dtype);
     if !backward {
-        let loss = b.scratch(n * 8);
-        let valid = b.scratch(n * 4);
+        let loss = b.node(n * 8);
+        let valid = b.node(n * 4);
         for &r0 in &starts {
             let rows = chunk.min(n - r0);
             let k = key(t, s, false, true, rows, v, c);
@@ -531,16 +547,16 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
                 key: k,
                 a: Arg::InAt(0, r0 * c * tsz),
                 b: Arg::In(1),
-                c: Arg::Scratch(logits),
+                c: Arg::Node(logits),
                 ws: 0,
                 ws_bytes: ws,
                 beta: 0.0,
             });
             let args = vec![
-                Arg::Scratch(logits),
+                Arg::Node(logits),
                 Arg::InAt(2, r0 * isz),
-                Arg::Scratch(loss + r0 * 8),
-                Arg::Scratch(valid + r0 * 4),
+                Arg::Node(loss + r0 * 8),
+                Arg::Node(valid + r0 * 4),
                 Arg::I64(rows as i64),
                 Arg::I64(v as i64),
                 Arg::I64(ignore),
@@ -549,12 +565,12 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
             ];
             b.k("rows", format!("cross_entropy_rows_{s_name}_{i_name}"), rows_grid(b.dev, rows), 256, 0, args)?;
         }
-        let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(n as i64)];
+        let args = vec![Arg::Node(loss), Arg::Node(valid), Arg::Out(0), Arg::I64(n as i64)];
         return b.k("rows", format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args);
     }
-    let dl = b.scratch(chunk * v * ssz);
-    let count = b.scratch(4);
-    let args = vec![Arg::In(2), Arg::Scratch(count), Arg::I64(n as i64), Arg::I64(ignore)];
+    let dl = b.node(chunk * v * ssz);
+    let count = b.node(4);
+    let args = vec![Arg::In(2), Arg::Node(count), Arg::I64(n as i64), Arg::I64(ignore)];
     b.k("rows", format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
     // bf16/f16: the f32 logit gradient is rounded to the operand dtype for the two matmuls.
     let cast = if t != s {
@@ -576,17 +592,17 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
             key: k,
             a: Arg::InAt(0, r0 * c * tsz),
             b: Arg::In(1),
-            c: Arg::Scratch(logits),
+            c: Arg::Node(logits),
             ws: 0,
             ws_bytes: ws,
             beta: 0.0,
         });
         let args = vec![
-            Arg::Scratch(logits),
+            Arg::Node(logits),
             Arg::InAt(2, r0 * isz),
             Arg::In(3),
-            Arg::Scratch(count),
-            Arg::Scratch(dl),
+            Arg::Node(count),
+            Arg::Node(dl),
             Arg::I64(rows as i64),
             Arg::I64(v as i64),
             Arg::I64(ignore),
@@ -598,7 +614,7 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         let g = match &cast {
             Some((func, name)) => {
                 let e = rows * v;
-                let args = vec![Arg::Scratch(dl), Arg::Scratch(logits), Arg::I64(e as i64), Arg::Status, Arg::Tag];
+                let args = vec![Arg::Node(dl), Arg::Node(logits), Arg::I64(e as i64), Arg::Status, Arg::Tag];
                 b.steps.push(Step::Kernel {
                     func: *func,
                     name: name.clone(),
@@ -614,7 +630,7 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         let kx = key(t, t, false, false, rows, c, v);
         b.steps.push(Step::Matmul {
             key: kx,
-            a: Arg::Scratch(g),
+            a: Arg::Node(g),
             b: Arg::In(1),
             c: Arg::OutAt(0, r0 * c * tsz),
             ws: 0,
@@ -625,7 +641,7 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         let beta = if r0 == 0 { 0.0 } else { 1.0 };
         b.steps.push(Step::Matmul {
             key: kw,
-            a: Arg::Scratch(g),
+            a: Arg::Node(g),
             b: Arg::InAt(0, r0 * c * tsz),
             c: Arg::Out(1),
             ws: 0,

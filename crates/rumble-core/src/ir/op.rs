@@ -315,9 +315,19 @@ impl Op {
     /// live during the node). Only the chunked ops need any.
     pub fn scratch_bytes(&self, args: &[&TensorType]) -> usize {
         match self {
-            // One chunk of f32 logits (the backward also holds their gradient).
-            Op::LinearCrossEntropy { chunk, .. } => chunk * args[1].dims()[0] * 4,
-            Op::LinearCrossEntropyBackward { chunk, .. } => 2 * chunk * args[1].dims()[0] * 4,
+            // One chunk of logits in the statistics dtype, per-row losses (8 bytes) and flags
+            // (4 bytes); the backward holds the chunk's logits and their gradient, and a count.
+            // Each piece 256-byte aligned, in this order (the CUDA recipe lays it out so).
+            Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyBackward { chunk, .. } => {
+                let a = |n: usize| n.div_ceil(256) * 256;
+                let (n, v) = (args[0].dims()[0], args[1].dims()[0]);
+                let logits = a((*chunk).clamp(1, n.max(1)) * v * stat_dtype(args[0].dtype).size_in_bytes());
+                if matches!(self, Op::LinearCrossEntropy { .. }) {
+                    logits + a(n * 8) + a(n * 4)
+                } else {
+                    2 * logits + a(4)
+                }
+            }
             _ => 0,
         }
     }

@@ -128,12 +128,15 @@ impl EagerExecutor {
                 outs.push(b.ptr);
             }
             let scratch = if r.scratch > 0 { Some(self.alloc.alloc(&dev, r.scratch, "scratch")?) } else { None };
+            let node_scratch =
+                if r.node_scratch > 0 { Some(self.alloc.alloc(&dev, r.node_scratch, "node scratch")?) } else { None };
             let args = node.args.iter().map(|a| self.ptr(*a)).collect::<Result<Vec<_>>>()?;
             let b = Buffers {
                 args: &args,
                 outs: &outs,
                 scratch: scratch.map(|s| s.ptr).unwrap_or(0),
                 scratch_bytes: scratch.map(|s| s.size).unwrap_or(0),
+                node: node_scratch.map(|s| s.ptr).unwrap_or(0),
             };
             let ev = match events.as_deref_mut() {
                 Some(list) => {
@@ -156,7 +159,7 @@ impl EagerExecutor {
                     err: e.to_string(),
                 })?;
             }
-            if let Some(s) = scratch {
+            for s in scratch.into_iter().chain(node_scratch) {
                 self.alloc.free(s);
             }
             for v in node.args.iter().chain(&node.outs) {

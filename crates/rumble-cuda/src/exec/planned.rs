@@ -76,7 +76,8 @@ impl Placed {
                 continue;
             }
             let (args, outs) = &self.addrs[n];
-            let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes };
+            let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
+            let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes, node };
             unsafe { p.recipes[n].launch(&p.dev, n + 1, &b)? };
         }
         Ok(())
