@@ -122,4 +122,5 @@ print("attention fwd+bwd: rumble vs PyTorch SDPA (same inputs; ms; ratio = rumbl
 print(f"{'shape':<22} {'torch backend':<20} {'torch fwd':>9} {'torch f+b':>9} {'rumble fwd':>10} {'rumble f+b':>10} {'ratio':>6}  max rel err vs torch")
 for r in rows:
     print(f"{r['name']:<22} {r['backend']:<20} {r['torch_fwd_ms']:>9.3f} {r['torch_total_ms']:>9.3f} "
-          f"{r['rumble_fwd_ms']:>10.3f} {r['rumble_total_ms']:>10.3f} {r['ratio']:>6.2f}  {r['max_rel_err']:.2e}")
+          f"{r['rumble_fwd_ms']:>10.3f} {r['rumble_total_ms']:>10.3f} {r['ratio']:>6.2f}  {r['max_rel_err']:.2e}  "
+          + " ".join(f"{k}={v:.1e}" for k, v in r["errs"].items()))
