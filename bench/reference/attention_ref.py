@@ -91,6 +91,8 @@ for line in open(os.path.join(args.dir, "manifest.jsonl")):
     with torch.no_grad():
         fwd_ms = timed(fwd, args.iters)
     total_ms = timed(fwd_bwd, args.iters)
+    # The timed loop left its gradients in .grad; a second backward would add to them.
+    q.grad = k.grad = v.grad = None
     o = fwd()
     o.backward(do)
     # PyTorch's lse, in f32 and the natural log, from the same scores (checked in chunks).
