@@ -6,6 +6,10 @@
 #   2. rumble bench on small, seed-qwen2, seed-llama (eager, planned, graphed)
 #   3. the PyTorch references for small and seed-qwen2 (eager, compile reduce-overhead)
 #   4. the attention bench against PyTorch SDPA
+# Optional parts (env): SANITIZE=1 (compute-sanitizer memcheck + racecheck on a graphed
+# training step of the tiny model), PROFILE="w ..." (rumble bench --profile: device time per
+# op and the slowest nodes), XCHECK=1 (make_reference.py with this machine's transformers, then
+# the cross-check test on CPU and CUDA), ATTN=0 (skip the attention bench).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,6 +22,24 @@ for t in ${TESTS:-flash ops exec}; do
   rc=$?
   echo "test $t rc=$rc $(grep -E '^test result' "$OUT/test-$t.log" | tail -1)" >> "$OUT/summary.txt"
   if [ "$t" = flash ] && [ $rc != 0 ]; then export RUMBLE_ATTENTION=naive; echo "flash failed: benches use the old attention kernel" >> "$OUT/summary.txt"; fi
+done
+if [ "${SANITIZE:-0}" = 1 ]; then
+  cs=/usr/local/cuda/bin/compute-sanitizer
+  for tool in memcheck racecheck; do
+    timeout "${SAN_TIMEOUT:-240}" $cs --tool $tool --error-exitcode 9 .gpu/rumble bench tiny --device cuda --executor graphed --train --steps 2 --json > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)" >> "$OUT/summary.txt"
+  done
+fi
+if [ "${XCHECK:-0}" = 1 ]; then
+  ref=/tmp/hfref
+  rm -rf $ref && mkdir -p $ref && cp -r crates/rumble-models/tests/reference/rumble_bf16_untied $ref/ && rm -f $ref/rumble_bf16_untied/reference.safetensors
+  timeout 180 python3 crates/rumble-models/tests/reference/make_reference.py $ref $ref/rumble_bf16_untied > "$OUT/xcheck.log" 2>&1
+  RUMBLE_REFERENCE_DIR=$ref timeout 120 .gpu/bin/reference --test-threads=1 --nocapture >> "$OUT/xcheck.log" 2>&1
+  echo "transformers cross-check rc=$? $(grep -E '^test result' "$OUT/xcheck.log" | tail -1) $(grep -o '"transformers": "[^"]*"' "$OUT/xcheck.log")" >> "$OUT/summary.txt"
+fi
+for w in ${PROFILE:-}; do
+  timeout 150 .gpu/rumble bench "$w" --device cuda --profile > "$OUT/profile-$w.txt" 2>&1
+  echo "profile $w rc=$? $(head -1 "$OUT/profile-$w.txt")" >> "$OUT/summary.txt"
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site

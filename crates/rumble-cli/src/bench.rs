@@ -45,6 +45,10 @@ pub struct BenchArgs {
     /// Print only the JSON line (the default prints it too, after a readable summary).
     #[arg(long)]
     pub json: bool,
+    /// Instead of timing steps, time each node of one step (planned executor on CUDA, device
+    /// events around every launch) and print where the time goes: by op and the slowest nodes.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// One timed step: micro-batches in, loss out.
@@ -86,6 +90,9 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         sc.optimizer = None;
     }
     let weights = Weights::init(&r.config, a.seed)?;
+    if a.profile {
+        return profile(&a, &r.name, &r.config, &sc, weights);
+    }
     for mode in executors(device, a.executor.as_deref())? {
         let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
             match mode {
@@ -172,6 +179,84 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         println!("{line}");
     }
     Ok(())
+}
+
+/// `--profile`: one warm-up step, then one step timed node by node; prints a table by op and
+/// the slowest nodes (or one JSON line with `--json`).
+fn profile(
+    a: &BenchArgs,
+    name: &str,
+    config: &rumble_models::Config,
+    sc: &rumble_models::step::StepConfig,
+    weights: Weights,
+) -> Result<()> {
+    if let Some(why) = cuda_unavailable() {
+        return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why });
+    }
+    let (trace, _) = passes::run(&build_train_step(config, sc)?.trace, PIPELINE)?;
+    let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Planned)?;
+    let causal = sc.objective == Objective::CausalLm;
+    let mut rng = Rng::for_name(a.seed, "bench");
+    let mut times = Vec::new();
+    for _ in 0..2 {
+        let b = Batch::random(&mut rng, config.vocab_size, sc.batch, sc.seq);
+        let mut data = vec![host::from_i64s(&[b.batch, b.seq], &b.tokens)?];
+        if causal {
+            data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
+        }
+        times = exec.profile(&data)?.ok_or_else(|| ModelError::Usage("the planned executor gave no profile".into()))?;
+    }
+    let total: f64 = times.iter().map(|t| t.ms).sum();
+    let mut by_op: std::collections::BTreeMap<(&str, String), (usize, f64)> = Default::default();
+    for t in &times {
+        let k = by_op.entry((t.op, kernel_family(&t.kernel))).or_default();
+        k.0 += 1;
+        k.1 += t.ms;
+    }
+    let mut by_op: Vec<_> = by_op.into_iter().collect();
+    by_op.sort_by(|x, y| y.1.1.total_cmp(&x.1.1));
+    let mut top: Vec<_> = times.iter().collect();
+    top.sort_by(|x, y| y.ms.total_cmp(&x.ms));
+    top.truncate(20);
+    if a.json {
+        let ops: Vec<_> = by_op
+            .iter()
+            .map(|((op, k), (n, ms))| json!({"op": op, "kernel": k, "nodes": n, "ms": round3(*ms)}))
+            .collect();
+        let nodes: Vec<_> = top
+            .iter()
+            .map(|t| json!({"node": t.node, "op": t.op, "kernel": t.kernel, "out": t.out, "phase": t.phase, "ms": round3(t.ms)}))
+            .collect();
+        println!(
+            "{}",
+            json!({"workload": name, "executor": "rumble-profile", "device_ms": round3(total), "by_op": ops, "slowest": nodes})
+        );
+        return Ok(());
+    }
+    println!(
+        "{name}: device time of one step, node by node (planned executor): {total:.3} ms over {} launches",
+        times.len()
+    );
+    println!("{:<22} {:<40} {:>6} {:>10} {:>6}", "op", "kernel", "nodes", "ms", "%");
+    for ((op, k), (n, ms)) in &by_op {
+        println!("{op:<22} {k:<40} {n:>6} {ms:>10.3} {:>5.1}%", 100.0 * ms / total.max(1e-9));
+    }
+    println!("\nslowest nodes:");
+    println!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9}", "node", "phase", "op", "kernel", "output", "ms");
+    for t in top {
+        println!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9.3}", t.node, t.phase, t.op, t.kernel, t.out, t.ms);
+    }
+    Ok(())
+}
+
+/// A kernel name without the per-shape parts that would split one family into many rows
+/// (trailing digits of generated fused kernels).
+fn kernel_family(k: &str) -> String {
+    k.trim_end_matches(|c: char| c.is_ascii_digit() || c == '_').to_string()
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 fn round2(x: f64) -> f64 {

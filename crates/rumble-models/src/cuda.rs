@@ -92,6 +92,11 @@ impl CudaExecutor {
         self.inner.memory()
     }
 
+    /// Any trace output of the last step (a gradient, say), by name.
+    pub fn output(&self, name: &str) -> Result<HostTensor> {
+        Ok(self.inner.output(name)?)
+    }
+
     /// The planner's report on the program (LOAD, arena, classes).
     pub fn report(&self) -> &PlanReport {
         &self.report
@@ -100,6 +105,48 @@ impl CudaExecutor {
     pub fn program(&self) -> &Program {
         &self.prog
     }
+
+    /// One step timed node by node (device events around each launch): `None` unless the
+    /// executor launches node by node (planned). Launch gaps are not counted, so the sum is
+    /// the device time a graph replay cannot hide.
+    pub fn profile(&mut self, data: &[HostTensor]) -> Result<Option<Vec<NodeTime>>> {
+        let Some(times) = self.inner.step_profiled(data)? else { return Ok(None) };
+        let t = &self.prog.trace;
+        Ok(Some(
+            times
+                .into_iter()
+                .map(|(n, ms)| {
+                    let node = &t.nodes[n];
+                    let r = &self.prog.recipes[n];
+                    let kernel = r
+                        .steps
+                        .iter()
+                        .find_map(|s| match s {
+                            rumble_cuda::launch::Step::Kernel { name, .. } => Some(name.clone()),
+                            rumble_cuda::launch::Step::Matmul { .. } => Some("cublasLt matmul".into()),
+                            _ => None,
+                        })
+                        .unwrap_or_else(|| "copy/zero".into());
+                    let out = node.outs.first().map(|o| t.ty(*o).to_string()).unwrap_or_default();
+                    NodeTime { node: n, op: r.op, kernel, out, phase: format!("{:?}", node.phase), ms }
+                })
+                .collect(),
+        ))
+    }
+}
+
+/// One node's device time in a profiled step.
+#[derive(Clone, Debug)]
+pub struct NodeTime {
+    pub node: usize,
+    /// The op's name (e.g. `matmul`, `fused`, `attention_backward`).
+    pub op: &'static str,
+    /// The first kernel the node launches (or `cublasLt matmul`).
+    pub kernel: String,
+    /// The first output's type, e.g. `bf16[4096, 18944]`.
+    pub out: String,
+    pub phase: String,
+    pub ms: f64,
 }
 
 impl Executor for CudaExecutor {

@@ -3,15 +3,24 @@
 //! stored the float64 loss, logits and gradients for fixed token ids with `labels = input_ids`.
 //! Here rumble reads transformers' own config.json and model.safetensors, runs the same step on
 //! the CPU in f32, and must agree. A third folder went the other way (see its test).
+//!
+//! Where a GPU is usable the same step also runs on it (the graphed CUDA executor, fused loss)
+//! and must agree with transformers as closely. `RUMBLE_REFERENCE_DIR=DIR` checks against
+//! references made afresh (`make_reference.py DIR ...`, e.g. on the GPU machine with its own
+//! transformers) instead of the committed ones; a case missing there fails.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use rumble_core::cpu::{HostTensor, eval};
+use rumble_core::passes;
 use rumble_core::{DType, Graph};
+use rumble_models::exec::cuda_unavailable;
 use rumble_models::model::{self, Params};
 use rumble_models::weights::read_safetensors;
-use rumble_models::{Config, Objective, StepConfig, Weights, build_train_step};
+use rumble_models::{
+    Config, CudaExecutor, CudaMode, Executor, Objective, PIPELINE, StepConfig, Weights, build_train_step,
+};
 
 fn close(got: &[f64], want: &[f64], rel: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
@@ -25,7 +34,12 @@ fn close(got: &[f64], want: &[f64], rel: f64, what: &str) {
 /// Checks case `name`; `rel` bounds the errors of the loss and logits, `rel_grad` of gradients,
 /// both relative to the largest reference value of each tensor.
 fn check_case(name: &str, rel: f64, rel_grad: f64) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference").join(name);
+    let root = match std::env::var_os("RUMBLE_REFERENCE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference"),
+    };
+    let dir = root.join(name);
+    eprintln!("{name}: references from {}", dir.display());
     let cfg = Config::from_file(&dir.join("config.json")).unwrap();
     let weights = Weights::load(&dir.join("model.safetensors"), &cfg).unwrap();
     let reference: HashMap<String, HostTensor> =
@@ -72,6 +86,34 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
         }
         assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{what}");
     }
+
+    // The same step on the GPU, graphed, with the fused loss.
+    if let Some(why) = cuda_unavailable() {
+        eprintln!("{name}: CUDA check skipped: {why}");
+        return;
+    }
+    let sc = StepConfig {
+        batch: b,
+        seq: t,
+        objective: Objective::CausalLm,
+        optimizer: None,
+        grad_accum: 1,
+        clip: None,
+        fused_loss: true,
+    };
+    let step = build_train_step(&cfg, &sc).unwrap();
+    let (trace, _) = passes::run(&step.trace, PIPELINE).unwrap();
+    let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Graphed).unwrap();
+    let out = exec.run(&inputs[..2]).unwrap();
+    let what = format!("{name} (CUDA graphed)");
+    close(&out[0].to_f64(), &reference["loss"].to_f64(), rel, &format!("{what}: loss"));
+    let mut checked = 0;
+    for o in step.trace.outputs.iter().skip(1) {
+        let want = reference.get(&o.name).unwrap_or_else(|| panic!("{what}: no reference for {}", o.name));
+        close(&exec.output(&o.name).unwrap().to_f64(), &want.to_f64(), rel_grad, &format!("{what}: {}", o.name));
+        checked += 1;
+    }
+    assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{what}");
 }
 
 #[test]

@@ -70,6 +70,12 @@ pub trait Executor {
     /// A persistent input's current value, by name.
     fn persistent(&self, name: &str) -> Result<HostTensor>;
     fn memory(&self) -> MemoryStats;
+    /// One step launched node by node with device events around each, where the executor
+    /// can (planned): each launched node's `(index, milliseconds)`. `None` where it cannot.
+    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, f64)>>> {
+        let _ = inputs;
+        Ok(None)
+    }
 }
 
 impl Program {

@@ -83,6 +83,43 @@ impl Placed {
         Ok(())
     }
 
+    /// Like [`Placed::launch`] but with a device event before and after every launched node;
+    /// synchronises and returns each node's `(index, milliseconds)`, in node order.
+    pub fn launch_timed(&self, range: std::ops::Range<usize>) -> Result<Vec<(usize, f64)>> {
+        let p = &self.prog;
+        let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
+        let mut events = Vec::new();
+        let new_event = || drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into());
+        let result = (|| -> Result<()> {
+            for n in range {
+                if p.is_view_node(n) {
+                    continue;
+                }
+                let (args, outs) = &self.addrs[n];
+                let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
+                let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes, node };
+                let (a, z) = (new_event()?, new_event()?);
+                events.push((n, a, z));
+                unsafe { drv::event::record(a, p.dev.stream()) }.ctx(|| "cuEventRecord".into())?;
+                unsafe { p.recipes[n].launch(&p.dev, n + 1, &b)? };
+                unsafe { drv::event::record(z, p.dev.stream()) }.ctx(|| "cuEventRecord".into())?;
+            }
+            p.dev.synchronize()
+        })();
+        let mut times = Vec::with_capacity(events.len());
+        for (n, a, z) in events {
+            let ms = unsafe { drv::event::elapsed(a, z) }.ctx(|| "cuEventElapsedTime".into());
+            unsafe {
+                let _ = drv::event::destroy(a);
+                let _ = drv::event::destroy(z);
+            }
+            if result.is_ok() {
+                times.push((n, ms? as f64));
+            }
+        }
+        result.map(|()| times)
+    }
+
     /// Enqueues the plan's copy-backs of `Update` outputs into their persistent slots (an
     /// update computed elsewhere than its parameter's slot), one after another.
     pub fn write_back_updates(&self) -> Result<()> {
@@ -146,10 +183,10 @@ impl PlannedExecutor {
     }
 }
 
-impl Executor for PlannedExecutor {
-    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+impl PlannedExecutor {
+    fn upload(&self, inputs: &[HostTensor]) -> Result<()> {
         let pl = &self.placed;
-        let p = pl.prog.clone();
+        let p = &pl.prog;
         let (_, step_idx) = p.input_split();
         p.check_inputs(&step_idx, inputs, "per-step")?;
         p.dev.bind()?;
@@ -160,7 +197,24 @@ impl Executor for PlannedExecutor {
             }
         }
         // The copies read host memory asynchronously: wait before `inputs` can go away.
-        p.dev.synchronize()?;
+        p.dev.synchronize()
+    }
+}
+
+impl Executor for PlannedExecutor {
+    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, f64)>>> {
+        self.upload(inputs)?;
+        let pl = &self.placed;
+        let times = pl.launch_timed(0..pl.prog.trace.nodes.len())?;
+        pl.write_back_updates()?;
+        pl.check()?;
+        Ok(Some(times))
+    }
+
+    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        self.upload(inputs)?;
+        let pl = &self.placed;
+        let p = pl.prog.clone();
         pl.launch(0..p.trace.nodes.len())?;
         pl.write_back_updates()?;
         pl.check()?;
