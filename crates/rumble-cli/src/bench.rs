@@ -237,11 +237,11 @@ fn profile(
         "{name}: device time of one step, node by node (planned executor): {total:.3} ms over {} launches",
         times.len()
     );
-    println!("{:<22} {:<40} {:>6} {:>10} {:>6}", "op", "kernel", "nodes", "ms", "%");
+    println!("{:<22} {:<40} {:>6} {:>10} {:>6}", "op", "kernel", "steps", "ms", "%");
     for ((op, k), (n, ms)) in &by_op {
         println!("{op:<22} {k:<40} {n:>6} {ms:>10.3} {:>5.1}%", 100.0 * ms / total.max(1e-9));
     }
-    println!("\nslowest nodes:");
+    println!("\nslowest launches:");
     println!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9}", "node", "phase", "op", "kernel", "output", "ms");
     for t in top {
         println!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9.3}", t.node, t.phase, t.op, t.kernel, t.out, t.ms);
@@ -252,6 +252,9 @@ fn profile(
 /// A kernel name without the per-shape parts that would split one family into many rows
 /// (trailing digits of generated fused kernels).
 fn kernel_family(k: &str) -> String {
+    if k.starts_with("matmul") {
+        return k.to_string();
+    }
     k.trim_end_matches(|c: char| c.is_ascii_digit() || c == '_').to_string()
 }
 

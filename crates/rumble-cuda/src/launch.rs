@@ -120,8 +120,41 @@ impl Recipe {
                 self.op, self.scratch, b.scratch_bytes
             )));
         }
+        unsafe { self.launch_each(dev, tag, b, &mut |_, _| Ok(())) }
+    }
+
+    /// A short name of step `i` for profiles: the kernel's name, or the matmul's shape.
+    pub fn step_name(&self, i: usize) -> String {
+        match &self.steps[i] {
+            Step::Kernel { name, .. } => name.clone(),
+            Step::ZeroOut { .. } => "memset".into(),
+            Step::Copy { .. } => "memcpy".into(),
+            Step::Matmul { key, .. } => format!(
+                "matmul {}{}x{}x{}{}",
+                key.dtype.name(),
+                if key.batch > 1 { format!(" {}x ", key.batch) } else { " ".into() },
+                key.m,
+                key.n,
+                key.k
+            ),
+        }
+    }
+
+    /// [`Recipe::launch`] calling `hook(i, before)` just before and just after enqueuing each
+    /// step `i` (profiles record events there).
+    ///
+    /// # Safety
+    /// As for [`Recipe::launch`].
+    pub unsafe fn launch_each(
+        &self,
+        dev: &Device,
+        tag: usize,
+        b: &Buffers,
+        hook: &mut dyn FnMut(usize, bool) -> Result<()>,
+    ) -> Result<()> {
         let stream = dev.stream();
-        for step in &self.steps {
+        for (i, step) in self.steps.iter().enumerate() {
+            hook(i, true)?;
             match step {
                 Step::Kernel { func, name, grid, block, smem, args } => {
                     let mut words: Vec<Vec<u64>> = Vec::with_capacity(args.len());
@@ -169,6 +202,7 @@ impl Recipe {
                     dev.matmul(key, pa, pb, pc, b.scratch + *ws as u64, *ws_bytes, *beta)?
                 },
             }
+            hook(i, false)?;
         }
         Ok(())
     }

@@ -479,18 +479,62 @@ fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: u
     let kept = strides_blob(&kd, &ks, &ks)?;
     let red = strides_blob(&rd, &rs, &rs)?;
     let block = (n_red.next_power_of_two() as u32).clamp(32, 256);
-    let grid = (n_out.clamp(1, b.dev.multiprocessors.max(1) * 64) as u32, 1, 1);
+    let sms = b.dev.multiprocessors.max(1);
+    let grid = (n_out.clamp(1, sms * 64) as u32, 1, 1);
     if n_out == 0 {
         return Ok(());
+    }
+    let mode = match r {
+        ReduceOp::Sum => 0,
+        ReduceOp::Mean => 1,
+        ReduceOp::Max => 2,
+    };
+    // The reduced axes are the trailing ones: element r of an output's range is at base + r.
+    let contig = axes.iter().all(|&a| a >= x.rank() - axes.len());
+    // Few outputs, each over many elements: split each range into fixed pieces so that the
+    // whole GPU works on it (one block per output would leave all but a few SMs idle).
+    let pieces = (sms * 8).div_ceil(n_out);
+    if x.dtype.is_float() && n_red >= 1 << 16 && pieces > 1 {
+        let chunk = n_red.div_ceil(pieces).max(1 << 14);
+        let parts = n_red.div_ceil(chunk);
+        let acc = if x.dtype == DType::F64 { 8 } else { 4 };
+        let part = b.scratch(n_out * parts * acc);
+        let sfx = sfx(x.dtype);
+        let args = vec![
+            Arg::In(0),
+            Arg::Scratch(part),
+            Arg::Blob(kept),
+            Arg::Blob(red),
+            Arg::I64(n_out as i64),
+            Arg::I64(n_red as i64),
+            Arg::I64(parts as i64),
+            Arg::I64(chunk as i64),
+            Arg::I32(mode),
+            Arg::I32(contig as i32),
+        ];
+        b.k("reduce", format!("reduce_part_{sfx}"), ((n_out * parts).min(sms * 64) as u32, 1, 1), 256, 0, args)?;
+        let args = vec![
+            Arg::Scratch(part),
+            Arg::Out(0),
+            Arg::I64(n_out as i64),
+            Arg::I64(n_red as i64),
+            Arg::I64(parts as i64),
+            Arg::I32(mode),
+        ];
+        return b.k(
+            "reduce",
+            format!("reduce_fin_{sfx}"),
+            (n_out.div_ceil(256).min(sms * 8) as u32, 1, 1),
+            256,
+            0,
+            args,
+        );
     }
     let mut args =
         vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red), Arg::I64(n_out as i64), Arg::I64(n_red as i64)];
     let name = if x.dtype.is_float() {
-        args.push(Arg::I32(match r {
-            ReduceOp::Sum => 0,
-            ReduceOp::Mean => 1,
-            ReduceOp::Max => 2,
-        }));
+        args.push(Arg::I32(mode));
+        args.push(Arg::I32(contig as i32));
         format!("reduce_{}", sfx(x.dtype))
     } else {
         format!("reduce_max_{}", sfx(x.dtype))

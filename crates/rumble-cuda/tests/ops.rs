@@ -175,6 +175,15 @@ fn layout_and_reduction_ops_match_cpu() {
                 cases.push(case(Op::Reduce { op, axes, keepdim }, vec![randn(x(), r)]));
             }
         }
+        // Few outputs over many elements: the split (two-pass) reduction, contiguous and not.
+        for (op, dims, axes) in [
+            (ReduceOp::Sum, vec![300, 1000], vec![0, 1]),
+            (ReduceOp::Mean, vec![3, 70000], vec![1]),
+            (ReduceOp::Max, vec![70000, 2], vec![0]),
+            (ReduceOp::Sum, vec![2, 40000, 3], vec![1]),
+        ] {
+            cases.push(case(Op::Reduce { op, axes, keepdim: false }, vec![randn(t(d, &dims), r)]));
+        }
         cases.push(case(Op::Reshape { shape: [150, 33].into() }, vec![randn(x(), r)]));
         cases.push(case(Op::Permute { perm: vec![2, 0, 1] }, vec![randn(x(), r)]));
         cases.push(case(

@@ -106,7 +106,7 @@ impl CudaExecutor {
         &self.prog
     }
 
-    /// One step timed node by node (device events around each launch): `None` unless the
+    /// One step timed launch by launch (device events around each kernel or matmul): `None` unless the
     /// executor launches node by node (planned). Launch gaps are not counted, so the sum is
     /// the device time a graph replay cannot hide.
     pub fn profile(&mut self, data: &[HostTensor]) -> Result<Option<Vec<NodeTime>>> {
@@ -115,20 +115,11 @@ impl CudaExecutor {
         Ok(Some(
             times
                 .into_iter()
-                .map(|(n, ms)| {
+                .map(|(n, i, ms)| {
                     let node = &t.nodes[n];
                     let r = &self.prog.recipes[n];
-                    let kernel = r
-                        .steps
-                        .iter()
-                        .find_map(|s| match s {
-                            rumble_cuda::launch::Step::Kernel { name, .. } => Some(name.clone()),
-                            rumble_cuda::launch::Step::Matmul { .. } => Some("cublasLt matmul".into()),
-                            _ => None,
-                        })
-                        .unwrap_or_else(|| "copy/zero".into());
                     let out = node.outs.first().map(|o| t.ty(*o).to_string()).unwrap_or_default();
-                    NodeTime { node: n, op: r.op, kernel, out, phase: format!("{:?}", node.phase), ms }
+                    NodeTime { node: n, op: r.op, kernel: r.step_name(i), out, phase: format!("{:?}", node.phase), ms }
                 })
                 .collect(),
         ))
@@ -141,7 +132,7 @@ pub struct NodeTime {
     pub node: usize,
     /// The op's name (e.g. `matmul`, `fused`, `attention_backward`).
     pub op: &'static str,
-    /// The first kernel the node launches (or `cublasLt matmul`).
+    /// The step: a kernel's name, or a matmul's dtype and m x n x k.
     pub kernel: String,
     /// The first output's type, e.g. `bf16[4096, 18944]`.
     pub out: String,

@@ -71,8 +71,9 @@ pub trait Executor {
     fn persistent(&self, name: &str) -> Result<HostTensor>;
     fn memory(&self) -> MemoryStats;
     /// One step launched node by node with device events around each, where the executor
-    /// can (planned): each launched node's `(index, milliseconds)`. `None` where it cannot.
-    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, f64)>>> {
+    /// can (planned): `(node, step of its recipe, milliseconds)` for every launch, in order.
+    /// `None` where it cannot.
+    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, usize, f64)>>> {
         let _ = inputs;
         Ok(None)
     }

@@ -83,13 +83,13 @@ impl Placed {
         Ok(())
     }
 
-    /// Like [`Placed::launch`] but with a device event before and after every launched node;
-    /// synchronises and returns each node's `(index, milliseconds)`, in node order.
-    pub fn launch_timed(&self, range: std::ops::Range<usize>) -> Result<Vec<(usize, f64)>> {
+    /// Like [`Placed::launch`] but with a device event before and after every step of every
+    /// launched node; synchronises and returns `(node, step, milliseconds)`, in launch order.
+    pub fn launch_timed(&self, range: std::ops::Range<usize>) -> Result<Vec<(usize, usize, f64)>> {
         let p = &self.prog;
         let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
-        let mut events = Vec::new();
-        let new_event = || drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into());
+        let mut events: Vec<(usize, usize, sys::CUevent, sys::CUevent)> = Vec::new();
+        let stream = p.dev.stream();
         let result = (|| -> Result<()> {
             for n in range {
                 if p.is_view_node(n) {
@@ -98,23 +98,32 @@ impl Placed {
                 let (args, outs) = &self.addrs[n];
                 let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
                 let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes, node };
-                let (a, z) = (new_event()?, new_event()?);
-                events.push((n, a, z));
-                unsafe { drv::event::record(a, p.dev.stream()) }.ctx(|| "cuEventRecord".into())?;
-                unsafe { p.recipes[n].launch(&p.dev, n + 1, &b)? };
-                unsafe { drv::event::record(z, p.dev.stream()) }.ctx(|| "cuEventRecord".into())?;
+                let mut hook = |i: usize, before: bool| -> Result<()> {
+                    let e = if before {
+                        let a =
+                            drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
+                        let z =
+                            drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
+                        events.push((n, i, a, z));
+                        a
+                    } else {
+                        events.last().map(|e| e.3).ok_or_else(|| CudaError::usage("profile: no open event"))?
+                    };
+                    unsafe { drv::event::record(e, stream) }.ctx(|| "cuEventRecord".into())
+                };
+                unsafe { p.recipes[n].launch_each(&p.dev, n + 1, &b, &mut hook)? };
             }
             p.dev.synchronize()
         })();
         let mut times = Vec::with_capacity(events.len());
-        for (n, a, z) in events {
+        for (n, i, a, z) in events {
             let ms = unsafe { drv::event::elapsed(a, z) }.ctx(|| "cuEventElapsedTime".into());
             unsafe {
                 let _ = drv::event::destroy(a);
                 let _ = drv::event::destroy(z);
             }
             if result.is_ok() {
-                times.push((n, ms? as f64));
+                times.push((n, i, ms? as f64));
             }
         }
         result.map(|()| times)
@@ -202,7 +211,7 @@ impl PlannedExecutor {
 }
 
 impl Executor for PlannedExecutor {
-    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, f64)>>> {
+    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, usize, f64)>>> {
         self.upload(inputs)?;
         let pl = &self.placed;
         let times = pl.launch_timed(0..pl.prog.trace.nodes.len())?;

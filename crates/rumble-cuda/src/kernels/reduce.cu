@@ -1,5 +1,10 @@
 // Reductions along any axes (sum, mean, amax), one block per output element, fixed order:
 // each thread folds its elements in index order, then a shuffle tree (deterministic).
+// Few outputs over many elements (a loss's sum of all logits) split each output's reduced
+// range into `parts` fixed pieces: reduce_part_* writes one accumulator per (output, piece)
+// to scratch, reduce_fin_* folds the pieces in order. The split depends only on the shapes, so
+// the result is the same on every run. `contig`: the reduced axes are the trailing ones, so
+// reduced element r sits at base + r (no index arithmetic per element).
 
 // The input offset of output element o (kept dims) and of reduced element r (reduced dims).
 __device__ __forceinline__ i64 offset_of(i64 idx, const i64* dims, const i64* strides, int rank) {
@@ -11,42 +16,79 @@ __device__ __forceinline__ i64 offset_of(i64 idx, const i64* dims, const i64* st
   return off;
 }
 
-// mode 0: sum, 1: mean, 2: max (NaN wins)
+// Folds reduced elements [r0, r1) of output o into one accumulator per block (thread 0 holds it).
 template <typename T>
-__device__ void reduce_float(const T* __restrict__ in, T* __restrict__ out, Strides kept, Strides red, i64 n_out,
-                             i64 n_red, int mode) {
+__device__ __forceinline__ typename Acc<T>::t fold_range(const T* __restrict__ in, i64 base, Strides red, i64 r0,
+                                                         i64 r1, int mode, int contig) {
   typedef typename Acc<T>::t A;
   __shared__ A buf[32];
-  for (i64 o = blockIdx.x; o < n_out; o += gridDim.x) {
-    i64 base = offset_of(o, kept.dims, kept.in, kept.rank);
-    A acc = mode == 2 ? (A)(-F64_INF) : (A)0;
-    for (i64 r = threadIdx.x; r < n_red; r += blockDim.x) {
-      A v = ldf(in[base + offset_of(r, red.dims, red.in, red.rank)]);
-      if (mode == 2) {
-        if (!nan_(acc) && (nan_(v) || v > acc)) acc = v;
-      } else {
-        acc += v;
-      }
-    }
-    A r;
+  A acc = mode == 2 ? (A)(-F64_INF) : (A)0;
+  for (i64 r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+    A v = ldf(in[base + (contig ? r : offset_of(r, red.dims, red.in, red.rank))]);
     if (mode == 2) {
-      // NaN-propagating max tree.
-      int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-      for (int s = 16; s > 0; s >>= 1) {
-        A other = __shfl_xor_sync(0xffffffffu, acc, s);
-        acc = (nan_(acc) || nan_(other)) ? (A)F64_NAN : (other > acc ? other : acc);
-      }
-      __syncthreads();
-      if (lane == 0) buf[w] = acc;
-      __syncthreads();
-      r = buf[0];
-      for (int k = 1; k < nw; ++k) r = (nan_(r) || nan_(buf[k])) ? (A)F64_NAN : (buf[k] > r ? buf[k] : r);
-      __syncthreads();
+      if (!nan_(acc) && (nan_(v) || v > acc)) acc = v;
     } else {
-      r = block_sum(acc, buf);
-      if (mode == 1) r = r / (A)n_red;
+      acc += v;
     }
+  }
+  if (mode != 2) return block_sum(acc, buf);
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  for (int s = 16; s > 0; s >>= 1) {
+    A other = __shfl_xor_sync(0xffffffffu, acc, s);
+    acc = (nan_(acc) || nan_(other)) ? (A)F64_NAN : (other > acc ? other : acc);
+  }
+  __syncthreads();
+  if (lane == 0) buf[w] = acc;
+  __syncthreads();
+  A r = buf[0];
+  for (int k = 1; k < nw; ++k) r = (nan_(r) || nan_(buf[k])) ? (A)F64_NAN : (buf[k] > r ? buf[k] : r);
+  __syncthreads();
+  return r;
+}
+
+// mode 0: sum, 1: mean, 2: max (NaN wins). One block per output.
+template <typename T>
+__device__ void reduce_float(const T* __restrict__ in, T* __restrict__ out, Strides kept, Strides red, i64 n_out,
+                             i64 n_red, int mode, int contig) {
+  typedef typename Acc<T>::t A;
+  for (i64 o = blockIdx.x; o < n_out; o += gridDim.x) {
+    A r = fold_range<T>(in, offset_of(o, kept.dims, kept.in, kept.rank), red, 0, n_red, mode, contig);
+    if (mode == 1) r = r / (A)n_red;
     if (threadIdx.x == 0) stf(&out[o], r);
+  }
+}
+
+// Pass 1 of the split reduction: block (o, p) folds piece p (`chunk` reduced elements) of
+// output o into part[o * parts + p].
+template <typename T>
+__device__ void reduce_part(const T* __restrict__ in, typename Acc<T>::t* __restrict__ part, Strides kept,
+                            Strides red, i64 n_out, i64 n_red, i64 parts, i64 chunk, int mode, int contig) {
+  for (i64 b = blockIdx.x; b < n_out * parts; b += gridDim.x) {
+    const i64 o = b / parts, p = b % parts;
+    const i64 base = offset_of(o, kept.dims, kept.in, kept.rank);
+    const i64 r0 = p * chunk, r1 = r0 + chunk < n_red ? r0 + chunk : n_red;
+    typename Acc<T>::t r = fold_range<T>(in, base, red, r0, r1, mode, contig);
+    if (threadIdx.x == 0) part[b] = r;
+  }
+}
+
+// Pass 2: one thread per output folds its `parts` accumulators in order.
+template <typename T>
+__device__ void reduce_fin(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 n_out, i64 n_red,
+                           i64 parts, int mode) {
+  typedef typename Acc<T>::t A;
+  for (i64 o = (i64)blockIdx.x * blockDim.x + threadIdx.x; o < n_out; o += (i64)gridDim.x * blockDim.x) {
+    A r = part[o * parts];
+    for (i64 p = 1; p < parts; ++p) {
+      A v = part[o * parts + p];
+      if (mode == 2) {
+        r = (nan_(r) || nan_(v)) ? (A)F64_NAN : (v > r ? v : r);
+      } else {
+        r += v;
+      }
+    }
+    if (mode == 1) r = r / (A)n_red;
+    stf(&out[o], r);
   }
 }
 
@@ -78,9 +120,22 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
 
 #define REDUCE(T, SUF)                                                                                    \
   extern "C" __global__ void reduce_##SUF(const T* in, T* out, Strides kept, Strides red, i64 n_out, i64 n_red, \
-                                          int mode) {                                                     \
-    reduce_float<T>(in, out, kept, red, n_out, n_red, mode);                                              \
+                                          int mode, int contig) {                                         \
+    reduce_float<T>(in, out, kept, red, n_out, n_red, mode, contig);                                            \
   }
+#define REDUCE_SPLIT(T, SUF)                                                                              \
+  extern "C" __global__ void reduce_part_##SUF(const T* in, Acc<T>::t* part, Strides kept, Strides red, i64 n_out, \
+                                               i64 n_red, i64 parts, i64 chunk, int mode, int contig) {   \
+    reduce_part<T>(in, part, kept, red, n_out, n_red, parts, chunk, mode, contig);                         \
+  }                                                                                                       \
+  extern "C" __global__ void reduce_fin_##SUF(const Acc<T>::t* part, T* out, i64 n_out, i64 n_red, i64 parts, \
+                                              int mode) {                                                 \
+    reduce_fin<T>(part, out, n_out, n_red, parts, mode);                                                  \
+  }
+REDUCE_SPLIT(float, f32)
+REDUCE_SPLIT(double, f64)
+REDUCE_SPLIT(bf16, bf16)
+REDUCE_SPLIT(f16, f16)
 REDUCE(float, f32)
 REDUCE(double, f64)
 REDUCE(bf16, bf16)
