@@ -45,11 +45,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 res=$OUT/bench.jsonl
-for w in ${WORKLOADS:-small seed-qwen2 seed-llama}; do
+for w in ${WORKLOADS-small seed-qwen2 seed-llama}; do
   timeout "${PER:-150}" .gpu/rumble bench "$w" --device cuda --json --steps "${STEPS:-6}" >> "$res" 2>> "$OUT/rumble.err" \
     || echo "{\"workload\":\"$w\",\"executor\":\"rumble\",\"failed\":true}" >> "$res"
 done
-for w in ${REF_WORKLOADS:-small seed-qwen2}; do
+for w in ${REF_WORKLOADS-small seed-qwen2}; do
   for r in ${REFS:-torch-eager torch-compile-ro}; do
     timeout "${REF_PER:-120}" python3 bench/reference/torch_ref.py "$w" "$r" --steps 8 >> "$res" 2>> "$OUT/ref.err" \
       || echo "{\"workload\":\"$w\",\"executor\":\"$r\",\"failed\":true}" >> "$res"

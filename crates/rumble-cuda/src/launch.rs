@@ -130,7 +130,7 @@ impl Recipe {
             Step::ZeroOut { .. } => "memset".into(),
             Step::Copy { .. } => "memcpy".into(),
             Step::Matmul { key, .. } => format!(
-                "matmul {}{}x{}x{}{}",
+                "matmul {}{}{}x{}x{}",
                 key.dtype.name(),
                 if key.batch > 1 { format!(" {}x ", key.batch) } else { " ".into() },
                 key.m,

@@ -543,10 +543,11 @@ fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: u
 }
 
 /// `linear_cross_entropy` (and its backward) a chunk of rows at a time: each chunk's logits
-/// `x_c @ w^T` (f32, f64 for f64) go to scratch through cuBLASLt, then the cross-entropy row
-/// kernels run on them; the backward turns them into their gradient and multiplies it back
-/// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Scratch: the matmul workspace, then two chunks of
-/// logits, then per-row losses. (Issue 6 replaces this with one fused kernel.)
+/// `x_c @ w^T` (f32, f64 for f64) go to the node's scratch through cuBLASLt; each row's
+/// log-sum-exp is computed in pieces over several blocks (`ce_split_*` in rows.cu), so a chunk
+/// of ~100 rows of a 150k vocabulary still fills the GPU. The backward recomputes the chunk's
+/// logits, writes their gradient in the operand dtype and multiplies it back
+/// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Workspace: the matmuls' and the pieces' statistics.
 fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, backward: bool) -> Result<()> {
     let (x, w, tg) = (at[0], at[1], at[2]);
     let (n, c, v) = (x.dims()[0], x.dims()[1], w.dims()[0]);
@@ -576,11 +577,28 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         }
     }
     b.scratch(ws);
+    // Each row's log-sum-exp in `splits` pieces (ce_split_* in rows.cu): enough blocks to fill
+    // the GPU even when a chunk has fewer rows than there are SMs.
+    let sms = b.dev.multiprocessors.max(1);
+    let splits = (sms * 8).div_ceil(chunk).clamp(1, v.div_ceil(4096).max(1));
+    let span = v.div_ceil(splits).max(1);
+    let stats = b.scratch(chunk * splits * 2 * ssz);
+    let piece_grid = |rows: usize| ((rows * splits).clamp(1, sms * 64) as u32, 1, 1);
     // The chunk buffers live in the node's own scratch range (Op::scratch_bytes lays it out
     // the same way), so the planner overlaps them with buffers dead at this node.
     let logits = b.node(chunk * v * ssz);
     let s_name = sfx(s);
     let i_name = sfx(tg.dtype);
+    let stats_args = |rows: usize| {
+        vec![
+            Arg::Node(logits),
+            Arg::Scratch(stats),
+            Arg::I64(rows as i64),
+            Arg::I64(v as i64),
+            Arg::I64(splits as i64),
+            Arg::I64(span as i64),
+        ]
+    };
     if !backward {
         let loss = b.node(n * 8);
         let valid = b.node(n * 4);
@@ -596,36 +614,31 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
                 ws_bytes: ws,
                 beta: 0.0,
             });
+            b.k("rows", format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))?;
             let args = vec![
                 Arg::Node(logits),
                 Arg::InAt(2, r0 * isz),
+                Arg::Scratch(stats),
                 Arg::Node(loss + r0 * 8),
                 Arg::Node(valid + r0 * 4),
                 Arg::I64(rows as i64),
                 Arg::I64(v as i64),
+                Arg::I64(splits as i64),
                 Arg::I64(ignore),
                 Arg::Status,
                 Arg::Tag,
             ];
-            b.k("rows", format!("cross_entropy_rows_{s_name}_{i_name}"), rows_grid(b.dev, rows), 256, 0, args)?;
+            b.k("rows", format!("ce_split_rows_{s_name}_{i_name}"), (rows.div_ceil(128) as u32, 1, 1), 128, 0, args)?;
         }
         let args = vec![Arg::Node(loss), Arg::Node(valid), Arg::Out(0), Arg::I64(n as i64)];
         return b.k("rows", format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args);
     }
+    // The logit gradient, written straight in the operand dtype (its slot is sized for the
+    // f32 logits, so it also fits them).
     let dl = b.node(chunk * v * ssz);
     let count = b.node(4);
     let args = vec![Arg::In(2), Arg::Node(count), Arg::I64(n as i64), Arg::I64(ignore)];
     b.k("rows", format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
-    // bf16/f16: the f32 logit gradient is rounded to the operand dtype for the two matmuls.
-    let cast = if t != s {
-        let (from, to) = (TensorType::new(s, [1]), TensorType::new(t, [1]));
-        let f = Fused::of_op(&Op::Cast { to: t }, &[&from], &[&to]).ok_or_else(|| CudaError::usage("cast"))?;
-        let (src, name) = f.source(PRELUDE)?;
-        let func = b.dev.module(&name, &src, Options { fmad: false })?.function(&name)?;
-        Some((func, name))
-    } else {
-        None
-    };
     if n == 0 {
         b.steps.push(Step::ZeroOut { out: 1, bytes: v * c * tsz });
     }
@@ -641,40 +654,27 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
             ws_bytes: ws,
             beta: 0.0,
         });
+        b.k("rows", format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))?;
         let args = vec![
             Arg::Node(logits),
             Arg::InAt(2, r0 * isz),
+            Arg::Scratch(stats),
             Arg::In(3),
             Arg::Node(count),
             Arg::Node(dl),
             Arg::I64(rows as i64),
             Arg::I64(v as i64),
+            Arg::I64(splits as i64),
+            Arg::I64(span as i64),
             Arg::I64(ignore),
             Arg::Status,
             Arg::Tag,
         ];
-        b.k("rows", format!("cross_entropy_backward_{s_name}_{i_name}"), rows_grid(b.dev, rows), 256, 0, args)?;
-        // The gradient in the operand dtype: dl itself, or its cast into the logits buffer.
-        let g = match &cast {
-            Some((func, name)) => {
-                let e = rows * v;
-                let args = vec![Arg::Node(dl), Arg::Node(logits), Arg::I64(e as i64), Arg::Status, Arg::Tag];
-                b.steps.push(Step::Kernel {
-                    func: *func,
-                    name: name.clone(),
-                    grid: grid_for(b.dev, e, 256),
-                    block: 256,
-                    smem: 0,
-                    args,
-                });
-                logits
-            }
-            None => dl,
-        };
+        b.k("rows", format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t)), piece_grid(rows), 256, 0, args)?;
         let kx = key(t, t, false, false, rows, c, v);
         b.steps.push(Step::Matmul {
             key: kx,
-            a: Arg::Node(g),
+            a: Arg::Node(dl),
             b: Arg::In(1),
             c: Arg::OutAt(0, r0 * c * tsz),
             ws: 0,
@@ -685,7 +685,7 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         let beta = if r0 == 0 { 0.0 } else { 1.0 };
         b.steps.push(Step::Matmul {
             key: kw,
-            a: Arg::Node(g),
+            a: Arg::Node(dl),
             b: Arg::InAt(0, r0 * c * tsz),
             c: Arg::Out(1),
             ws: 0,

@@ -277,6 +277,17 @@ fn matmul_and_composite_ops_match_cpu() {
                 }
             };
             cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
+            cases.push(case(lce(true), vec![x, w, tg.clone(), dloss.clone()]));
+            // A long vocabulary (each row's log-sum-exp split over several blocks), a head
+            // size that is not a multiple of 8 (as in seed-qwen2's 28).
+            let (x, w) = (randn(t(d, &[45, 28]), r), randn(t(d, &[20000, 28]), r));
+            let tg = HostTensor::from_i64(
+                idt,
+                &[45],
+                &tg.to_i64().iter().map(|&v| if v < 0 { v } else { (v * 67) % 20000 }).collect::<Vec<_>>(),
+            )
+            .unwrap();
+            cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
             cases.push(case(lce(true), vec![x, w, tg, dloss]));
         }
     }

@@ -202,6 +202,122 @@ __device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const 
   }
 }
 
+// Cross-entropy over long rows (a vocabulary of 10^5) split across blocks: block b of a 1-D
+// grid works on row b / splits, columns [s * span, min(v, (s + 1) * span)) with s = b % splits,
+// so a chunk of a few hundred rows still fills the GPU. ce_split_stats writes each piece's
+// (max, sum of exp(x - max)); the row's log-sum-exp combines them in piece order (the same
+// value in every block that needs it: deterministic).
+template <typename T>
+__device__ void ce_split_stats(const T* __restrict__ x, typename Acc<T>::t* __restrict__ stats, i64 rows, i64 v,
+                               i64 splits, i64 span) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  for (i64 b = blockIdx.x; b < rows * splits; b += gridDim.x) {
+    const i64 row = b / splits, c0 = (b % splits) * span, c1 = c0 + span < v ? c0 + span : v;
+    const T* xr = x + row * v;
+    A m = (A)(-F64_INF);
+    for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) m = fmax_(m, ldf(xr[c]));
+    m = block_max(m, buf);
+    A sum = 0;
+    if (m != (A)(-F64_INF))
+      for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) sum += ex_(ldf(xr[c]) - m);
+    sum = block_sum(sum, buf);
+    if (threadIdx.x == 0) {
+      stats[2 * b] = m;
+      stats[2 * b + 1] = sum;
+    }
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A ce_combine(const A* st, i64 splits) {
+  A m = (A)(-F64_INF);
+  for (i64 s = 0; s < splits; ++s) m = fmax_(m, st[2 * s]);
+  A sum = 0;
+  for (i64 s = 0; s < splits; ++s)
+    if (st[2 * s + 1] != (A)0) sum += st[2 * s + 1] * ex_(st[2 * s] - m);
+  return m + ln_(sum);
+}
+
+// One thread per row: loss = lse - x[target] (f64), valid flag; ignored rows give 0.
+template <typename T, typename I>
+__device__ void ce_split_rows(const T* __restrict__ x, const I* __restrict__ tg, const typename Acc<T>::t* stats,
+                              double* loss, int* valid, i64 rows, i64 v, i64 splits, i64 ignore, int* status, int tag) {
+  for (i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (i64)gridDim.x * blockDim.x) {
+    i64 t = (i64)tg[row];
+    int ok = t != ignore;
+    if (ok && (t < 0 || t >= v)) {
+      report(status, tag, 3, t);
+      ok = 0;
+    }
+    if (!ok) {
+      loss[row] = 0.0;
+      valid[row] = 0;
+      continue;
+    }
+    loss[row] = (double)ce_combine(stats + 2 * row * splits, splits) - (double)ldf(x[row * v + t]);
+    valid[row] = 1;
+  }
+}
+
+// dx = (softmax(row) - onehot(target)) * dloss / count over this block's piece, written in the
+// operand dtype O (the matmuls that follow read it); 0 for ignored rows.
+template <typename T, typename I, typename O>
+__device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, const typename Acc<T>::t* stats,
+                             const typename Acc<T>::t* dloss, const int* count, O* __restrict__ dx, i64 rows, i64 v,
+                             i64 splits, i64 span, i64 ignore, int* status, int tag) {
+  typedef typename Acc<T>::t A;
+  for (i64 b = blockIdx.x; b < rows * splits; b += gridDim.x) {
+    const i64 row = b / splits, c0 = (b % splits) * span, c1 = c0 + span < v ? c0 + span : v;
+    const i64 t = (i64)tg[row];
+    O* dr = dx + row * v;
+    if (t == ignore || t < 0 || t >= v) {
+      if (t != ignore && threadIdx.x == 0 && c0 == 0) report(status, tag, 3, t);
+      for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) stf(&dr[c], (A)0);
+      continue;
+    }
+    const A lse = ce_combine(stats + 2 * row * splits, splits);
+    const int n = *count;
+    const A scale = (A)((double)*dloss / (double)(n > 0 ? n : 1));
+    const T* xr = x + row * v;
+    for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+      A p = ex_(ldf(xr[c]) - lse) - (c == t ? (A)1 : (A)0);
+      stf(&dr[c], p * scale);
+    }
+  }
+}
+
+#define CE_SPLIT_BWD(T, SUF, O, OSUF, I, ISUF)                                                                   \
+  extern "C" __global__ void ce_split_backward_##SUF##_##OSUF##_##ISUF(                                         \
+      const T* x, const I* tg, const Acc<T>::t* stats, const Acc<T>::t* dloss, const int* count, O* dx, i64 rows, \
+      i64 v, i64 splits, i64 span, i64 ignore, int* status, int tag) {                                          \
+    ce_split_bwd<T, I, O>(x, tg, stats, dloss, count, dx, rows, v, splits, span, ignore, status, tag);           \
+  }
+#define CE_SPLIT(T, SUF, I, ISUF)                                                                                \
+  extern "C" __global__ void ce_split_rows_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* stats,      \
+                                                          double* loss, int* valid, i64 rows, i64 v, i64 splits, \
+                                                          i64 ignore, int* status, int tag) {                    \
+    ce_split_rows<T, I>(x, tg, stats, loss, valid, rows, v, splits, ignore, status, tag);                       \
+  }
+extern "C" __global__ void ce_split_stats_f32(const float* x, float* stats, i64 rows, i64 v, i64 splits, i64 span) {
+  ce_split_stats<float>(x, stats, rows, v, splits, span);
+}
+extern "C" __global__ void ce_split_stats_f64(const double* x, double* stats, i64 rows, i64 v, i64 splits, i64 span) {
+  ce_split_stats<double>(x, stats, rows, v, splits, span);
+}
+CE_SPLIT(float, f32, int, i32)
+CE_SPLIT(float, f32, i64, i64)
+CE_SPLIT(double, f64, int, i32)
+CE_SPLIT(double, f64, i64, i64)
+CE_SPLIT_BWD(float, f32, float, f32, int, i32)
+CE_SPLIT_BWD(float, f32, float, f32, i64, i64)
+CE_SPLIT_BWD(float, f32, bf16, bf16, int, i32)
+CE_SPLIT_BWD(float, f32, bf16, bf16, i64, i64)
+CE_SPLIT_BWD(float, f32, f16, f16, int, i32)
+CE_SPLIT_BWD(float, f32, f16, f16, i64, i64)
+CE_SPLIT_BWD(double, f64, double, f64, int, i32)
+CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
+
 #define ROWS(T, SUF)                                                                                            \
   extern "C" __global__ void rms_norm_##SUF(const T* x, const T* w, T* y, i64 rows, i64 d, double eps) {       \
     rms_norm<T>(x, w, y, rows, d, eps);                                                                         \
