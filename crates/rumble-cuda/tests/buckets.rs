@@ -65,7 +65,12 @@ fn gradients_match_eager_per_shape_bit_for_bit() {
             assert_eq!(got, want, "{dtype} step {i} (seq {}): losses differ", SEQS[k]);
             let (o_b, o_e) = (outputs(&b, &progs[k]), outputs(&eager[k], &progs[k]));
             for (j, (x, y)) in o_b.iter().zip(&o_e).enumerate() {
-                assert!(x == y, "{dtype} step {i} (seq {}): output {} differs", SEQS[k], progs[k].trace.outputs[j].name);
+                assert!(
+                    x == y,
+                    "{dtype} step {i} (seq {}): output {} differs",
+                    SEQS[k],
+                    progs[k].trace.outputs[j].name
+                );
             }
             println!("{dtype} step {i} seq {}: loss and {} gradients bit-identical to eager", SEQS[k], o_b.len() - 1);
         }
