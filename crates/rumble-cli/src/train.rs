@@ -8,7 +8,7 @@ use std::time::Instant;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rumble_models::rng::Rng;
-use rumble_models::{Corpus, DeviceChoice, LrSchedule, ModelError, Result, ScheduleKind, Trainer, Weights};
+use rumble_models::{Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Result, ScheduleKind, Trainer, Weights};
 use serde_json::json;
 
 use crate::common::{ModelArgs, human};
@@ -59,6 +59,12 @@ pub struct TrainArgs {
     /// Log every N steps (the loss log and --json lines; the first and last step always).
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub log_every: u64,
+    /// Shape buckets: sequence lengths (e.g. 128,256,512), one compiled step (one CUDA graph
+    /// set, captured on first use, all sharing one arena) per length. Each step then samples
+    /// windows of a length drawn uniformly from 1 to the largest bucket, padded up to the
+    /// smallest bucket that holds it (padded targets are ignored by the loss). Replaces --seq.
+    #[arg(long, value_name = "SEQ,SEQ,...")]
+    pub buckets: Option<String>,
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -89,8 +95,20 @@ pub fn run(a: TrainArgs) -> Result<()> {
             ScheduleArg::Cosine => ScheduleKind::Cosine,
         },
     };
-    let sc = r.step.clone();
-    let mut trainer = Trainer::new(cfg.clone(), sc.clone(), weights, schedule, device)?;
+    let buckets = match &a.buckets {
+        Some(_) if a.model.seq.is_some() => {
+            return Err(ModelError::Usage("give --buckets or --seq, not both".into()));
+        }
+        Some(list) => Some(Buckets::seqs(r.step.batch, list)?),
+        None => None,
+    };
+    let mut trainer = match &buckets {
+        Some(b) => Trainer::with_buckets(cfg.clone(), r.step.clone(), b.clone(), weights, schedule, device)?,
+        None => Trainer::new(cfg.clone(), r.step.clone(), weights, schedule, device)?,
+    };
+    // With buckets: the largest bucket's shape.
+    let sc = trainer.step_config().clone();
+    let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&r.name));
     std::fs::create_dir_all(&out).map_err(|e| ModelError::io(&out, e))?;
     let log_path = out.join("loss.jsonl");
@@ -100,6 +118,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
         "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": a.steps,
         "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "corpus_bytes": corpus.len(),
+        "buckets": bucket_seqs,
     });
     let bar = if a.json {
         println!("{start}");
@@ -116,6 +135,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             a.steps,
             sc.optimizer.map(|o| o.name()).unwrap_or("-"),
         );
+        if buckets.is_some() {
+            eprintln!("shape buckets: seq {bucket_seqs:?}; each step's length drawn from 1..={}", sc.seq);
+        }
         let bar = ProgressBar::new(a.steps);
         let style =
             ProgressStyle::with_template("{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
@@ -125,12 +147,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
 
     let mut rng = Rng::for_name(a.seed, "batches");
+    let mut lengths = Rng::for_name(a.seed, "lengths");
     let t0 = Instant::now();
     let mut first_loss = None;
     let mut last = None;
     for i in 1..=a.steps {
-        let batches =
-            (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, sc.seq)).collect::<Result<Vec<_>>>()?;
+        let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
+        let batches = (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
@@ -148,6 +171,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(g) = s.grad_norm {
                 line["grad_norm"] = json!(g);
             }
+            if buckets.is_some() {
+                line["seq"] = json!(seq);
+            }
             writeln!(log, "{line}").map_err(|e| ModelError::io(&log_path, e))?;
             if a.json {
                 println!("{line}");
@@ -162,11 +188,20 @@ pub fn run(a: TrainArgs) -> Result<()> {
     trainer.save_checkpoint(&out)?;
     let elapsed = t0.elapsed().as_secs_f64();
     let final_loss = last.map(|s| s.loss);
+    let reports: Vec<_> = trainer
+        .bucket_reports()
+        .iter()
+        .map(|b| {
+            json!({"batch": b.shape.batch, "seq": b.shape.seq, "steps": b.steps, "captures": b.captures,
+                   "capture_s": b.capture_secs, "arena_bytes": b.arena_bytes})
+        })
+        .collect();
     if a.json {
         println!(
             "{}",
             json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "elapsed_s": elapsed,
-                   "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"), "loss_log": log_path})
+                   "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"), "loss_log": log_path,
+                   "buckets": reports})
         );
     } else {
         eprintln!(
@@ -176,6 +211,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
             out.join("model.safetensors").display(),
             log_path.display()
         );
+        for b in trainer.bucket_reports() {
+            eprintln!(
+                "bucket {}: {} steps, {} capture(s) in {:.1} ms, arena {} bytes",
+                b.shape,
+                b.steps,
+                b.captures,
+                b.capture_secs * 1e3,
+                b.arena_bytes
+            );
+        }
     }
     Ok(())
 }

@@ -28,4 +28,6 @@ pub mod recipe;
 pub use device::{Device, available};
 pub use error::{CudaError, Result};
 
-pub use exec::{EagerExecutor, Executor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program};
+pub use exec::{
+    BucketedGraphs, EagerExecutor, Executor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program,
+};

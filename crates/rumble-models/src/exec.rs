@@ -12,6 +12,7 @@ use std::str::FromStr;
 use rumble_core::ir::{InputRole, OutputRole};
 use rumble_core::{TensorType, Trace};
 
+use crate::buckets::BucketReport;
 use crate::cuda::{CudaExecutor, CudaMode};
 use crate::error::{ModelError, Result};
 
@@ -69,6 +70,11 @@ pub trait Executor {
     /// Memory and plan figures, for executors that measure them.
     fn stats(&self) -> Option<ExecStats> {
         None
+    }
+
+    /// Per shape bucket: steps run and graph captures (empty for executors of one shape).
+    fn buckets(&self) -> Vec<BucketReport> {
+        Vec::new()
     }
 }
 
@@ -161,7 +167,7 @@ impl CpuExecutor {
     }
 }
 
-fn check_type(trace: &Trace, name: &str, want: &TensorType, t: &HostTensor) -> Result<()> {
+pub(crate) fn check_type(trace: &Trace, name: &str, want: &TensorType, t: &HostTensor) -> Result<()> {
     if &t.ty != want || t.bytes.len() != want.size_in_bytes() {
         return Err(ModelError::Usage(format!(
             "trace `{}`: input `{name}` needs {want}, got {} ({} bytes)",

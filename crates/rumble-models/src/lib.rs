@@ -5,8 +5,10 @@
 //! numbers: seeded init, safetensors load/save) -> [`model`] (the forward pass, built with
 //! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
 //! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
-//! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows).
+//! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows);
+//! [`buckets`] runs batches of changing shape in one step per bucket shape, padded.
 
+pub mod buckets;
 pub mod config;
 pub mod cuda;
 pub mod data;
@@ -21,6 +23,7 @@ pub mod step;
 pub mod trainer;
 pub mod weights;
 
+pub use buckets::{BucketReport, BucketedExecutor, Buckets, Shape};
 pub use config::{Arch, Config};
 pub use cuda::{CudaExecutor, CudaMode};
 pub use data::{Batch, Corpus};

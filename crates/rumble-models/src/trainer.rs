@@ -9,10 +9,11 @@ use std::path::Path;
 use rumble_core::Trace;
 use rumble_core::passes::{self, Pass};
 
+use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{Device, DeviceChoice, ExecStats, Executor, executor};
+use crate::exec::{Device, DeviceChoice, ExecStats, Executor, cuda_unavailable, executor};
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
@@ -84,6 +85,8 @@ pub struct Trainer {
     exec: Box<dyn Executor>,
     schedule: LrSchedule,
     step: u64,
+    /// Shape buckets: batches of any shape a bucket holds, padded to it by the executor.
+    buckets: Option<Buckets>,
 }
 
 impl Trainer {
@@ -114,7 +117,61 @@ impl Trainer {
         let mut persistent = weights.tensors;
         persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
         let exec = make(trace, persistent)?;
-        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0 })
+        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0, buckets: None })
+    }
+
+    /// As `new`, with one step per shape bucket (`sc`'s batch and seq are replaced by each
+    /// bucket's) sharing the parameters and optimizer states: [`Trainer::step`] then takes
+    /// batches of any shape a bucket holds, every micro-batch of a step the same shape. CUDA
+    /// runs them as `rumble_cuda::BucketedGraphs` (graphs captured on a bucket's first step).
+    pub fn with_buckets(
+        cfg: Config,
+        sc: StepConfig,
+        buckets: Buckets,
+        weights: Weights,
+        schedule: LrSchedule,
+        device: DeviceChoice,
+    ) -> Result<Trainer> {
+        let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
+        if sc.objective != Objective::CausalLm {
+            return Err(ModelError::Usage(
+                "shape buckets need the causal-LM objective (padding would change logits.sum())".into(),
+            ));
+        }
+        let device = match device {
+            DeviceChoice::Cpu => Device::Cpu,
+            DeviceChoice::Cuda => match cuda_unavailable() {
+                Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
+                None => Device::Cuda,
+            },
+            DeviceChoice::Auto => {
+                if cuda_unavailable().is_some() {
+                    Device::Cpu
+                } else {
+                    Device::Cuda
+                }
+            }
+        };
+        let mut traces = Vec::new();
+        let mut first: Option<TrainStep> = None;
+        for s in buckets.shapes() {
+            let step = build_train_step(&cfg, &StepConfig { batch: s.batch, seq: s.seq, ..sc.clone() })?;
+            traces.push(passes::run(&step.trace, PIPELINE)?.0);
+            first.get_or_insert(step);
+        }
+        let TrainStep { data_inputs, states, .. } =
+            first.ok_or_else(|| ModelError::Usage("shape buckets: none given".into()))?;
+        let mut persistent = weights.tensors;
+        persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
+        let exec = BucketedExecutor::new(buckets.clone(), traces, persistent, device)?;
+        let max = buckets.max();
+        let sc = StepConfig { batch: max.batch, seq: max.seq, ..sc };
+        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec: Box::new(exec), schedule, step: 0, buckets: Some(buckets) })
+    }
+
+    /// Per shape bucket: steps run, graph captures and their seconds (empty without buckets).
+    pub fn bucket_reports(&self) -> Vec<BucketReport> {
+        self.exec.buckets()
     }
 
     pub fn device(&self) -> Device {
@@ -148,13 +205,27 @@ impl Trainer {
                 batches.len()
             )));
         }
-        let (b, t) = (self.sc.batch, self.sc.seq);
+        // With buckets, any shape a bucket holds (the executor pads it), one shape per step.
+        let (b, t) = match (&self.buckets, batches.first()) {
+            (Some(_), Some(first)) => (first.batch, first.seq),
+            _ => (self.sc.batch, self.sc.seq),
+        };
         let mut data: Vec<HostTensor> = Vec::with_capacity(self.data_inputs.len());
         for batch in batches {
             if (batch.batch, batch.seq) != (b, t) {
                 return Err(ModelError::Usage(format!(
-                    "batch of shape ({}, {}) given to a step built for ({b}, {t})",
-                    batch.batch, batch.seq
+                    "batch of shape ({}, {}) given to a step {} ({b}, {t})",
+                    batch.batch,
+                    batch.seq,
+                    if self.buckets.is_some() { "whose first micro-batch is" } else { "built for" }
+                )));
+            }
+            if batch.tokens.len() != b * t || batch.targets.len() != b * t {
+                return Err(ModelError::Usage(format!(
+                    "batch ({b}, {t}) holds {} tokens and {} targets, not {}",
+                    batch.tokens.len(),
+                    batch.targets.len(),
+                    b * t
                 )));
             }
             let vocab = self.cfg.vocab_size as i64;

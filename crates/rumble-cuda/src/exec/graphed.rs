@@ -55,7 +55,13 @@ pub struct GraphedExecutor {
 
 impl GraphedExecutor {
     pub fn new(prog: Arc<Program>, persistent: &[HostTensor], mode: GraphMode) -> Result<Self> {
-        let placed = Placed::new(prog.clone(), persistent)?;
+        Self::with_placed(Placed::new(prog, persistent)?, mode)
+    }
+
+    /// Captures the graphs of a program already placed (its buffers possibly shared with
+    /// other programs: shape buckets).
+    pub(crate) fn with_placed(placed: Placed, mode: GraphMode) -> Result<Self> {
+        let prog = placed.prog.clone();
         let dev = prog.dev.clone();
         let t = &prog.trace;
         let n = t.nodes.len();
@@ -184,6 +190,11 @@ impl GraphedExecutor {
         };
         unsafe { drv::graph::upload(exec, stream) }.map_err(|e| cap_err(format!("cuGraphUpload: {}", describe(&e))))?;
         Ok(Segment { name: name.to_string(), nodes: range, graph, exec, graph_nodes: count })
+    }
+
+    /// Bytes of pinned host memory holding the per-step inputs and the returned outputs.
+    pub fn pinned_bytes(&self) -> usize {
+        self.pinned_in.bytes + self.pinned_out.bytes
     }
 
     /// `(name, IR nodes, CUDA graph nodes)` of each captured graph.

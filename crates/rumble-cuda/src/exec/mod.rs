@@ -6,13 +6,17 @@
 //! - [`PlannedExecutor`]: op by op in the plan's one arena and persistent region;
 //! - [`GraphedExecutor`]: the planned launches captured into CUDA graphs (the whole step, or
 //!   forward and backward as two graphs over the same arena) and replayed, inputs and returned
-//!   outputs moving through pinned host buffers inside the graphs.
+//!   outputs moving through pinned host buffers inside the graphs;
+//! - [`BucketedGraphs`]: several programs of one model (shape buckets: another batch or
+//!   sequence length) as graphs captured on first use, over one shared arena and persistent
+//!   region (`buckets.rs`).
 //!
 //! All three launch the same recipes in the same order, so they compute the same bits.
 //! Persistent inputs (params, optimizer state) are given once when an executor is built; each
 //! step takes the other inputs, in trace order. `Update` outputs are written back to their
 //! input's persistent buffer at the end of the step (unless the plan computed them there).
 
+mod buckets;
 mod eager;
 mod graphed;
 mod planned;
@@ -28,6 +32,7 @@ use crate::error::{CudaError, Result};
 use crate::launch::Recipe;
 use crate::recipe::prepare;
 
+pub use buckets::{BucketStats, BucketedGraphs, check_shared_layout};
 pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;

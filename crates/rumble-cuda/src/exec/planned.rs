@@ -1,6 +1,7 @@
 //! The planned executor: one arena and one persistent region, allocated once from the plan,
 //! every node launched with its slots' addresses. [`Placed`] (the buffers and each node's
-//! resolved addresses) is shared with the graphed executor.
+//! resolved addresses) is shared with the graphed executor; its buffers are reference-counted
+//! so several programs (shape buckets) can be placed over the same arena and persistent region.
 
 use std::sync::Arc;
 
@@ -16,8 +17,10 @@ use crate::memory::{DeviceBuffer, download};
 /// A program's buffers placed in device memory, with each node's addresses resolved.
 pub(crate) struct Placed {
     pub prog: Arc<Program>,
-    pub arena: DeviceBuffer,
-    pub persistent: DeviceBuffer,
+    /// At least `plan.arena_bytes` (shape buckets share one sized for the largest).
+    pub arena: Arc<DeviceBuffer>,
+    /// At least `plan.persistent_bytes`, laid out as the plan says.
+    pub persistent: Arc<DeviceBuffer>,
     /// Per node: operand and output addresses.
     pub addrs: Vec<(Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>)>,
     /// Free device bytes before the executor allocated anything.
@@ -44,13 +47,31 @@ impl Placed {
                 free,
             });
         }
-        let arena = DeviceBuffer::new(&dev, plan.arena_bytes, "the arena")?;
-        let pers = DeviceBuffer::new(&dev, plan.persistent_bytes, "the persistent region")?;
-        let mut placed = Placed { prog: prog.clone(), arena, persistent: pers, addrs: Vec::new(), free_before: free };
+        let arena = Arc::new(DeviceBuffer::new(&dev, plan.arena_bytes, "the arena")?);
+        let pers = Arc::new(DeviceBuffer::new(&dev, plan.persistent_bytes, "the persistent region")?);
         for (&i, h) in pers_idx.iter().zip(persistent) {
             let s = plan.slot(prog.trace.inputs[i].value)?;
-            placed.persistent.upload(&dev, s.offset, &h.bytes)?;
+            pers.upload(&dev, s.offset, &h.bytes)?;
         }
+        Placed::on(prog, arena, pers, free)
+    }
+
+    /// Places `prog` over buffers someone else allocated (and filled: nothing is uploaded);
+    /// `free_before` is the free device memory before they were allocated.
+    pub fn on(
+        prog: Arc<Program>,
+        arena: Arc<DeviceBuffer>,
+        persistent: Arc<DeviceBuffer>,
+        free_before: usize,
+    ) -> Result<Placed> {
+        let plan = &prog.plan;
+        if arena.bytes < plan.arena_bytes || persistent.bytes < plan.persistent_bytes {
+            return Err(CudaError::usage(format!(
+                "`{}` needs an arena of {} and a persistent region of {} bytes; given {} and {}",
+                prog.trace.name, plan.arena_bytes, plan.persistent_bytes, arena.bytes, persistent.bytes
+            )));
+        }
+        let mut placed = Placed { prog: prog.clone(), arena, persistent, addrs: Vec::new(), free_before };
         let mut addrs = Vec::with_capacity(prog.trace.nodes.len());
         for node in &prog.trace.nodes {
             let a = node.args.iter().map(|v| placed.ptr(*v)).collect::<Result<Vec<_>>>()?;
@@ -155,8 +176,7 @@ impl Placed {
     }
 
     pub fn stats(&self) -> MemoryStats {
-        let plan = &self.prog.plan;
-        let held = plan.arena_bytes + plan.persistent_bytes;
+        let held = self.arena.bytes + self.persistent.bytes;
         let rise = self.prog.dev.mem_info().map(|(f, _)| self.free_before.saturating_sub(f)).unwrap_or(0);
         MemoryStats { peak_bytes: held, reserved_bytes: held, device_rise_bytes: rise }
     }
