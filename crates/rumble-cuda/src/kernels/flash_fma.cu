@@ -517,22 +517,29 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
 }
 }  // namespace fa
 
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_fwd(const float* q, const float* k, const float* v,
+// 256 threads, one block an SM (shared memory allows no more): all 255 registers may be used.
+#ifdef FLASH_EMU
+#define FA_BOUNDS
+#else
+#define FA_BOUNDS __launch_bounds__(fa::NT, 1)
+#endif
+
+extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, const float* v,
                                                                float* o, float* lse, fa::Dims dm, double scale,
                                                                int causal) {
   fa::fwd(q, k, v, o, lse, dm, scale, causal);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const float* o, const float* dout, float* delta,
+extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta,
                                                                      i64 rows, i64 d) {
   fa::bwd_delta(o, dout, delta, rows, d);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv(const float* q, const float* k, const float* v,
+extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float* k, const float* v,
                                                                     const float* lse, const float* dout,
                                                                     const float* delta, float* dk, float* dv,
                                                                     fa::Dims dm, double scale, int causal) {
   fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const float* q, const float* k, const float* v,
+extern "C" __global__ void FA_BOUNDS flash_bwd_dq(const float* q, const float* k, const float* v,
                                                                   const float* lse, const float* dout,
                                                                   const float* delta, float* dq, fa::Dims dm,
                                                                   double scale, int causal) {
