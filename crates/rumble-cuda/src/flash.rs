@@ -1,6 +1,7 @@
 //! Flash attention: the recipes of `Op::Attention` and `Op::AttentionBackward` on the tiled
 //! kernels of `kernels/flash_attn.cu` (bf16/f16 on the tensor cores, mma.sync m16n8k16 with
-//! f32 accumulation) and `kernels/flash_fma.cu` (f32 with plain FMA). Both keep their tiles
+//! f32 accumulation) and `kernels/flash_fma.cu` (f32 with plain FMA and register-blocked
+//! tiles; `RUMBLE_FLASH_FMA_CFG=b` picks its second tiling). Both keep their tiles
 //! in shared memory and registers, save only o and the log-sum-exp, and need O(seq x head)
 //! memory; the backward's only scratch is one f32 per query row (`delta = rowsum(dO * O)`),
 //! part of the recipe's scratch and so of the plan's workspace.
@@ -24,8 +25,12 @@ use crate::recipe::PRELUDE;
 
 const MMA: &str = include_str!("kernels/flash_attn.cu");
 const FMA: &str = include_str!("kernels/flash_fma.cu");
-/// Threads per block of every flash kernel.
+/// Threads per block of the tensor-core flash kernels (`fa::NT` of flash_attn.cu).
 const THREADS: u32 = 128;
+/// Threads per block of the FMA flash kernels (`fa::NT` of flash_fma.cu).
+const FMA_THREADS: u32 = 256;
+/// Opt-in shared memory per block on sm_90 (`fa::SMEM_MAX` of flash_fma.cu).
+const SMEM_MAX: usize = 227 * 1024;
 /// The largest head size the flash kernels take.
 pub const MAX_HEAD: usize = 256;
 
@@ -34,8 +39,9 @@ pub const MAX_HEAD: usize = 256;
 pub enum Variant {
     /// Tensor cores: bf16 or f16 operands; `dp` = head size rounded up to 16 (at least 16).
     Mma { dtype: DType, dp: usize },
-    /// f32 with FMA; `dp` = head size rounded up to 32.
-    Fma { dp: usize },
+    /// f32 with FMA; `dp` = head size rounded up to 32; `big`: the second tiling (64-key
+    /// forward and 64-query dK/dV tiles instead of 32, `RUMBLE_FLASH_FMA_CFG=b`).
+    Fma { dp: usize, big: bool },
 }
 
 /// The flash kernels for `dtype` and head size `d` on a GPU of compute capability `cc`, or
@@ -46,9 +52,14 @@ pub fn choose(cc: (i32, i32), dtype: DType, d: usize) -> Option<Variant> {
     }
     match dtype {
         DType::BF16 | DType::F16 => Some(Variant::Mma { dtype, dp: d.div_ceil(16).max(1) * 16 }),
-        DType::F32 => Some(Variant::Fma { dp: d.div_ceil(32) * 32 }),
+        DType::F32 => Some(Variant::Fma { dp: d.div_ceil(32) * 32, big: fma_big() }),
         _ => None,
     }
+}
+
+/// `RUMBLE_FLASH_FMA_CFG=b` selects the FMA kernels' second tiling (`a`, the default, the first).
+fn fma_big() -> bool {
+    std::env::var("RUMBLE_FLASH_FMA_CFG").is_ok_and(|v| v == "b")
 }
 
 /// The launch shape of a variant's kernels: mirrors the `FWD_ROWS` ... `SMEM_DKDV` constants
@@ -68,15 +79,23 @@ pub struct Shape {
 impl Variant {
     pub fn dp(&self) -> usize {
         match *self {
-            Variant::Mma { dp, .. } | Variant::Fma { dp } => dp,
+            Variant::Mma { dp, .. } | Variant::Fma { dp, .. } => dp,
         }
     }
 
-    /// Module name, e.g. `flash_bf16_d64`.
+    /// Threads per block of every kernel of the variant.
+    pub fn threads(&self) -> u32 {
+        match self {
+            Variant::Mma { .. } => THREADS,
+            Variant::Fma { .. } => FMA_THREADS,
+        }
+    }
+
+    /// Module name, e.g. `flash_bf16_d64` or `flash_f32_d128b` (FMA, second tiling).
     pub fn name(&self) -> String {
         match self {
             Variant::Mma { dtype, dp } => format!("flash_{}_d{dp}", dtype.name()),
-            Variant::Fma { dp } => format!("flash_f32_d{dp}"),
+            Variant::Fma { dp, big } => format!("flash_f32_d{dp}{}", if *big { "b" } else { "" }),
         }
     }
 
@@ -87,7 +106,9 @@ impl Variant {
                 let f16 = (*dtype == DType::F16) as i32;
                 format!("{PRELUDE}\n#define FT {}\n#define FLASH_F16 {f16}\n#define FDP {dp}\n{MMA}", dtype.name())
             }
-            Variant::Fma { dp } => format!("{PRELUDE}\n#define FDPF {dp}\n{FMA}"),
+            Variant::Fma { dp, big } => {
+                format!("{PRELUDE}\n#define FDPF {dp}\n#define FLASH_FMA_CFG {}\n{FMA}", *big as i32)
+            }
         }
     }
 
@@ -111,18 +132,25 @@ impl Variant {
                     smem_dkdv: (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4,
                 }
             }
-            Variant::Fma { dp } => {
-                let (fbr, fbc) = (64, if dp <= 64 { 64 } else { 32 });
-                let (br, bc) = (32, 32);
+            Variant::Fma { dp, big } => {
+                let ld = dp + 4;
+                let fbr = if dp <= 128 { 128 } else { 64 };
+                let fbc = if big { 64 } else { 32 };
+                let lpf = fbc + 8;
                 let dc = dp.min(128);
+                let (qbc, lpq) = (32, 40);
+                let (bk, ktx, bq) = (64, if dc % 64 == 0 { 16 } else { 8 }, if big && dp <= 128 { 64 } else { 32 });
+                let lpk = bq + ktx;
+                // Double-buffered (nb = 2) where that fits, as the kernel file decides.
+                let fit = |f: &dyn Fn(usize) -> usize| if f(2) <= SMEM_MAX { f(2) } else { f(1) };
                 Shape {
                     fwd_rows: fbr,
-                    dq_rows: br,
-                    dkdv_keys: bc,
+                    dq_rows: fbr,
+                    dkdv_keys: bk,
                     nchunk: dp.div_ceil(dc),
-                    smem_fwd: (dp * (fbr + 4) + dp * (fbc + 4) + fbc * dp + fbc * (fbr + 4)) * 4,
-                    smem_dq: (2 * dp * (br + 4) + 2 * dp * (bc + 4) + bc * dp + bc * (br + 4)) * 4,
-                    smem_dkdv: (2 * dp * (bc + 4) + 2 * dp * (br + 4) + 2 * br * dp + 2 * br * (bc + 4) + 2 * br) * 4,
+                    smem_fwd: fit(&|nb| (fbr * ld + 2 * nb * fbc * ld + fbr * lpf) * 4),
+                    smem_dq: fit(&|nb| (2 * fbr * ld + 2 * nb * qbc * ld + fbr * lpq) * 4),
+                    smem_dkdv: fit(&|nb| (2 * bk * ld + 2 * nb * bq * ld + 2 * bk * lpk + 2 * nb * bq) * 4),
                 }
             }
         }
@@ -132,7 +160,8 @@ impl Variant {
     pub fn all() -> Vec<Variant> {
         let mut v: Vec<Variant> = (1..=16).map(|i| Variant::Mma { dtype: DType::BF16, dp: 16 * i }).collect();
         v.extend((1..=16).map(|i| Variant::Mma { dtype: DType::F16, dp: 16 * i }));
-        v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i }));
+        v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i, big: false }));
+        v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i, big: true }));
         v
     }
 }
@@ -192,7 +221,8 @@ fn build(
                 .ctx(|| format!("allowing {smem} bytes of shared memory to `{kname}` in `{name}`"))?;
         }
         let grid = (u32::try_from(grid.0).map_err(|_| CudaError::usage(format!("grid of {kname}")))?, grid.1 as u32, 1);
-        Ok(Step::Kernel { func, name: format!("{name}/{kname}"), grid, block: THREADS, smem: smem as u32, args })
+        let block = variant.threads();
+        Ok(Step::Kernel { func, name: format!("{name}/{kname}"), grid, block, smem: smem as u32, args })
     };
     let dims = Arg::Blob([b, hq, hkv, t, s, d].iter().map(|&x| x as u64).collect());
     let (sc, ca) = (Arg::F64(scale), Arg::I32(causal as i32));
@@ -207,7 +237,7 @@ fn build(
     }
     // Scratch: delta, one f32 per query row.
     if rows > 0 {
-        let blocks = rows.div_ceil(4).clamp(1, dev.multiprocessors.max(1) * 16);
+        let blocks = rows.div_ceil(variant.threads() as usize / 32).clamp(1, dev.multiprocessors.max(1) * 16);
         let args = vec![Arg::In(3), Arg::In(5), Arg::Scratch(0), Arg::I64(rows as i64), Arg::I64(d as i64)];
         steps.push(kernel("flash_bwd_delta", (blocks, 1), 0, args)?);
     }
@@ -258,7 +288,7 @@ mod tests {
         }
         assert_eq!(choose(h100, DType::BF16, 1), Some(Variant::Mma { dtype: DType::BF16, dp: 16 }));
         assert_eq!(choose(h100, DType::BF16, 100), Some(Variant::Mma { dtype: DType::BF16, dp: 112 }));
-        assert_eq!(choose(h100, DType::F32, 100), Some(Variant::Fma { dp: 128 }));
+        assert!(matches!(choose(h100, DType::F32, 100), Some(Variant::Fma { dp: 128, .. })));
         assert_eq!(choose(h100, DType::F64, 64), None);
         assert_eq!(choose(h100, DType::BF16, 257), None);
         assert_eq!(choose((7, 5), DType::BF16, 64), None);
@@ -278,5 +308,14 @@ mod tests {
         assert_eq!((s.fwd_rows, s.smem_fwd, s.smem_dq, s.smem_dkdv, s.nchunk), (128, 69632, 104448, 70144, 1));
         let s = Variant::Mma { dtype: DType::BF16, dp: 144 }.shape();
         assert_eq!(s.nchunk, 2);
+        // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.
+        let s = Variant::Fma { dp: 128, big: false }.shape();
+        assert_eq!((s.fwd_rows, s.dq_rows, s.dkdv_keys, s.nchunk), (128, 128, 64, 1));
+        assert_eq!((s.smem_fwd, s.smem_dq, s.smem_dkdv), (155648, 223232, 160256));
+        // The second tiling: the fwd and dkdv buffers no longer fit twice.
+        let s = Variant::Fma { dp: 128, big: true }.shape();
+        assert_eq!((s.smem_fwd, s.smem_dq, s.smem_dkdv), (172032, 223232, 176640));
+        assert_eq!(Variant::Fma { dp: 256, big: false }.shape().nchunk, 2);
+        assert_eq!(Variant::Fma { dp: 128, big: true }.name(), "flash_f32_d128b");
     }
 }

@@ -1,17 +1,37 @@
 // Flash attention in f32 with plain FMA (exact f32, no TF32), forward and backward, for
 // grouped-query heads and any head size up to 256 (FDPF: the head size rounded up to 32).
 // The same entry points and arguments as flash_attn.cu (the tensor-core kernels for bf16 and
-// f16); one module per FDPF.
+// f16); one module per (FDPF, FLASH_FMA_CFG).
 //
-// A block is 128 threads seen as 16 x 8 (ty = tid / 8, tx = tid % 8). A score tile is held in
-// registers as a register micro-tile: rows ty * RM + r, columns h * 32 + tx * 4 + j. The
-// operands of the score products sit in shared memory transposed ([head dim][row]), so each
-// step of the dot products is one 16-byte load per operand; probabilities go back through
-// shared memory ([key][row]) to be multiplied by V (row-major). Only o and the log-sum-exp
-// are saved. Deterministic: no atomics (dK/dV and dQ are separate kernels, as for the
-// tensor-core kernels).
+// A block is 256 threads. Every tile (Q, K, V, dO) sits in shared memory row-major with a row
+// stride of DP + 4 floats, filled by cp.async (16 bytes at a time when the head size is a
+// multiple of 4, plain loads otherwise) and, where shared memory allows, double-buffered so the
+// next tile streams in while this one is used. Products are register-blocked: each thread owns
+// a micro-tile of every result (rows spaced by the number of thread rows, columns spaced by the
+// number of thread columns, or float4 column chunks for head-dim results) and reads its
+// operands as float4 along the contracted dimension:
+//   - "nt" (S = Q K^T, dP = dO V^T and their transposes): both operands contract along the
+//     head dim, rows ty + TY * i of one and tx + TX * j of the other; the stride DP + 4 keeps
+//     the 8 rows a quarter-warp reads in different banks;
+//   - "nn" (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q): P / dS rows (float4 along the
+//     keys or queries) times row-major head-dim rows (float4 column chunks).
+// Probabilities and dS go through shared memory between the two products. Only o and the
+// log-sum-exp are saved. Deterministic: no atomics (dK/dV and dQ are separate kernels, as
+// for the tensor-core kernels).
+//
+// FLASH_FMA_CFG picks between two tilings (src/flash.rs reads RUMBLE_FLASH_FMA_CFG):
+// 0 ("a"): 32-key tiles in the forward, 32-query tiles in dK/dV;
+// 1 ("b"): 64-key tiles in the forward, 64-query tiles in dK/dV up to head size 128 (bigger
+// register tiles, single-buffered where two buffers no longer fit). dQ takes 32-key tiles.
 
 #ifndef FLASH_EMU
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// 16 bytes global -> shared, asynchronously; the bytes past `src_bytes` (0 or 16) are zeros.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -22,47 +42,69 @@ __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sy
 #define FLASH_SYNC() __syncthreads()
 #endif
 
+#ifndef FLASH_FMA_CFG
+#define FLASH_FMA_CFG 0
+#endif
+
 namespace fa {
 typedef float T;
 struct Dims { i64 b, hq, hkv, t, s, d; };
-constexpr int NT = 128;
+constexpr int NT = 256;
 constexpr int DP = FDPF;  // head size rounded up to 32
-// forward: 64 queries a block (4 per thread row), keys in tiles of FBC
-constexpr int FBR = 64, FBC = DP <= 64 ? 64 : 32;
-// backward: 32 queries (dq) / 32 keys (dk, dv) a block, the other side in tiles of 32
-constexpr int BR = 32, BC = 32;
-constexpr int DC = DP <= 128 ? DP : 128;  // dk/dv: head dims accumulated per block
+constexpr int LD = DP + 4;  // row stride of every head-dim tile in shared memory
+constexpr bool BIG = FLASH_FMA_CFG == 1;
+constexpr int SMEM_MAX = 227 * 1024;
+// forward and dQ: FBR queries a block, threads 32 x 8 (ty = tid / 8, tx = tid % 8), RQ rows each;
+// keys in tiles of FBC (the score tile of a thread: RQ x FBC / 8).
+constexpr int FTX = 8, FTY = NT / FTX;
+constexpr int FBR = DP <= 128 ? 128 : 64, RQ = FBR / FTY;
+constexpr int FBC = BIG ? 64 : 32, LPF = FBC + 8;
+constexpr int QBC = 32, LPQ = QBC + 8;  // dQ: keys in tiles of QBC (Q and dO stay resident)
+// Shared bytes with nb buffers of the streamed tiles; two where they fit.
+#define FA_SMEM_FWD(nb) ((FBR * LD + 2 * (nb) * FBC * LD + FBR * LPF) * 4)
+#define FA_SMEM_DQ(nb) ((2 * FBR * LD + 2 * (nb) * QBC * LD + FBR * LPQ) * 4)
+constexpr int FNB = FA_SMEM_FWD(2) <= SMEM_MAX ? 2 : 1, QNB = FA_SMEM_DQ(2) <= SMEM_MAX ? 2 : 1;
+// dK/dV: BK keys a block, head dims [c0, c0 + DC); threads KTY x KTX (ty = tid / KTX), RK keys
+// each, UK float4 column chunks; queries in tiles of BQ (score tile of a thread: RK x BQ / KTX).
+constexpr int BK = 64;
+constexpr int DC = DP <= 128 ? DP : 128;
+constexpr int NCH = (DP + DC - 1) / DC;
+constexpr int KTX = DC % 64 == 0 ? 16 : 8, KTY = NT / KTX, RK = BK / KTY, UK = DC / (4 * KTX);
+constexpr int BQ = BIG && DP <= 128 ? 64 : 32, LPK = BQ + KTX;
+#define FA_SMEM_DKDV(nb) ((2 * BK * LD + 2 * (nb) * BQ * LD + 2 * BK * LPK + 2 * (nb) * BQ) * 4)
+constexpr int KNB = FA_SMEM_DKDV(2) <= SMEM_MAX ? 2 : 1;
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
-constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = BC, NCHUNK = (DP + DC - 1) / DC;
-constexpr int SMEM_FWD = (DP * (FBR + 4) + DP * (FBC + 4) + FBC * DP + FBC * (FBR + 4)) * 4;
-constexpr int SMEM_DQ = (2 * DP * (BR + 4) + 2 * DP * (BC + 4) + BC * DP + BC * (BR + 4)) * 4;
-constexpr int SMEM_DKDV = (2 * DP * (BC + 4) + 2 * DP * (BR + 4) + 2 * BR * DP + 2 * BR * (BC + 4) + 2 * BR) * 4;
+constexpr int FWD_ROWS = FBR, DQ_ROWS = FBR, DKDV_KEYS = BK, NCHUNK = NCH;
+constexpr int SMEM_FWD = FA_SMEM_FWD(FNB), SMEM_DQ = FA_SMEM_DQ(QNB), SMEM_DKDV = FA_SMEM_DKDV(KNB);
+static_assert(SMEM_FWD <= SMEM_MAX && SMEM_DQ <= SMEM_MAX && SMEM_DKDV <= SMEM_MAX, "flash_fma tiles too big");
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
-
-// Rows [row0, row0 + ROWS) of a row-major [*, d] matrix, transposed into sm[c * LDT + r]
-// (c < d); rows at or past `valid` are zeros. A warp takes a row, its lanes the columns.
-template <int ROWS, int LDT>
-__device__ __forceinline__ void load_t(float* sm, const float* g, i64 row0, i64 valid, i64 d) {
-  for (int r = threadIdx.x >> 5; r < ROWS; r += NT / 32) {
-    const float* src = g + (row0 + r) * d;
-    for (int c = threadIdx.x & 31; c < (int)d; c += 32) sm[c * LDT + r] = r < valid ? src[c] : 0.f;
-  }
-}
-// The same rows as they are, into sm[r * DP + c]; columns d..DP and invalid rows are zeros.
-template <int ROWS>
-__device__ __forceinline__ void load_r(float* sm, const float* g, i64 row0, i64 valid, i64 d) {
-  for (int r = threadIdx.x >> 5; r < ROWS; r += NT / 32) {
-    const float* src = g + (row0 + r) * d;
-    for (int c = threadIdx.x & 31; c < DP; c += 32) sm[r * DP + c] = (r < valid && c < d) ? src[c] : 0.f;
-  }
-}
 __device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
-__device__ __forceinline__ float2 ld2(const float* p) { return *(const float2*)p; }
-// Sum / max over the 8 threads of one thread row (lanes differing in the low 3 bits).
+__device__ __forceinline__ float comp(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Rows [row0, row0 + ROWS) of a row-major [*, d] matrix into sm[r * LD + c] (c < DP); rows at
+// or past `valid` and columns at or past d are zeros. Asynchronous (cp.async) when d % 4 == 0:
+// the caller commits and waits.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(float* sm, const float* g, i64 row0, i64 valid, i64 d) {
+  if ((d & 3) == 0) {
+    constexpr int C4 = DP / 4;
+    for (int e = threadIdx.x; e < ROWS * C4; e += NT) {
+      const int r = e / C4, c = (e % C4) * 4;
+      const bool ok = r < valid && c < d;
+      cp_async16(sm + r * LD + c, ok ? g + (row0 + r) * d + c : g, ok ? 16 : 0);
+    }
+  } else {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
+      const int r = e / DP, c = e % DP;
+      sm[r * LD + c] = (r < valid && c < d) ? g[(row0 + r) * d + c] : 0.f;
+    }
+  }
+}
+// Sum / max over the 8 threads of one thread row of the 32 x 8 layout (the low 3 lane bits).
 __device__ __forceinline__ float row8_sum(float v) {
   v += shfl_xor(v, 1);
   v += shfl_xor(v, 2);
@@ -74,73 +116,71 @@ __device__ __forceinline__ float row8_max(float v) {
   return fmaxf(v, shfl_xor(v, 4));
 }
 
-// s[RM][4 * NH] += A^T B over k < d: A = a[k * LDA + row], rows ty * RM + r; B = b[k * LDB + col],
-// columns h * 32 + tx * 4 + j.
-template <int RM, int NH, int LDA, int LDB>
-__device__ __forceinline__ void gemm_tn(float (*s)[4 * NH], const float* a, const float* b, i64 d, int ty, int tx) {
-  for (int k = 0; k < (int)d; ++k) {
-    float av[RM];
-    if constexpr (RM == 4) {
-      const float4 x = ld4(a + k * LDA + ty * 4);
-      av[0] = x.x, av[1] = x.y, av[2] = x.z, av[3] = x.w;
-    } else {
-      const float2 x = ld2(a + k * LDA + ty * 2);
-      av[0] = x.x, av[RM - 1] = x.y;
-    }
+// c[i][j] += sum_k a[i * RS * LD + k] * b[j * CS * LD + k] over k < kd (a multiple of 4): rows of
+// two head-dim tiles, `a` and `b` already offset to the thread's first row.
+template <int RM, int CN, int RS, int CS>
+__device__ __forceinline__ void gemm_nt(float (*c)[CN], const float* a, const float* b, int kd) {
+#pragma unroll 2
+  for (int k = 0; k < kd; k += 4) {
+    float4 av[RM], bv[CN];
 #pragma unroll
-    for (int h = 0; h < NH; ++h) {
-      const float4 bv = ld4(b + k * LDB + h * 32 + tx * 4);
+    for (int i = 0; i < RM; ++i) av[i] = ld4(a + i * RS * LD + k);
 #pragma unroll
-      for (int r = 0; r < RM; ++r) {
-        s[r][h * 4 + 0] += av[r] * bv.x;
-        s[r][h * 4 + 1] += av[r] * bv.y;
-        s[r][h * 4 + 2] += av[r] * bv.z;
-        s[r][h * 4 + 3] += av[r] * bv.w;
+    for (int j = 0; j < CN; ++j) bv[j] = ld4(b + j * CS * LD + k);
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < CN; ++j) {
+        float x = c[i][j];
+        x += av[i].x * bv[j].x;
+        x += av[i].y * bv[j].y;
+        x += av[i].z * bv[j].z;
+        x += av[i].w * bv[j].w;
+        c[i][j] = x;
       }
-    }
   }
 }
-// acc[RM][NC / 8] += P B over k < K: P = p[k * LDP + row] (rows ty * RM + r), B = b[k * DP + col],
-// columns c0 + u * 32 + tx * 4 + j (u < NC / 32, skipped past DP).
-template <int RM, int NC, int K, int LDP>
-__device__ __forceinline__ void gemm_pb(float (*acc)[NC / 8], const float* p, const float* b, int c0, int ty, int tx) {
-#pragma unroll 4
-  for (int k = 0; k < K; ++k) {
-    float pv[RM];
-    if constexpr (RM == 4) {
-      const float4 x = ld4(p + k * LDP + ty * 4);
-      pv[0] = x.x, pv[1] = x.y, pv[2] = x.z, pv[3] = x.w;
-    } else {
-      const float2 x = ld2(p + k * LDP + ty * 2);
-      pv[0] = x.x, pv[RM - 1] = x.y;
-    }
+// c[i][4u + e] += sum_k p[i * RS * LP + k] * b[k * LD + u * CS + e] over k < K: P rows (float4
+// along k) times a head-dim tile's float4 column chunks u < ulim, `p` and `b` already offset to
+// the thread's first row and first chunk.
+template <int RM, int U, int RS, int LP, int CS, int K>
+__device__ __forceinline__ void gemm_nn(float (*c)[4 * U], const float* p, const float* b, int ulim) {
+#pragma unroll 2
+  for (int k = 0; k < K; k += 4) {
+    float4 pv[RM];
 #pragma unroll
-    for (int u = 0; u < NC / 32; ++u) {
-      if (c0 + u * 32 < DP) {
-        const float4 bv = ld4(b + k * DP + c0 + u * 32 + tx * 4);
+    for (int i = 0; i < RM; ++i) pv[i] = ld4(p + i * RS * LP + k);
 #pragma unroll
-        for (int r = 0; r < RM; ++r) {
-          acc[r][u * 4 + 0] += pv[r] * bv.x;
-          acc[r][u * 4 + 1] += pv[r] * bv.y;
-          acc[r][u * 4 + 2] += pv[r] * bv.z;
-          acc[r][u * 4 + 3] += pv[r] * bv.w;
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u < ulim) {
+          const float4 bv = ld4(b + (k + kk) * LD + u * CS);
+#pragma unroll
+          for (int i = 0; i < RM; ++i) {
+            const float pk = comp(pv[i], kk);
+            c[i][4 * u + 0] += pk * bv.x;
+            c[i][4 * u + 1] += pk * bv.y;
+            c[i][4 * u + 2] += pk * bv.z;
+            c[i][4 * u + 3] += pk * bv.w;
+          }
         }
       }
-    }
   }
 }
 
-// ---- forward: 64 queries of one (batch, query head) a block ----
+// ---- forward: FBR queries of one (batch, query head) a block ----
 __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                     float* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal) {
-  constexpr int RM = 4, NH = FBC / 32, SQ = FBR + 4, SK = FBC + 4;
+  constexpr int NJ = FBC / FTX, U = DP / 32;
   FLASH_SMEM(smem);
-  float* qt = (float*)smem;  // [DP][SQ]
-  float* kt = qt + DP * SQ;  // [DP][SK]
-  float* vr = kt + DP * SK;  // [FBC][DP]
-  float* pt = vr + FBC * DP; // [FBC][SQ]
-  const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+  float* qs = (float*)smem;         // [FBR][LD]
+  float* ks = qs + FBR * LD;        // [FNB][FBC][LD]
+  float* vs = ks + FNB * FBC * LD;  // [FNB][FBC][LD]
+  float* ps = vs + FNB * FBC * LD;  // [FBR][LPF] probabilities
+  const int tid = threadIdx.x, ty = tid / FTX, tx = tid % FTX;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
+  const int kd = ((int)d + 3) & ~3;
   const i64 nqb = (T_ + FBR - 1) / FBR;
   const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
@@ -148,40 +188,61 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
   const float* kh = k + kvh * S * d;
   const float* vh = v + kvh * S * d;
   const i64 kend = causal ? min64(S, q0 + FBR) : S;
+  const i64 nt = (kend + FBC - 1) / FBC;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  load_t<FBR, SQ>(qt, q + bh * T_ * d, q0, T_ - q0, d);
-  float acc[RM][DP / 8];
+  load_tile<FBR>(qs, q + bh * T_ * d, q0, T_ - q0, d);
+  if (FNB == 2 && nt > 0) {
+    load_tile<FBC>(ks, kh, 0, S, d);
+    load_tile<FBC>(vs, vh, 0, S, d);
+  }
+  cp_commit();
+  float acc[RQ][4 * U];
 #pragma unroll
-  for (int r = 0; r < RM; ++r)
+  for (int r = 0; r < RQ; ++r)
 #pragma unroll
-    for (int c = 0; c < DP / 8; ++c) acc[r][c] = 0.f;
-  float m[RM], l[RM];
+    for (int c = 0; c < 4 * U; ++c) acc[r][c] = 0.f;
+  float m[RQ], l[RQ];
 #pragma unroll
-  for (int r = 0; r < RM; ++r) m[r] = NEG_INF, l[r] = 0.f;
-  const i64 row0 = q0 + ty * RM;
+  for (int r = 0; r < RQ; ++r) m[r] = NEG_INF, l[r] = 0.f;
 
-  for (i64 j0 = 0; j0 < kend; j0 += FBC) {
-    load_t<FBC, SK>(kt, kh, j0, S - j0, d);
-    load_r<FBC>(vr, vh, j0, S - j0, d);
+  for (i64 it = 0; it < nt; ++it) {
+    const i64 j0 = it * FBC;
+    const int cur = FNB == 2 ? (int)(it & 1) : 0;
+    if (FNB == 1) {
+      load_tile<FBC>(ks, kh, j0, S - j0, d);
+      load_tile<FBC>(vs, vh, j0, S - j0, d);
+      cp_commit();
+      cp_wait<0>();
+    } else if (it + 1 < nt) {
+      load_tile<FBC>(ks + (cur ^ 1) * FBC * LD, kh, j0 + FBC, S - j0 - FBC, d);
+      load_tile<FBC>(vs + (cur ^ 1) * FBC * LD, vh, j0 + FBC, S - j0 - FBC, d);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
     FLASH_SYNC();
-    float s[RM][4 * NH];
+    const float* kb = ks + cur * FBC * LD;
+    const float* vb = vs + cur * FBC * LD;
+    float s[RQ][NJ];
 #pragma unroll
-    for (int r = 0; r < RM; ++r)
+    for (int r = 0; r < RQ; ++r)
 #pragma unroll
-      for (int c = 0; c < 4 * NH; ++c) s[r][c] = 0.f;
-    gemm_tn<RM, NH, SQ, SK>(s, qt, kt, d, ty, tx);
+      for (int j = 0; j < NJ; ++j) s[r][j] = 0.f;
+    gemm_nt<RQ, NJ, FTY, FTX>(s, qs + ty * LD, kb + tx * LD, kd);  // S = Q K^T
     const bool mask = j0 + FBC > S || (causal && j0 + FBC - 1 > q0);
 #pragma unroll
-    for (int r = 0; r < RM; ++r) {
+    for (int r = 0; r < RQ; ++r) {
+      const i64 row = q0 + ty + FTY * r;
       float mx = NEG_INF;
 #pragma unroll
-      for (int c = 0; c < 4 * NH; ++c) {
-        float x = s[r][c] * sl2;
+      for (int j = 0; j < NJ; ++j) {
+        float x = s[r][j] * sl2;
         if (mask) {
-          const i64 key = j0 + (c >> 2) * 32 + tx * 4 + (c & 3);
-          if (key >= S || (causal && key > row0 + r)) x = NEG_INF;
+          const i64 key = j0 + tx + FTX * j;
+          if (key >= S || (causal && key > row)) x = NEG_INF;
         }
-        s[r][c] = x;
+        s[r][j] = x;
         mx = fmaxf(mx, x);
       }
       const float mn = fmaxf(m[r], row8_max(mx));
@@ -190,35 +251,33 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
       m[r] = mn;
       l[r] *= alpha;
 #pragma unroll
-      for (int c = 0; c < DP / 8; ++c) acc[r][c] *= alpha;
+      for (int c = 0; c < 4 * U; ++c) acc[r][c] *= alpha;
 #pragma unroll
-      for (int c = 0; c < 4 * NH; ++c) {
-        const float p = ex2(s[r][c] - mu);
-        s[r][c] = p;
+      for (int j = 0; j < NJ; ++j) {
+        const float p = ex2(s[r][j] - mu);
         l[r] += p;
+        ps[(ty + FTY * r) * LPF + tx + FTX * j] = p;
       }
     }
-#pragma unroll
-    for (int c = 0; c < 4 * NH; ++c) {
-      const int kc = (c >> 2) * 32 + tx * 4 + (c & 3);
-      *(float4*)(pt + kc * SQ + ty * 4) = make_float4(s[0][c], s[1][c], s[2][c], s[3][c]);
-    }
     FLASH_SYNC();
-    gemm_pb<RM, DP, FBC, SQ>(acc, pt, vr, 0, ty, tx);
+    gemm_nn<RQ, U, FTY, LPF, 4 * FTX, FBC>(acc, ps + ty * LPF, vb + tx * 4, U);  // O += P V
     FLASH_SYNC();
   }
+  cp_wait<0>();
 #pragma unroll
-  for (int r = 0; r < RM; ++r) {
+  for (int r = 0; r < RQ; ++r) {
     const float lt = row8_sum(l[r]);
     const float inv = lt > 0.f ? 1.f / lt : 0.f;
-    const i64 i = row0 + r;
+    const i64 i = q0 + ty + FTY * r;
     if (i < T_) {
       if (tx == 0) lse[bh * T_ + i] = lt > 0.f ? m[r] * LN2 + logf(lt) : NEG_INF;
 #pragma unroll
-      for (int c = 0; c < DP / 8; ++c) {
-        const i64 col = (c >> 2) * 32 + tx * 4 + (c & 3);
-        if (col < d) o[(bh * T_ + i) * d + col] = acc[r][c] * inv;
-      }
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 col = (tx + FTX * u) * 4 + e;
+          if (col < d) o[(bh * T_ + i) * d + col] = acc[r][4 * u + e] * inv;
+        }
     }
   }
 }
@@ -236,200 +295,251 @@ __device__ void bwd_delta(const float* __restrict__ o, const float* __restrict__
   }
 }
 
-// ---- backward 2/3: dK, dV of 32 keys of one (batch, kv head), head dims [c0, c0 + DC) ----
+// ---- backward 2/3: dK, dV of BK keys of one (batch, kv head), head dims [c0, c0 + DC) ----
 __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                          const float* __restrict__ lse, const float* __restrict__ dout, const float* __restrict__ delta,
                          float* __restrict__ dk, float* __restrict__ dv, Dims dm, double scale, int causal) {
-  constexpr int RM = 2, SK = BC + 4, SQ = BR + 4, NCH = (DP + DC - 1) / DC;
+  constexpr int NJ = BQ / KTX;
   FLASH_SMEM(smem);
-  float* kt = (float*)smem;    // [DP][SK]  keys transposed
-  float* vt = kt + DP * SK;    // [DP][SK]
-  float* qt = vt + DP * SK;    // [DP][SQ]  queries transposed
-  float* dot = qt + DP * SQ;   // [DP][SQ]
-  float* qr = dot + DP * SQ;   // [BR][DP]  queries as rows
-  float* dor = qr + BR * DP;   // [BR][DP]
-  float* pq = dor + BR * DP;   // [BR][SK]  P^T stored per query
-  float* dsq = pq + BR * SK;   // [BR][SK]
-  float* sl = dsq + BR * SK;   // [BR] lse * log2(e)
-  float* sd = sl + BR;         // [BR] delta
-  const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+  float* ks = (float*)smem;         // [BK][LD]
+  float* vs = ks + BK * LD;         // [BK][LD]
+  float* qs = vs + BK * LD;         // [KNB][BQ][LD]
+  float* dos = qs + KNB * BQ * LD;  // [KNB][BQ][LD]
+  float* pt = dos + KNB * BQ * LD;  // [BK][LPK]  P^T
+  float* dst = pt + BK * LPK;       // [BK][LPK]  dS^T
+  float* sl = dst + BK * LPK;       // [KNB][BQ]  lse * log2(e)
+  float* sd = sl + KNB * BQ;        // [KNB][BQ]  delta
+  const int tid = threadIdx.x, ty = tid / KTX, tx = tid % KTX;
   const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
-  const i64 k0 = ((i64)blockIdx.x / NCH) * BC;
+  const int kd = ((int)d + 3) & ~3;
+  const i64 k0 = ((i64)blockIdx.x / NCH) * BK;
   const int c0 = (int)(blockIdx.x % NCH) * DC;
   const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
   const float sl2 = (float)(scale * 1.4426950408889634);
   const i64 qstart = causal ? k0 : 0;
-  load_t<BC, SK>(kt, k + bk * S * d, k0, S - k0, d);
-  load_t<BC, SK>(vt, v + bk * S * d, k0, S - k0, d);
-  float gk[RM][DC / 8], gv[RM][DC / 8];
-#pragma unroll
-  for (int r = 0; r < RM; ++r)
-#pragma unroll
-    for (int c = 0; c < DC / 8; ++c) gk[r][c] = gv[r][c] = 0.f;
-  const i64 key0 = k0 + ty * RM;
-
-  for (i64 gi = 0; gi < group; ++gi) {
-    const i64 bh = b * dm.hq + kvh * group + gi;
-    for (i64 i0 = qstart; i0 < T_; i0 += BR) {
-      load_t<BR, SQ>(qt, q + bh * T_ * d, i0, T_ - i0, d);
-      load_t<BR, SQ>(dot, dout + bh * T_ * d, i0, T_ - i0, d);
-      load_r<BR>(qr, q + bh * T_ * d, i0, T_ - i0, d);
-      load_r<BR>(dor, dout + bh * T_ * d, i0, T_ - i0, d);
-      for (int e = tid; e < BR; e += NT) {
-        const bool ok = i0 + e < T_;
-        sl[e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
-        sd[e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
-      }
-      FLASH_SYNC();
-      float s[RM][4], dp[RM][4];
-#pragma unroll
-      for (int r = 0; r < RM; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) s[r][c] = dp[r][c] = 0.f;
-      gemm_tn<RM, 1, SK, SQ>(s, kt, qt, d, ty, tx);    // S^T = K Q^T
-      gemm_tn<RM, 1, SK, SQ>(dp, vt, dot, d, ty, tx);  // dP^T = V dO^T
-      const bool mask = i0 + BR > T_ || (causal && i0 < k0 + BC - 1);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int qc = tx * 4 + c;
-        float pr[RM], dr[RM];
-#pragma unroll
-        for (int r = 0; r < RM; ++r) {
-          float p = ex2(s[r][c] * sl2 - sl[qc]);
-          if (mask) {
-            const i64 qi = i0 + qc;
-            if (qi >= T_ || (causal && qi < key0 + r)) p = 0.f;
-          }
-          pr[r] = p;
-          dr[r] = p * (dp[r][c] - sd[qc]);
-        }
-        *(float2*)(pq + qc * SK + ty * 2) = make_float2(pr[0], pr[1]);
-        *(float2*)(dsq + qc * SK + ty * 2) = make_float2(dr[0], dr[1]);
-      }
-      FLASH_SYNC();
-      gemm_pb<RM, DC, BR, SK>(gv, pq, dor, c0, ty, tx);   // dV += P^T dO
-      gemm_pb<RM, DC, BR, SK>(gk, dsq, qr, c0, ty, tx);   // dK += dS^T Q
-      FLASH_SYNC();
+  const i64 ntq = T_ > qstart ? (T_ - qstart + BQ - 1) / BQ : 0;  // query tiles per head
+  const i64 nt = group * ntq;
+  // The thread's head-dim chunks that lie inside DP (all of them unless DP > 128).
+  const int rem = DP - c0 - tx * 4;
+  const int ulim = NCH == 1 ? UK : (rem <= 0 ? 0 : (rem + 4 * KTX - 1) / (4 * KTX) < UK ? (rem + 4 * KTX - 1) / (4 * KTX) : UK);
+  // Tile `t`: queries [i0, i0 + BQ) of query head `bh` into buffer `buf`.
+  auto load_q = [&](i64 t, int buf) {
+    const i64 bh = b * dm.hq + kvh * group + t / ntq, i0 = qstart + (t % ntq) * BQ;
+    load_tile<BQ>(qs + buf * BQ * LD, q + bh * T_ * d, i0, T_ - i0, d);
+    load_tile<BQ>(dos + buf * BQ * LD, dout + bh * T_ * d, i0, T_ - i0, d);
+    for (int e = tid; e < BQ; e += NT) {
+      const bool ok = i0 + e < T_;
+      sl[buf * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
+      sd[buf * BQ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
     }
+  };
+  load_tile<BK>(ks, k + bk * S * d, k0, S - k0, d);
+  load_tile<BK>(vs, v + bk * S * d, k0, S - k0, d);
+  if (KNB == 2 && nt > 0) load_q(0, 0);
+  cp_commit();
+  float gk[RK][4 * UK], gv[RK][4 * UK];
+#pragma unroll
+  for (int r = 0; r < RK; ++r)
+#pragma unroll
+    for (int c = 0; c < 4 * UK; ++c) gk[r][c] = gv[r][c] = 0.f;
+
+  for (i64 t = 0; t < nt; ++t) {
+    const i64 i0 = qstart + (t % ntq) * BQ;
+    const int cur = KNB == 2 ? (int)(t & 1) : 0;
+    if (KNB == 1) {
+      load_q(t, 0);
+      cp_commit();
+      cp_wait<0>();
+    } else if (t + 1 < nt) {
+      load_q(t + 1, cur ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    FLASH_SYNC();
+    const float* qb = qs + cur * BQ * LD;
+    const float* dob = dos + cur * BQ * LD;
+    const float* slb = sl + cur * BQ;
+    const float* sdb = sd + cur * BQ;
+    float s[RK][NJ], dp[RK][NJ];
+#pragma unroll
+    for (int r = 0; r < RK; ++r)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) s[r][j] = dp[r][j] = 0.f;
+    gemm_nt<RK, NJ, KTY, KTX>(s, ks + ty * LD, qb + tx * LD, kd);    // S^T = K Q^T
+    gemm_nt<RK, NJ, KTY, KTX>(dp, vs + ty * LD, dob + tx * LD, kd);  // dP^T = V dO^T
+    const bool mask = i0 + BQ > T_ || (causal && i0 < k0 + BK - 1);
+#pragma unroll
+    for (int r = 0; r < RK; ++r) {
+      const i64 key = k0 + ty + KTY * r;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int qc = tx + KTX * j;
+        float p = ex2(s[r][j] * sl2 - slb[qc]);
+        if (mask) {
+          const i64 qi = i0 + qc;
+          if (qi >= T_ || (causal && qi < key)) p = 0.f;
+        }
+        pt[(ty + KTY * r) * LPK + qc] = p;
+        dst[(ty + KTY * r) * LPK + qc] = p * (dp[r][j] - sdb[qc]);
+      }
+    }
+    FLASH_SYNC();
+    gemm_nn<RK, UK, KTY, LPK, 4 * KTX, BQ>(gv, pt + ty * LPK, dob + c0 + tx * 4, ulim);  // dV += P^T dO
+    gemm_nn<RK, UK, KTY, LPK, 4 * KTX, BQ>(gk, dst + ty * LPK, qb + c0 + tx * 4, ulim);  // dK += dS^T Q
+    FLASH_SYNC();
   }
+  cp_wait<0>();
   const float sc = (float)scale;
 #pragma unroll
-  for (int r = 0; r < RM; ++r) {
-    const i64 j = key0 + r;
+  for (int r = 0; r < RK; ++r) {
+    const i64 j = k0 + ty + KTY * r;
     if (j < S) {
 #pragma unroll
-      for (int c = 0; c < DC / 8; ++c) {
-        const i64 col = c0 + (c >> 2) * 32 + tx * 4 + (c & 3);
-        if (col < d) {
-          dk[(bk * S + j) * d + col] = gk[r][c] * sc;
-          dv[(bk * S + j) * d + col] = gv[r][c];
+      for (int u = 0; u < UK; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 col = c0 + (tx + KTX * u) * 4 + e;
+          if (col < d) {
+            dk[(bk * S + j) * d + col] = gk[r][4 * u + e] * sc;
+            dv[(bk * S + j) * d + col] = gv[r][4 * u + e];
+          }
         }
-      }
     }
   }
 }
 
-// ---- backward 3/3: dQ of 32 queries of one (batch, query head) ----
+// ---- backward 3/3: dQ of FBR queries of one (batch, query head) ----
 __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                        const float* __restrict__ lse, const float* __restrict__ dout, const float* __restrict__ delta,
                        float* __restrict__ dq, Dims dm, double scale, int causal) {
-  constexpr int RM = 2, SQ = BR + 4, SK = BC + 4;
+  constexpr int NJ = QBC / FTX, U = DP / 32;
   FLASH_SMEM(smem);
-  float* qt = (float*)smem;    // [DP][SQ]
-  float* dot = qt + DP * SQ;   // [DP][SQ]
-  float* kt = dot + DP * SQ;   // [DP][SK]
-  float* vt = kt + DP * SK;    // [DP][SK]
-  float* kr = vt + DP * SK;    // [BC][DP]
-  float* dst = kr + BC * DP;   // [BC][SQ]
-  const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+  float* qs = (float*)smem;         // [FBR][LD]
+  float* dos = qs + FBR * LD;       // [FBR][LD]
+  float* ks = dos + FBR * LD;       // [QNB][QBC][LD]
+  float* vs = ks + QNB * QBC * LD;  // [QNB][QBC][LD]
+  float* dss = vs + QNB * QBC * LD; // [FBR][LPQ] dS
+  const int tid = threadIdx.x, ty = tid / FTX, tx = tid % FTX;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
-  const i64 nqb = (T_ + BR - 1) / BR;
-  const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * BR;
+  const int kd = ((int)d + 3) & ~3;
+  const i64 nqb = (T_ + FBR - 1) / FBR;
+  const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
   const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
   const float* kh = k + kvh * S * d;
   const float* vh = v + kvh * S * d;
-  const i64 kend = causal ? min64(S, q0 + BR) : S;
+  const i64 kend = causal ? min64(S, q0 + FBR) : S;
+  const i64 nt = (kend + QBC - 1) / QBC;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  load_t<BR, SQ>(qt, q + bh * T_ * d, q0, T_ - q0, d);
-  load_t<BR, SQ>(dot, dout + bh * T_ * d, q0, T_ - q0, d);
-  const i64 row0 = q0 + ty * RM;
-  float L[RM], D[RM];
-#pragma unroll
-  for (int r = 0; r < RM; ++r) {
-    const bool ok = row0 + r < T_;
-    L[r] = ok ? lse[bh * T_ + row0 + r] * LOG2E : 0.f;
-    D[r] = ok ? delta[bh * T_ + row0 + r] : 0.f;
+  load_tile<FBR>(qs, q + bh * T_ * d, q0, T_ - q0, d);
+  load_tile<FBR>(dos, dout + bh * T_ * d, q0, T_ - q0, d);
+  if (QNB == 2 && nt > 0) {
+    load_tile<QBC>(ks, kh, 0, S, d);
+    load_tile<QBC>(vs, vh, 0, S, d);
   }
-  float acc[RM][DP / 8];
+  cp_commit();
+  float L[RQ], D[RQ];
 #pragma unroll
-  for (int r = 0; r < RM; ++r)
+  for (int r = 0; r < RQ; ++r) {
+    const i64 row = q0 + ty + FTY * r;
+    const bool ok = row < T_;
+    L[r] = ok ? lse[bh * T_ + row] * LOG2E : 0.f;
+    D[r] = ok ? delta[bh * T_ + row] : 0.f;
+  }
+  float acc[RQ][4 * U];
 #pragma unroll
-    for (int c = 0; c < DP / 8; ++c) acc[r][c] = 0.f;
+  for (int r = 0; r < RQ; ++r)
+#pragma unroll
+    for (int c = 0; c < 4 * U; ++c) acc[r][c] = 0.f;
 
-  for (i64 j0 = 0; j0 < kend; j0 += BC) {
-    load_t<BC, SK>(kt, kh, j0, S - j0, d);
-    load_t<BC, SK>(vt, vh, j0, S - j0, d);
-    load_r<BC>(kr, kh, j0, S - j0, d);
-    FLASH_SYNC();
-    float s[RM][4], dp[RM][4];
-#pragma unroll
-    for (int r = 0; r < RM; ++r)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[r][c] = dp[r][c] = 0.f;
-    gemm_tn<RM, 1, SQ, SK>(s, qt, kt, d, ty, tx);
-    gemm_tn<RM, 1, SQ, SK>(dp, dot, vt, d, ty, tx);
-    const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > q0);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int kc = tx * 4 + c;
-      float dr[RM];
-#pragma unroll
-      for (int r = 0; r < RM; ++r) {
-        float p = ex2(s[r][c] * sl2 - L[r]);
-        if (mask) {
-          const i64 key = j0 + kc;
-          if (key >= S || (causal && key > row0 + r)) p = 0.f;
-        }
-        dr[r] = p * (dp[r][c] - D[r]);
-      }
-      *(float2*)(dst + kc * SQ + ty * 2) = make_float2(dr[0], dr[1]);
+  for (i64 it = 0; it < nt; ++it) {
+    const i64 j0 = it * QBC;
+    const int cur = QNB == 2 ? (int)(it & 1) : 0;
+    if (QNB == 1) {
+      load_tile<QBC>(ks, kh, j0, S - j0, d);
+      load_tile<QBC>(vs, vh, j0, S - j0, d);
+      cp_commit();
+      cp_wait<0>();
+    } else if (it + 1 < nt) {
+      load_tile<QBC>(ks + (cur ^ 1) * QBC * LD, kh, j0 + QBC, S - j0 - QBC, d);
+      load_tile<QBC>(vs + (cur ^ 1) * QBC * LD, vh, j0 + QBC, S - j0 - QBC, d);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
     }
     FLASH_SYNC();
-    gemm_pb<RM, DP, BC, SQ>(acc, dst, kr, 0, ty, tx);  // dQ += dS K
+    const float* kb = ks + cur * QBC * LD;
+    const float* vb = vs + cur * QBC * LD;
+    float s[RQ][NJ], dp[RQ][NJ];
+#pragma unroll
+    for (int r = 0; r < RQ; ++r)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) s[r][j] = dp[r][j] = 0.f;
+    gemm_nt<RQ, NJ, FTY, FTX>(s, qs + ty * LD, kb + tx * LD, kd);    // S = Q K^T
+    gemm_nt<RQ, NJ, FTY, FTX>(dp, dos + ty * LD, vb + tx * LD, kd);  // dP = dO V^T
+    const bool mask = j0 + QBC > S || (causal && j0 + QBC - 1 > q0);
+#pragma unroll
+    for (int r = 0; r < RQ; ++r) {
+      const i64 row = q0 + ty + FTY * r;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int kc = tx + FTX * j;
+        float p = ex2(s[r][j] * sl2 - L[r]);
+        if (mask) {
+          const i64 key = j0 + kc;
+          if (key >= S || (causal && key > row)) p = 0.f;
+        }
+        dss[(ty + FTY * r) * LPQ + kc] = p * (dp[r][j] - D[r]);
+      }
+    }
+    FLASH_SYNC();
+    gemm_nn<RQ, U, FTY, LPQ, 4 * FTX, QBC>(acc, dss + ty * LPQ, kb + tx * 4, U);  // dQ += dS K
     FLASH_SYNC();
   }
+  cp_wait<0>();
   const float sc = (float)scale;
 #pragma unroll
-  for (int r = 0; r < RM; ++r) {
-    const i64 i = row0 + r;
+  for (int r = 0; r < RQ; ++r) {
+    const i64 i = q0 + ty + FTY * r;
     if (i < T_) {
 #pragma unroll
-      for (int c = 0; c < DP / 8; ++c) {
-        const i64 col = (c >> 2) * 32 + tx * 4 + (c & 3);
-        if (col < d) dq[(bh * T_ + i) * d + col] = acc[r][c] * sc;
-      }
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const i64 col = (tx + FTX * u) * 4 + e;
+          if (col < d) dq[(bh * T_ + i) * d + col] = acc[r][4 * u + e] * sc;
+        }
     }
   }
 }
 }  // namespace fa
 
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_fwd(const float* q, const float* k, const float* v,
+// 256 threads, one block an SM (shared memory allows no more): all 255 registers may be used.
+#ifdef FLASH_EMU
+#define FA_BOUNDS
+#else
+#define FA_BOUNDS __launch_bounds__(fa::NT, 1)
+#endif
+
+extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, const float* v,
                                                                float* o, float* lse, fa::Dims dm, double scale,
                                                                int causal) {
   fa::fwd(q, k, v, o, lse, dm, scale, causal);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const float* o, const float* dout, float* delta,
+extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta,
                                                                      i64 rows, i64 d) {
   fa::bwd_delta(o, dout, delta, rows, d);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv(const float* q, const float* k, const float* v,
+extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float* k, const float* v,
                                                                     const float* lse, const float* dout,
                                                                     const float* delta, float* dk, float* dv,
                                                                     fa::Dims dm, double scale, int causal) {
   fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const float* q, const float* k, const float* v,
+extern "C" __global__ void FA_BOUNDS flash_bwd_dq(const float* q, const float* k, const float* v,
                                                                   const float* lse, const float* dout,
                                                                   const float* delta, float* dq, fa::Dims dm,
                                                                   double scale, int causal) {

@@ -62,5 +62,11 @@ if [ "${1:-}" != quick ]; then
   run "$b" 1 2 1 70 70 130 1 20
   b=$(bin f32_256 -DFLASH_FMA=1 -DFDPF=256)
   run "$b" 1 2 2 65 65 256 1 21
+  # the second FMA tiling (RUMBLE_FLASH_FMA_CFG=b)
+  b=$(bin f32_128b -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=1)
+  run "$b" 1 2 2 150 150 100 1 22
+  run "$b" 1 7 1 70 45 128 0 23
+  b=$(bin f32_256b -DFLASH_FMA=1 -DFDPF=256 -DFLASH_FMA_CFG=1)
+  run "$b" 1 2 1 70 70 250 1 24
 fi
 [ $fail = 0 ] && echo "flash emulation: all passed" || { echo "flash emulation: FAILURES"; exit 1; }
