@@ -3,21 +3,24 @@
 // of 16). Tiles of Q, K, V (and dO) live in shared memory; scores and probabilities only in
 // registers; the forward saves o and the log-sum-exp, the backward recomputes P from them.
 //
-// One module per (FT, FDP): the including source defines FT (bf16 or f16) and FDP first.
-// Warp-level building blocks (mma.sync m16n8k16, ldmatrix, cp.async) are wrapped in small
-// functions so that the CPU emulator (tests/flash_emu/) can stand in for them.
+// One module per (FT, FDP, FCFG): the including source defines FT (bf16 or f16), FDP and FCFG,
+// the tiling configuration (the table at the top of namespace `fa`). Warp-level building blocks
+// (mma.sync m16n8k16, ldmatrix, cp.async) are wrapped in small functions so that the CPU
+// emulator (tests/flash_emu/) can stand in for them.
 //
-// Every block has 4 warps; a warp owns 16 rows of the first operand of each product (32 rows in
-// the forward for head sizes up to 128, each K/V fragment then feeding two mma). Fragment
-// layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and t = lane % 4, an accumulator tile c[4]
-// holds rows (g, g, g+8, g+8) and columns (2t, 2t+1, 2t, 2t+1); an A fragment a[4] holds rows
-// g / g+8 and columns 2t..2t+1 / 8+2t..8+2t+1; a B fragment b[2] holds k rows 2t..2t+1 and
-// 8+2t..8+2t+1 of column g. Two neighbouring accumulator tiles are therefore one A fragment,
-// which is how P (and dS) go from one product to the next without leaving registers.
+// A warp owns 16 x MT rows of the first operand of each product (MT m-tiles: each fragment of
+// the second operand read from shared memory then feeds MT mma). The backward kernels have 4
+// warps, the forward FNW. Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and
+// t = lane % 4, an accumulator tile c[4] holds rows (g, g, g+8, g+8) and columns (2t, 2t+1, 2t,
+// 2t+1); an A fragment a[4] holds rows g / g+8 and columns 2t..2t+1 / 8+2t..8+2t+1; a B fragment
+// b[2] holds k rows 2t..2t+1 and 8+2t..8+2t+1 of column g. Two neighbouring accumulator tiles are
+// therefore one A fragment, which is how P (and dS) go from one product to the next without
+// leaving registers.
 //
-// Deterministic: no atomics. The backward runs three kernels: delta = rowsum(dO * O), then
-// dK/dV with each block owning a block of keys (looping over the query heads of its group and
-// their queries in a fixed order), then dQ with each block owning a block of queries.
+// Deterministic: no atomics. The backward runs three kernels, delta = rowsum(dO * O), then dK/dV
+// with each block owning a block of keys (looping over the query heads of its group and their
+// queries in a fixed order), then dQ with each block owning a block of queries; or, with FDELTA,
+// two: dQ (which computes its rows' delta first and stores it), then dK/dV.
 
 #ifndef FLASH_EMU
 typedef unsigned u32;
