@@ -10,6 +10,11 @@
 //! with the shape and the times, so `bench/reference/attention_ref.py DIR` can time PyTorch's
 //! `scaled_dot_product_attention` on the same inputs, check rumble's results against it, and
 //! print the ratio. Without a GPU it prints "skipped: no CUDA device".
+//!
+//! With `RUMBLE_FLASH_SWEEP=1` it instead times every tiling configuration of the tensor-core
+//! kernels (`rumble_cuda::flash::Cfg`, set through `RUMBLE_FLASH_CFG`) on every bf16 shape and
+//! prints one table (configuration x shape: fwd / bwd / total ms), and each configuration's
+//! largest relative difference from the first's outputs (o, dq, dk, dv), a cross-check.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -20,7 +25,7 @@ use std::time::Instant;
 use rumble_core::cpu::{HostTensor, Rng};
 use rumble_core::ir::{DType, Op, TensorType};
 use rumble_cuda::Device;
-use rumble_cuda::flash::choose;
+use rumble_cuda::flash::{Cfg, choose};
 use rumble_cuda::launch::{Buffers, Recipe};
 use rumble_cuda::memory::{DeviceBuffer, download};
 use rumble_cuda::recipe::prepare;
@@ -60,6 +65,110 @@ fn time(dev: &Device, r: &Recipe, b: &Buffers, iters: usize) -> f64 {
     t0.elapsed().as_secs_f64() * 1e3 / iters as f64
 }
 
+/// What one shape's run gives: times and the outputs (o, lse, dq, dk, dv) as bytes.
+struct Run {
+    fwd_ms: f64,
+    bwd_ms: f64,
+    outs: Vec<Vec<u8>>,
+    inputs: Vec<HostTensor>,
+}
+
+/// Forward and backward of `sh` on fresh random inputs (the same for the same `seed`).
+fn run_shape(dev: &Device, sh: &Shape, iters: usize, seed: u64) -> Run {
+    let mut rng = Rng::new(seed);
+    let (dt, b, t, d) = (sh.dtype, 1, sh.t, sh.d);
+    let scale = 1.0 / (d as f64).sqrt();
+    let qt = TensorType::new(dt, [b, sh.hq, t, d]);
+    let kt = TensorType::new(dt, [b, sh.hkv, t, d]);
+    let lt = TensorType::new(rumble_core::ir::stat_dtype(dt), [b, sh.hq, t]);
+    let fwd_op = Op::Attention { scale, causal: true };
+    let bwd_op = Op::AttentionBackward { scale, causal: true };
+    let fwd = prepare(dev, &fwd_op, &[&qt, &kt, &kt], &[&qt, &lt]).expect("prepare forward");
+    let bwd = prepare(dev, &bwd_op, &[&qt, &kt, &kt, &qt, &lt, &qt], &[&qt, &kt, &kt]).expect("prepare backward");
+    let host: Vec<HostTensor> =
+        [&qt, &kt, &kt, &qt].iter().map(|ty| HostTensor::randn((*ty).clone(), 1.0, &mut rng)).collect();
+    let buf = |ty: &TensorType, what: &str| DeviceBuffer::new(dev, ty.size_in_bytes(), what).expect("alloc");
+    let (q, k, v, g) = (buf(&qt, "q"), buf(&kt, "k"), buf(&kt, "v"), buf(&qt, "do"));
+    for (bf, h) in [&q, &k, &v, &g].iter().zip(&host) {
+        bf.upload(dev, 0, &h.bytes).expect("upload");
+    }
+    let (o, lse) = (buf(&qt, "o"), buf(&lt, "lse"));
+    let (dq, dk, dv) = (buf(&qt, "dq"), buf(&kt, "dk"), buf(&kt, "dv"));
+    let ws = fwd.scratch.max(bwd.scratch);
+    let scratch = DeviceBuffer::new(dev, ws, "scratch").expect("scratch");
+    let (fa, fo) = ([q.ptr, k.ptr, v.ptr], [o.ptr, lse.ptr]);
+    let fb = Buffers { args: &fa, outs: &fo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
+    let fwd_ms = time(dev, &fwd, &fb, iters);
+    let (ba, bo) = ([q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, g.ptr], [dq.ptr, dk.ptr, dv.ptr]);
+    let bb = Buffers { args: &ba, outs: &bo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
+    let bwd_ms = time(dev, &bwd, &bb, iters);
+    dev.check_status(|_| "attention".into()).expect("device status");
+    let outs = [&o, &lse, &dq, &dk, &dv].iter().map(|bf| download(dev, bf.ptr, bf.bytes).expect("download")).collect();
+    Run { fwd_ms, bwd_ms, outs, inputs: host }
+}
+
+/// Relative L2 difference of two bf16 buffers.
+fn rel_diff_bf16(a: &[u8], b: &[u8]) -> f64 {
+    let f = |x: &[u8]| f32::from_bits((u16::from_le_bytes([x[0], x[1]]) as u32) << 16) as f64;
+    let (mut num, mut den) = (0.0, 0.0);
+    for (x, y) in a.chunks_exact(2).zip(b.chunks_exact(2)) {
+        let (x, y) = (f(x), f(y));
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    if den > 0.0 { (num / den).sqrt() } else { num.sqrt() }
+}
+
+/// `RUMBLE_FLASH_SWEEP=1`: every configuration on every bf16 shape, one table.
+fn sweep(dev: &Device, shapes: &[Shape], iters: usize) {
+    let shapes: Vec<&Shape> = shapes.iter().filter(|s| s.dtype == DType::BF16).collect();
+    let mut rows = Vec::new();
+    let mut first: Vec<Vec<Vec<u8>>> = Vec::new();
+    for cfg in Cfg::all() {
+        // SAFETY: the bench is single-threaded; the variable is read when a recipe is prepared.
+        unsafe { std::env::set_var("RUMBLE_FLASH_CFG", cfg.name()) };
+        let mut cells = Vec::new();
+        let mut worst: f64 = 0.0;
+        for (i, sh) in shapes.iter().enumerate() {
+            let r = run_shape(dev, sh, iters, 7 + i as u64);
+            println!(
+                "{:<6} {:<16} fwd {:>8.3}  bwd {:>8.3}  total {:>8.3} ms",
+                cfg.name(),
+                sh.name,
+                r.fwd_ms,
+                r.bwd_ms,
+                r.fwd_ms + r.bwd_ms
+            );
+            if first.len() <= i {
+                first.push(r.outs.clone());
+            } else {
+                for j in [0, 2, 3, 4] {
+                    worst = worst.max(rel_diff_bf16(&r.outs[j], &first[i][j]));
+                }
+            }
+            cells.push(format!("{:.3}/{:.3}/{:.3}", r.fwd_ms, r.bwd_ms, r.fwd_ms + r.bwd_ms));
+        }
+        rows.push((cfg.name(), cells, worst));
+    }
+    unsafe { std::env::remove_var("RUMBLE_FLASH_CFG") };
+    println!(
+        "\nflash configurations (fwd/bwd/total ms; diff: largest relative L2 difference of o, dq, dk, dv from {})",
+        Cfg::all()[0].name()
+    );
+    print!("{:<6}", "cfg");
+    for sh in &shapes {
+        print!(" {:>22}", sh.name);
+    }
+    println!(" {:>9}", "diff");
+    for (name, cells, worst) in rows {
+        print!("{name:<6}");
+        for c in cells {
+            print!(" {c:>22}");
+        }
+        println!(" {worst:>9.1e}");
+    }
+}
+
 fn main() {
     let Some(dev) = common::device() else { return };
     let iters: usize = std::env::var("RUMBLE_ATTN_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
@@ -70,43 +179,27 @@ fn main() {
         let _ = std::fs::remove_file(d.join("manifest.jsonl"));
     }
     println!("device: {} ({}), {} SMs", dev.name, dev.arch, dev.multiprocessors);
+    let chosen: Vec<Shape> =
+        shapes().into_iter().filter(|s| pick.as_ref().is_none_or(|p| p.split(',').any(|x| x == s.name))).collect();
+    if std::env::var("RUMBLE_FLASH_SWEEP").is_ok_and(|v| v == "1") {
+        sweep(&dev, &chosen, iters);
+        return;
+    }
     println!("attention fwd+bwd, B=1, causal (ms; TFLOP/s counts causal matmul flops, bwd = 2.5 x fwd)");
     println!(
         "{:<22} {:<5} {:>3}/{:<3} {:>5} {:>4} {:>9} {:>9} {:>9} {:>8}  kernels",
         "shape", "dtype", "hq", "kv", "seq", "d", "fwd", "bwd", "total", "TFLOP/s"
     );
-    let mut rng = Rng::new(7);
-    for sh in shapes().into_iter().filter(|s| pick.as_ref().is_none_or(|p| p.split(',').any(|x| x == s.name))) {
+    for (i, sh) in chosen.iter().enumerate() {
         let (dt, b, t, d) = (sh.dtype, 1, sh.t, sh.d);
         let scale = 1.0 / (d as f64).sqrt();
-        let qt = TensorType::new(dt, [b, sh.hq, t, d]);
-        let kt = TensorType::new(dt, [b, sh.hkv, t, d]);
-        let lt = TensorType::new(rumble_core::ir::stat_dtype(dt), [b, sh.hq, t]);
-        let fwd_op = Op::Attention { scale, causal: true };
-        let bwd_op = Op::AttentionBackward { scale, causal: true };
-        let fwd = prepare(&dev, &fwd_op, &[&qt, &kt, &kt], &[&qt, &lt]).expect("prepare forward");
-        let bwd = prepare(&dev, &bwd_op, &[&qt, &kt, &kt, &qt, &lt, &qt], &[&qt, &kt, &kt]).expect("prepare backward");
-        let host: Vec<HostTensor> =
-            [&qt, &kt, &kt, &qt].iter().map(|ty| HostTensor::randn((*ty).clone(), 1.0, &mut rng)).collect();
-        let buf = |ty: &TensorType, what: &str| DeviceBuffer::new(&dev, ty.size_in_bytes(), what).expect("alloc");
-        let (q, k, v, g) = (buf(&qt, "q"), buf(&kt, "k"), buf(&kt, "v"), buf(&qt, "do"));
-        for (bf, h) in [&q, &k, &v, &g].iter().zip(&host) {
-            bf.upload(&dev, 0, &h.bytes).expect("upload");
-        }
-        let (o, lse) = (buf(&qt, "o"), buf(&lt, "lse"));
-        let (dq, dk, dv) = (buf(&qt, "dq"), buf(&kt, "dk"), buf(&kt, "dv"));
-        let ws = fwd.scratch.max(bwd.scratch);
-        let scratch = DeviceBuffer::new(&dev, ws, "scratch").expect("scratch");
-        let (fa, fo) = ([q.ptr, k.ptr, v.ptr], [o.ptr, lse.ptr]);
-        let fb = Buffers { args: &fa, outs: &fo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
-        let fwd_ms = time(&dev, &fwd, &fb, iters);
-        let (ba, bo) = ([q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, g.ptr], [dq.ptr, dk.ptr, dv.ptr]);
-        let bb = Buffers { args: &ba, outs: &bo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
-        let bwd_ms = time(&dev, &bwd, &bb, iters);
-        dev.check_status(|_| "attention".into()).expect("device status");
+        let Run { fwd_ms, bwd_ms, outs, inputs } = run_shape(&dev, sh, iters, 7 + i as u64);
         let flops = 4.0 * (b * sh.hq) as f64 * (t as f64) * (t as f64) * d as f64 / 2.0;
         let tflops = 3.5 * flops / ((fwd_ms + bwd_ms) * 1e-3) / 1e12;
-        let kind = if choose(dev.capability, dt, d).is_some() { "flash" } else { "per-row" };
+        let kind = match choose(dev.capability, dt, d) {
+            Some(v) => format!("flash {}", v.name()),
+            None => "per-row".to_string(),
+        };
         println!(
             "{:<22} {:<5} {:>3}/{:<3} {:>5} {:>4} {:>9.3} {:>9.3} {:>9.3} {:>8.1}  {kind}",
             sh.name,
@@ -122,11 +215,11 @@ fn main() {
         );
         if let Some(dir) = &dump {
             let save = |name: &str, bytes: &[u8]| std::fs::write(dir.join(format!("{}.{name}.bin", sh.name)), bytes);
-            for (name, h) in ["q", "k", "v", "do"].iter().zip(&host) {
+            for (name, h) in ["q", "k", "v", "do"].iter().zip(&inputs) {
                 save(name, &h.bytes).expect("dump input");
             }
-            for (name, bf) in [("o", &o), ("lse", &lse), ("dq", &dq), ("dk", &dk), ("dv", &dv)] {
-                save(name, &download(&dev, bf.ptr, bf.bytes).expect("download")).expect("dump output");
+            for (name, bytes) in ["o", "lse", "dq", "dk", "dv"].iter().zip(&outs) {
+                save(name, bytes).expect("dump output");
             }
             let line = format!(
                 "{{\"name\":\"{}\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{},\"hkv\":{},\"t\":{t},\"d\":{d},\"causal\":true,\"scale\":{scale},\"fwd_ms\":{fwd_ms},\"bwd_ms\":{bwd_ms},\"kernels\":\"{kind}\"}}\n",

@@ -8,11 +8,16 @@
 //!
 //! [`choose`] is the one place that decides between these kernels and the simple per-row
 //! kernel of `kernels/attention.cu` (the fallback: f64, head sizes over 256, GPUs before
-//! sm_80, or `RUMBLE_ATTENTION=naive`). One module is compiled per (dtype, padded head size).
+//! sm_80, or `RUMBLE_ATTENTION=naive`). One module is compiled per (dtype, padded head size),
+//! and for the tensor-core kernels per tiling configuration [`Cfg`]: a few named sets of
+//! compile-time tile sizes (`FCFG` in the kernel file), [`DEFAULT_CFG`] unless
+//! `RUMBLE_FLASH_CFG=<name>` picks another (so one GPU run can time them all: the attention
+//! bench's `RUMBLE_FLASH_SWEEP=1`).
 //!
-//! Deterministic: no atomics. The backward is three kernels: delta, then dK/dV (each block
+//! Deterministic: no atomics. The backward is three kernels, delta, then dK/dV (each block
 //! owns a block of keys and walks its group's query heads and queries in a fixed order), then
-//! dQ (each block owns a block of queries).
+//! dQ (each block owns a block of queries); or, where the configuration computes delta inside
+//! the dQ kernel (each dQ block owns its rows' delta), two: dQ, then dK/dV.
 
 use cudarc::driver::{result as drv, sys};
 use rumble_core::ir::{DType, Op, TensorType};
@@ -25,7 +30,8 @@ use crate::recipe::PRELUDE;
 
 const MMA: &str = include_str!("kernels/flash_attn.cu");
 const FMA: &str = include_str!("kernels/flash_fma.cu");
-/// Threads per block of the tensor-core flash kernels (`fa::NT` of flash_attn.cu).
+/// Threads per block of the tensor-core flash kernels but their forward (whose come from its
+/// [`Shape`]).
 const THREADS: u32 = 128;
 /// Threads per block of the FMA flash kernels (`fa::NT` of flash_fma.cu).
 const FMA_THREADS: u32 = 256;
@@ -34,24 +40,72 @@ const SMEM_MAX: usize = 227 * 1024;
 /// The largest head size the flash kernels take.
 pub const MAX_HEAD: usize = 256;
 
+/// A named tiling configuration of the tensor-core kernels: `FCFG` in kernels/flash_attn.cu,
+/// whose comment describes each one. [`Variant::shape`] mirrors its launch shapes (checked by
+/// a `static_assert` in the kernel file against the values [`Variant::source`] puts in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Cfg(u8);
+
+/// The configurations' names, by `FCFG` number.
+pub const CFG_NAMES: [&str; 4] = ["base", "wide", "deep", "w8"];
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another.
+pub const DEFAULT_CFG: Cfg = Cfg(1);
+/// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
+/// tested on the GPU and timed by the attention bench (others compile on first use).
+pub const SWEEP_DP: [usize; 3] = [16, 64, 128];
+
+impl Cfg {
+    /// Every configuration (for sweeps and tests).
+    pub fn all() -> Vec<Cfg> {
+        (0..CFG_NAMES.len() as u8).map(Cfg).collect()
+    }
+
+    pub fn name(self) -> &'static str {
+        CFG_NAMES[self.0 as usize]
+    }
+
+    /// The configuration called `name`.
+    pub fn parse(name: &str) -> Result<Cfg> {
+        match CFG_NAMES.iter().position(|n| *n == name) {
+            Some(i) => Ok(Cfg(i as u8)),
+            None => Err(CudaError::usage(format!(
+                "RUMBLE_FLASH_CFG={name:?}: not a flash-attention configuration (one of {})",
+                CFG_NAMES.join(", ")
+            ))),
+        }
+    }
+
+    /// `RUMBLE_FLASH_CFG` if set (an error for an unknown name), else [`DEFAULT_CFG`].
+    pub fn from_env() -> Result<Cfg> {
+        match std::env::var("RUMBLE_FLASH_CFG") {
+            Ok(v) if !v.is_empty() => Cfg::parse(&v),
+            _ => Ok(DEFAULT_CFG),
+        }
+    }
+}
+
 /// Which flash kernels, for which padded head size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
-    /// Tensor cores: bf16 or f16 operands; `dp` = head size rounded up to 16 (at least 16).
-    Mma { dtype: DType, dp: usize },
+    /// Tensor cores: bf16 or f16 operands; `dp` = head size rounded up to 16 (at least 16);
+    /// the tiling configuration.
+    Mma { dtype: DType, dp: usize, cfg: Cfg },
     /// f32 with FMA; `dp` = head size rounded up to 32; `big`: the second tiling (64-key
     /// forward and 64-query dK/dV tiles instead of 32, `RUMBLE_FLASH_FMA_CFG=b`).
     Fma { dp: usize, big: bool },
 }
 
 /// The flash kernels for `dtype` and head size `d` on a GPU of compute capability `cc`, or
-/// `None` where the per-row kernel runs instead. The only place this choice is made.
+/// `None` where the per-row kernel runs instead. The only place this choice is made. (An unknown
+/// `RUMBLE_FLASH_CFG` falls back to [`DEFAULT_CFG`] here; [`recipe`] reports it as an error.)
 pub fn choose(cc: (i32, i32), dtype: DType, d: usize) -> Option<Variant> {
     if std::env::var("RUMBLE_ATTENTION").is_ok_and(|v| v == "naive") || cc < (8, 0) || d == 0 || d > MAX_HEAD {
         return None;
     }
     match dtype {
-        DType::BF16 | DType::F16 => Some(Variant::Mma { dtype, dp: d.div_ceil(16).max(1) * 16 }),
+        DType::BF16 | DType::F16 => {
+            Some(Variant::Mma { dtype, dp: d.div_ceil(16).max(1) * 16, cfg: Cfg::from_env().unwrap_or(DEFAULT_CFG) })
+        }
         DType::F32 => Some(Variant::Fma { dp: d.div_ceil(32) * 32, big: fma_big() }),
         _ => None,
     }
@@ -74,6 +128,10 @@ pub struct Shape {
     pub smem_fwd: usize,
     pub smem_dq: usize,
     pub smem_dkdv: usize,
+    /// Threads per block of the forward kernel (the backward's are [`THREADS`]).
+    pub fwd_threads: usize,
+    /// The dQ kernel computes delta (and runs before dK/dV); no delta kernel.
+    pub fused_delta: bool,
 }
 
 impl Variant {
@@ -83,7 +141,7 @@ impl Variant {
         }
     }
 
-    /// Threads per block of every kernel of the variant.
+    /// Threads per block of the variant's kernels but the tensor-core forward (see [`Shape`]).
     pub fn threads(&self) -> u32 {
         match self {
             Variant::Mma { .. } => THREADS,
@@ -91,10 +149,10 @@ impl Variant {
         }
     }
 
-    /// Module name, e.g. `flash_bf16_d64` or `flash_f32_d128b` (FMA, second tiling).
+    /// Module name, e.g. `flash_bf16_d64_wide`, or `flash_f32_d128b` (FMA, second tiling).
     pub fn name(&self) -> String {
         match self {
-            Variant::Mma { dtype, dp } => format!("flash_{}_d{dp}", dtype.name()),
+            Variant::Mma { dtype, dp, cfg } => format!("flash_{}_d{dp}_{}", dtype.name(), cfg.name()),
             Variant::Fma { dp, big } => format!("flash_f32_d{dp}{}", if *big { "b" } else { "" }),
         }
     }
@@ -102,9 +160,28 @@ impl Variant {
     /// The full source NVRTC compiles for this variant.
     pub fn source(&self) -> String {
         match self {
-            Variant::Mma { dtype, dp } => {
+            Variant::Mma { dtype, dp, cfg } => {
                 let f16 = (*dtype == DType::F16) as i32;
-                format!("{PRELUDE}\n#define FT {}\n#define FLASH_F16 {f16}\n#define FDP {dp}\n{MMA}", dtype.name())
+                let s = self.shape();
+                let expect = [
+                    ("FWD_ROWS", s.fwd_rows),
+                    ("DQ_ROWS", s.dq_rows),
+                    ("DKDV_KEYS", s.dkdv_keys),
+                    ("NCHUNK", s.nchunk),
+                    ("SMEM_FWD", s.smem_fwd),
+                    ("SMEM_DQ", s.smem_dq),
+                    ("SMEM_DKDV", s.smem_dkdv),
+                    ("FWD_THREADS", s.fwd_threads),
+                    ("FUSED_DELTA", s.fused_delta as usize),
+                ]
+                .iter()
+                .map(|(k, v)| format!("#define FEXPECT_{k} {v}\n"))
+                .collect::<String>();
+                format!(
+                    "{PRELUDE}\n#define FT {}\n#define FLASH_F16 {f16}\n#define FDP {dp}\n#define FCFG {}\n#define FEXPECT 1\n{expect}{MMA}",
+                    dtype.name(),
+                    cfg.0
+                )
             }
             Variant::Fma { dp, big } => {
                 format!("{PRELUDE}\n#define FDPF {dp}\n#define FLASH_FMA_CFG {}\n{FMA}", *big as i32)
@@ -114,22 +191,51 @@ impl Variant {
 
     pub fn shape(&self) -> Shape {
         match *self {
-            Variant::Mma { dp, .. } => {
-                let ld = dp + 8;
-                let (br, bk) = (64, 64);
-                let bc = if dp <= 128 { 64 } else { 32 };
-                let fbr = if dp <= 128 { 128 } else { 64 };
-                let fbc = if dp <= 64 { 64 } else { 32 };
-                let bq = if dp <= 64 { 64 } else { 32 };
-                let dc = dp.min(128);
+            Variant::Mma { dp, cfg, .. } => {
+                // The FCFG table at the top of namespace `fa` in kernels/flash_attn.cu.
+                let (c, ld) = (cfg.0, dp + 8);
+                let fnw = if c == 3 { 8 } else { 4 };
+                let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
+                let fbc = match (c, dp) {
+                    (0, ..=64) => 64,
+                    (0, _) => 32,
+                    (_, ..=64) => 128,
+                    (_, ..=128) => 64,
+                    _ => 32,
+                };
+                let (d64, d128) = (dp <= 64, dp <= 128);
+                let kmt = if c != 0 && d64 { 2 } else { 1 };
+                let bq = match c {
+                    0 if d64 => 64,
+                    2 if d64 => 16,
+                    _ => 32,
+                };
+                let qmt = match c {
+                    0 => 1,
+                    2 if d64 => 2,
+                    2 => 1,
+                    _ if d128 => 2,
+                    _ => 1,
+                };
+                let bc = match c {
+                    0 if d128 => 64,
+                    2 if d64 => 32,
+                    2 if d128 => 64,
+                    1 | 3 if d64 => 64,
+                    _ => 32,
+                };
+                let fused_delta = c != 0;
+                let (fbr, br, bk, dc) = (fnw * 16 * fmt, 64 * qmt, 64 * kmt, dp.min(128));
                 Shape {
                     fwd_rows: fbr,
                     dq_rows: br,
                     dkdv_keys: bk,
                     nchunk: dp.div_ceil(dc),
                     smem_fwd: (fbr + 4 * fbc) * ld * 2,
-                    smem_dq: (2 * br + 4 * bc) * ld * 2,
+                    smem_dq: (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 },
                     smem_dkdv: (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4,
+                    fwd_threads: 32 * fnw,
+                    fused_delta,
                 }
             }
             Variant::Fma { dp, big } => {
@@ -151,15 +257,23 @@ impl Variant {
                     smem_fwd: fit(&|nb| (fbr * ld + 2 * nb * fbc * ld + fbr * lpf) * 4),
                     smem_dq: fit(&|nb| (2 * fbr * ld + 2 * nb * qbc * ld + fbr * lpq) * 4),
                     smem_dkdv: fit(&|nb| (2 * bk * ld + 2 * nb * bq * ld + 2 * bk * lpk + 2 * nb * bq) * 4),
+                    fwd_threads: FMA_THREADS as usize,
+                    fused_delta: false,
                 }
             }
         }
     }
 
-    /// Every variant the choice can make (for the offline compile test).
+    /// Every variant the default choice can make, and every other configuration at the padded
+    /// head sizes [`SWEEP_DP`] (for the offline compile test, which also fills the kernel cache
+    /// the GPU machine starts from).
     pub fn all() -> Vec<Variant> {
-        let mut v: Vec<Variant> = (1..=16).map(|i| Variant::Mma { dtype: DType::BF16, dp: 16 * i }).collect();
-        v.extend((1..=16).map(|i| Variant::Mma { dtype: DType::F16, dp: 16 * i }));
+        let mma = |dtype, dp, cfg| Variant::Mma { dtype, dp, cfg };
+        let mut v: Vec<Variant> = (1..=16).map(|i| mma(DType::BF16, 16 * i, DEFAULT_CFG)).collect();
+        v.extend((1..=16).map(|i| mma(DType::F16, 16 * i, DEFAULT_CFG)));
+        for cfg in Cfg::all().into_iter().filter(|c| *c != DEFAULT_CFG) {
+            v.extend(SWEEP_DP.map(|dp| mma(DType::BF16, dp, cfg)));
+        }
         v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i, big: false }));
         v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i, big: true }));
         v
@@ -187,6 +301,9 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
     };
     let (q, k) = (at[0].dims(), at[1].dims());
     let variant = choose(dev.capability, at[0].dtype, q[3])?;
+    if let (Variant::Mma { .. }, Err(e)) = (variant, Cfg::from_env()) {
+        return Some(Err(e));
+    }
     let sh = variant.shape();
     let (b, hq, hkv, t, s, d) = (q[0], q[1], k[1], q[2], k[2], q[3]);
     if b * hq > 65535 || b * hkv > 65535 {
@@ -212,6 +329,7 @@ fn build(
 ) -> Result<Recipe> {
     let name = variant.name();
     let module = dev.module(&name, &variant.source(), OPTIONS)?;
+    let mma = matches!(variant, Variant::Mma { .. });
     let kernel = |kname: &str, grid: (usize, usize), smem: usize, args: Vec<Arg>| -> Result<Step> {
         let func = module.function(kname)?;
         if smem > 48 * 1024 {
@@ -221,7 +339,7 @@ fn build(
                 .ctx(|| format!("allowing {smem} bytes of shared memory to `{kname}` in `{name}`"))?;
         }
         let grid = (u32::try_from(grid.0).map_err(|_| CudaError::usage(format!("grid of {kname}")))?, grid.1 as u32, 1);
-        let block = variant.threads();
+        let block = if kname == "flash_fwd" { sh.fwd_threads as u32 } else { variant.threads() };
         Ok(Step::Kernel { func, name: format!("{name}/{kname}"), grid, block, smem: smem as u32, args })
     };
     let dims = Arg::Blob([b, hq, hkv, t, s, d].iter().map(|&x| x as u64).collect());
@@ -235,11 +353,25 @@ fn build(
         }
         return Ok(Recipe { op: "attention", steps, scratch: 0, node_scratch: 0 });
     }
-    // Scratch: delta, one f32 per query row.
-    if rows > 0 {
+    // Scratch: delta, one f32 per query row: from its own kernel, or (`fused_delta`) from the
+    // dQ kernel, which then runs first.
+    if rows > 0 && !sh.fused_delta {
         let blocks = rows.div_ceil(variant.threads() as usize / 32).clamp(1, dev.multiprocessors.max(1) * 16);
         let args = vec![Arg::In(3), Arg::In(5), Arg::Scratch(0), Arg::I64(rows as i64), Arg::I64(d as i64)];
         steps.push(kernel("flash_bwd_delta", (blocks, 1), 0, args)?);
+    }
+    let mut dq_step = None;
+    if rows > 0 {
+        // The tensor-core dQ kernel also takes o (for the fused delta).
+        let mut args = vec![Arg::In(0), Arg::In(1), Arg::In(2)];
+        if mma {
+            args.push(Arg::In(3));
+        }
+        args.extend([Arg::In(4), Arg::In(5), Arg::Scratch(0), Arg::Out(0), dims.clone(), sc.clone(), ca.clone()]);
+        dq_step = Some(kernel("flash_bwd_dq", (t.div_ceil(sh.dq_rows), b * hq), sh.smem_dq, args)?);
+    }
+    if sh.fused_delta {
+        steps.extend(dq_step.take());
     }
     if b * hkv * s > 0 {
         let args = vec![
@@ -251,27 +383,13 @@ fn build(
             Arg::Scratch(0),
             Arg::Out(1),
             Arg::Out(2),
-            dims.clone(),
-            sc.clone(),
-            ca.clone(),
-        ];
-        steps.push(kernel("flash_bwd_dkdv", (s.div_ceil(sh.dkdv_keys) * sh.nchunk, b * hkv), sh.smem_dkdv, args)?);
-    }
-    if rows > 0 {
-        let args = vec![
-            Arg::In(0),
-            Arg::In(1),
-            Arg::In(2),
-            Arg::In(4),
-            Arg::In(5),
-            Arg::Scratch(0),
-            Arg::Out(0),
             dims,
             sc,
             ca,
         ];
-        steps.push(kernel("flash_bwd_dq", (t.div_ceil(sh.dq_rows), b * hq), sh.smem_dq, args)?);
+        steps.push(kernel("flash_bwd_dkdv", (s.div_ceil(sh.dkdv_keys) * sh.nchunk, b * hkv), sh.smem_dkdv, args)?);
     }
+    steps.extend(dq_step);
     Ok(Recipe { op: "attention_backward", steps, scratch: (rows * 4).div_ceil(256) * 256, node_scratch: 0 })
 }
 
@@ -286,8 +404,9 @@ mod tests {
             assert!(matches!(choose(h100, DType::BF16, d), Some(Variant::Mma { .. })), "bf16 d{d}");
             assert!(matches!(choose(h100, DType::F32, d), Some(Variant::Fma { .. })), "f32 d{d}");
         }
-        assert_eq!(choose(h100, DType::BF16, 1), Some(Variant::Mma { dtype: DType::BF16, dp: 16 }));
-        assert_eq!(choose(h100, DType::BF16, 100), Some(Variant::Mma { dtype: DType::BF16, dp: 112 }));
+        let cfg = Cfg::from_env().unwrap_or(DEFAULT_CFG);
+        assert_eq!(choose(h100, DType::BF16, 1), Some(Variant::Mma { dtype: DType::BF16, dp: 16, cfg }));
+        assert_eq!(choose(h100, DType::BF16, 100), Some(Variant::Mma { dtype: DType::BF16, dp: 112, cfg }));
         assert!(matches!(choose(h100, DType::F32, 100), Some(Variant::Fma { dp: 128, .. })));
         assert_eq!(choose(h100, DType::F64, 64), None);
         assert_eq!(choose(h100, DType::BF16, 257), None);
@@ -295,19 +414,47 @@ mod tests {
     }
 
     #[test]
+    fn configurations_have_names() {
+        for c in Cfg::all() {
+            assert_eq!(Cfg::parse(c.name()).unwrap(), c);
+        }
+        assert_eq!(Cfg::parse("base").unwrap(), Cfg(0));
+        let e = Cfg::parse("huge").unwrap_err().to_string();
+        assert!(e.contains("huge") && e.contains("wide"), "{e}");
+        let a = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(0) };
+        let b = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(1) };
+        assert_ne!(a.name(), b.name());
+        assert!(b.source().contains("#define FCFG 1\n"));
+    }
+
+    #[test]
     fn every_variant_fits_an_h100_block() {
-        // 227 KiB of opt-in shared memory per block on sm_90.
-        for v in Variant::all() {
+        // 227 KiB of opt-in shared memory per block on sm_90; every configuration at every size.
+        let mut all = Variant::all();
+        for cfg in Cfg::all() {
+            all.extend((1..=16).map(|i| Variant::Mma { dtype: DType::BF16, dp: 16 * i, cfg }));
+        }
+        for v in all {
             let s = v.shape();
             for (what, bytes) in [("fwd", s.smem_fwd), ("dq", s.smem_dq), ("dkdv", s.smem_dkdv)] {
                 assert!(bytes <= 227 * 1024, "{} {what}: {bytes} bytes", v.name());
             }
+            assert!(s.fwd_threads <= 1024 && s.fwd_threads % 32 == 0, "{}", v.name());
         }
-        // Spot values, computed by hand from the kernel files' formulas.
-        let s = Variant::Mma { dtype: DType::BF16, dp: 128 }.shape();
+        // Spot values, computed by hand from the kernel file's formulas.
+        let mma = |dp, c| Variant::Mma { dtype: DType::BF16, dp, cfg: Cfg(c) }.shape();
+        let s = mma(128, 0);
         assert_eq!((s.fwd_rows, s.smem_fwd, s.smem_dq, s.smem_dkdv, s.nchunk), (128, 69632, 104448, 70144, 1));
-        let s = Variant::Mma { dtype: DType::BF16, dp: 144 }.shape();
-        assert_eq!(s.nchunk, 2);
+        assert!(!s.fused_delta);
+        // wide, d64: 128 queries x (128 + 4 x 128 keys); dq 128 rows, 64-key tiles, + delta;
+        // dk/dv 128 keys, 32-query tiles.
+        let s = mma(64, 1);
+        assert_eq!((s.fwd_rows, s.smem_fwd, s.dq_rows, s.smem_dq), (128, 92160, 128, 74240));
+        assert_eq!((s.dkdv_keys, s.smem_dkdv, s.fwd_threads), (128, 55808, 128));
+        assert!(s.fused_delta);
+        let s = mma(128, 3);
+        assert_eq!((s.fwd_rows, s.fwd_threads, s.smem_fwd), (128, 256, 104448));
+        assert_eq!(mma(144, 1).nchunk, 2);
         // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.
         let s = Variant::Fma { dp: 128, big: false }.shape();
         assert_eq!((s.fwd_rows, s.dq_rows, s.dkdv_keys, s.nchunk), (128, 128, 64, 1));

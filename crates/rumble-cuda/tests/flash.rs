@@ -4,6 +4,12 @@
 //! and 7, causal and not, f32 (FMA kernels) and bf16 (tensor cores), f16 for a few. Each case
 //! is a one-node trace through the planned executor with the arena poisoned first. Also: the
 //! backward is bit-identical from run to run. Prints one line per case.
+//!
+//! The tensor-core kernels' default tiling configuration runs the whole matrix; every other
+//! configuration (`RUMBLE_FLASH_CFG`, set here between cases) the bf16 cases whose padded
+//! head size is one of `flash::SWEEP_DP` (1, 64, 128), which is where the kernel cache holds
+//! them. Run with `--test-threads=1` (the variable is process-wide; a parallel test would
+//! still pass, on whichever configuration it met).
 
 mod common;
 
@@ -13,7 +19,7 @@ use common::{compare, device, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, Op, TensorType};
 use rumble_core::plan::plan_naive;
-use rumble_cuda::flash::choose;
+use rumble_cuda::flash::{Cfg, DEFAULT_CFG, SWEEP_DP, choose};
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
 /// `(B, Hq, Hkv, T, S, D, causal)`.
@@ -111,6 +117,22 @@ fn flash_attention_matches_cpu() {
         }
         n += 1;
     }
+    for cfg in Cfg::all().into_iter().filter(|c| *c != DEFAULT_CFG) {
+        // SAFETY: read by `flash::choose` when a program is compiled; see the module comment.
+        unsafe { std::env::set_var("RUMBLE_FLASH_CFG", cfg.name()) };
+        for sh in issue_matrix().into_iter().filter(|sh| SWEEP_DP.contains(&(sh.5.div_ceil(16) * 16))) {
+            let line = format!("bf16 {sh:?} cfg {}", cfg.name());
+            match check(&dev, DType::BF16, sh, &mut rng) {
+                Ok(r) => println!("ok   {line}: {r}"),
+                Err(e) => {
+                    println!("FAIL {line}: {e}");
+                    failures.push(format!("{line}: {e}"));
+                }
+            }
+            n += 1;
+        }
+    }
+    unsafe { std::env::remove_var("RUMBLE_FLASH_CFG") };
     assert!(failures.is_empty(), "{} of {n} cases failed:\n{}", failures.len(), failures.join("\n"));
 }
 

@@ -3,21 +3,24 @@
 // of 16). Tiles of Q, K, V (and dO) live in shared memory; scores and probabilities only in
 // registers; the forward saves o and the log-sum-exp, the backward recomputes P from them.
 //
-// One module per (FT, FDP): the including source defines FT (bf16 or f16) and FDP first.
-// Warp-level building blocks (mma.sync m16n8k16, ldmatrix, cp.async) are wrapped in small
-// functions so that the CPU emulator (tests/flash_emu/) can stand in for them.
+// One module per (FT, FDP, FCFG): the including source defines FT (bf16 or f16), FDP and FCFG,
+// the tiling configuration (the table at the top of namespace `fa`). Warp-level building blocks
+// (mma.sync m16n8k16, ldmatrix, cp.async) are wrapped in small functions so that the CPU
+// emulator (tests/flash_emu/) can stand in for them.
 //
-// Every block has 4 warps; a warp owns 16 rows of the first operand of each product (32 rows in
-// the forward for head sizes up to 128, each K/V fragment then feeding two mma). Fragment
-// layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and t = lane % 4, an accumulator tile c[4]
-// holds rows (g, g, g+8, g+8) and columns (2t, 2t+1, 2t, 2t+1); an A fragment a[4] holds rows
-// g / g+8 and columns 2t..2t+1 / 8+2t..8+2t+1; a B fragment b[2] holds k rows 2t..2t+1 and
-// 8+2t..8+2t+1 of column g. Two neighbouring accumulator tiles are therefore one A fragment,
-// which is how P (and dS) go from one product to the next without leaving registers.
+// A warp owns 16 x MT rows of the first operand of each product (MT m-tiles: each fragment of
+// the second operand read from shared memory then feeds MT mma). The backward kernels have 4
+// warps, the forward FNW. Fragment layouts (PTX ISA, mma.m16n8k16): with g = lane / 4 and
+// t = lane % 4, an accumulator tile c[4] holds rows (g, g, g+8, g+8) and columns (2t, 2t+1, 2t,
+// 2t+1); an A fragment a[4] holds rows g / g+8 and columns 2t..2t+1 / 8+2t..8+2t+1; a B fragment
+// b[2] holds k rows 2t..2t+1 and 8+2t..8+2t+1 of column g. Two neighbouring accumulator tiles are
+// therefore one A fragment, which is how P (and dS) go from one product to the next without
+// leaving registers.
 //
-// Deterministic: no atomics. The backward runs three kernels: delta = rowsum(dO * O), then
-// dK/dV with each block owning a block of keys (looping over the query heads of its group and
-// their queries in a fixed order), then dQ with each block owning a block of queries.
+// Deterministic: no atomics. The backward runs three kernels, delta = rowsum(dO * O), then dK/dV
+// with each block owning a block of keys (looping over the query heads of its group and their
+// queries in a fixed order), then dQ with each block owning a block of queries; or, with FDELTA,
+// two: dQ (which computes its rows' delta first and stores it), then dK/dV.
 
 #ifndef FLASH_EMU
 typedef unsigned u32;
@@ -76,43 +79,71 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 namespace fa {
 typedef FT T;
 struct Dims { i64 b, hq, hkv, t, s, d; };  // the blob every attention kernel takes
-constexpr int NT = 128;                      // threads per block (4 warps)
 constexpr int DP = FDP;                      // padded head size
 constexpr int LD = DP + 8;                   // smem row stride (elements): ldmatrix rows hit distinct banks
-constexpr int BR = 64;                       // dq: queries per block (16 per warp)
-constexpr int BC = DP <= 128 ? 64 : 32;      // dq: keys per tile
-constexpr int FMT = DP <= 128 ? 2 : 1;       // forward: 16-row m-tiles per warp (K/V fragments shared)
-constexpr int FBR = 64 * FMT;                // forward: queries per block
-constexpr int FBC = DP <= 64 ? 64 : 32;      // forward: keys per tile
-constexpr int BK = 64;                       // dk/dv: keys per block (16 per warp)
-constexpr int BQ = DP <= 64 ? 64 : 32;       // dk/dv: queries per tile
+
+// ---- the named tiling configurations (FCFG; src/flash.rs `Cfg` names them and mirrors the
+// launch shapes below, checked by the static_assert at the end of this block) ----
+//   0 base: 4-warp forward, 2 m-tiles per warp, 64 (d<=64) / 32 keys per tile; backward with
+//           16 keys (dK/dV) / 16 queries (dQ) per warp and a separate delta kernel.
+//   1 wide: forward stages of 128 (d<=64) / 64 (d<=128) keys, computed in steps of 64 / 32;
+//           dK/dV 32 keys per warp (32-query tiles) for d<=64; dQ 32 queries per warp for
+//           d<=128; delta computed inside the dQ kernel.
+//   2 deep: the forward of wide; for d<=64 dK/dV with 16-query tiles and dQ with 32-key
+//           tiles, for d in (64, 128] the base backward tiles; delta inside the dQ kernel.
+//   3 w8:   the backward of wide, with an 8-warp forward (one m-tile per warp for d > 64).
+constexpr int C = FCFG;
+static_assert(C >= 0 && C <= 3, "unknown flash configuration");
+constexpr bool D64 = DP <= 64, D128 = DP <= 128;
+constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
+constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
+constexpr int FBC = C == 0 ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;      // forward keys per stage
+constexpr int FSUB = C == 0 ? FBC : D64 ? 64 : 32;                              // forward keys per softmax step
+constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
+constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
+constexpr int QMT = C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;         // dq: 16-query m-tiles per warp
+constexpr int BC = C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
+constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel
+
+constexpr int NT = 128;                      // backward threads per block (4 warps)
+constexpr int FNT = 32 * FNW;                // forward threads per block
+constexpr int FBR = FNW * 16 * FMT;          // forward: queries per block
+constexpr int BR = 4 * 16 * QMT;             // dq: queries per block
+constexpr int BK = 4 * 16 * KMT;             // dk/dv: keys per block
 constexpr int DC = DP <= 128 ? DP : 128;     // dk/dv: head dims accumulated per block
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
 constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = BK, NCHUNK = (DP + DC - 1) / DC;
 constexpr int SMEM_FWD = (FBR + 4 * FBC) * LD * 2;
-constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2;
+constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
 constexpr int SMEM_DKDV = (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
+static_assert(FBC % FSUB == 0 && BK % BQ == 0, "tile sizes");
+#ifdef FEXPECT
+static_assert(FWD_ROWS == FEXPECT_FWD_ROWS && DQ_ROWS == FEXPECT_DQ_ROWS && DKDV_KEYS == FEXPECT_DKDV_KEYS &&
+                  NCHUNK == FEXPECT_NCHUNK && SMEM_FWD == FEXPECT_SMEM_FWD && SMEM_DQ == FEXPECT_SMEM_DQ &&
+                  SMEM_DKDV == FEXPECT_SMEM_DKDV && FNT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA,
+              "src/flash.rs Variant::shape disagrees with flash_attn.cu");
+#endif
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 
-// Rows [row0, row0 + ROWS) of a row-major [*, d] matrix into a [ROWS][LD] shared tile; rows at
-// or past `valid` and columns at or past d are zeros. `vec`: 16-byte cp.async (d % 8 == 0 and
-// aligned pointers), else element by element (synchronous).
-template <int ROWS>
+// Rows [row0, row0 + ROWS) of a row-major [*, d] matrix into a [ROWS][LD] shared tile by NTH
+// threads; rows at or past `valid` and columns at or past d are zeros. `vec`: 16-byte cp.async
+// (d % 8 == 0 and aligned pointers), else element by element (synchronous).
+template <int NTH, int ROWS>
 __device__ __forceinline__ void load_tile(T* sm, const T* g, i64 row0, i64 valid, i64 d, bool vec) {
   if (vec) {
     constexpr int CH = DP / 8;
-    for (int c = threadIdx.x; c < ROWS * CH; c += NT) {
+    for (int c = threadIdx.x; c < ROWS * CH; c += NTH) {
       int r = c / CH, cc = c % CH;
       bool ok = r < valid && cc * 8 < d;
       const T* src = ok ? g + (row0 + r) * d + cc * 8 : g;
       cp_async16(sm + r * LD + cc * 8, src, ok ? 16 : 0);
     }
   } else {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NTH) {
       int r = e / DP, c = e % DP;
       T x;
       x.x = 0;
@@ -128,45 +159,9 @@ __device__ __forceinline__ int a_off(int lane) { return ((lane & 7) + ((lane >> 
 __device__ __forceinline__ int bt_off(int lane) { return ((lane & 7) + (lane >> 4) * 8) * LD + ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int b_off(int lane) { return a_off(lane); }
 
-// acc[N/8][4] += A(16 x DP rows of `a`) * B^T where B^T is N rows of `b` (both [*][LD] tiles).
-template <int N>
-__device__ __forceinline__ void mma_abt(float (*acc)[4], const T* a, const T* b, int lane) {
-#pragma unroll
-  for (int kk = 0; kk < DP / 16; ++kk) {
-    u32 fa[4];
-    ldsm_x4(fa, a + a_off(lane) + kk * 16);
-#pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      u32 fb[4];
-      ldsm_x4(fb, b + np * 16 * LD + bt_off(lane) + kk * 16);
-      mma16816(acc[2 * np], fa, fb[0], fb[1]);
-      mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
-    }
-  }
-}
-
-// acc[NC/8][4] += P(16 x K, as accumulator tiles p[K/8][4]) * B(K rows of `b`, columns
-// [c0, c0 + NC) clipped to DP).
-template <int K, int NC>
-__device__ __forceinline__ void mma_pb(float (*acc)[4], const float (*p)[4], const T* b, int c0, int lane) {
-#pragma unroll
-  for (int kc = 0; kc < K / 16; ++kc) {
-    u32 fa[4] = {pack2(p[2 * kc][0], p[2 * kc][1]), pack2(p[2 * kc][2], p[2 * kc][3]),
-                 pack2(p[2 * kc + 1][0], p[2 * kc + 1][1]), pack2(p[2 * kc + 1][2], p[2 * kc + 1][3])};
-#pragma unroll
-    for (int np = 0; np < NC / 16; ++np) {
-      if (c0 + np * 16 < DP) {
-        u32 fb[4];
-        ldsm_x4_t(fb, b + kc * 16 * LD + b_off(lane) + c0 + np * 16);
-        mma16816(acc[2 * np], fa, fb[0], fb[1]);
-        mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
-      }
-    }
-  }
-}
-
-// The forward's products with MT m-tiles per warp (rows a + mt * 16 * LD): each B fragment
-// loaded from shared memory feeds MT mma instructions.
+// acc[MT][N/8][4] += A * B^T: A = MT m-tiles of 16 x DP (rows a + mt * 16 * LD), B^T = N rows
+// of `b`. Each B fragment loaded from shared memory feeds MT mma instructions. (Keeping the
+// forward's Q fragments in registers instead does not fit: the forward already uses ~255.)
 template <int MT, int N>
 __device__ __forceinline__ void mma_abt_m(float (*acc)[N / 8][4], const T* a, const T* b, int lane) {
 #pragma unroll
@@ -186,8 +181,11 @@ __device__ __forceinline__ void mma_abt_m(float (*acc)[N / 8][4], const T* a, co
     }
   }
 }
-template <int MT, int K>
-__device__ __forceinline__ void mma_pb_m(float (*acc)[DP / 8][4], const float (*p)[K / 8][4], const T* b, int lane) {
+// acc[MT][NC/8][4] += P * B: P = MT m-tiles of 16 x K as accumulator tiles p[MT][K/8][4]
+// (rounded to T), B = K rows of `b`, columns [c0, c0 + NC) clipped to DP.
+template <int MT, int K, int NC>
+__device__ __forceinline__ void mma_pb_m(float (*acc)[NC / 8][4], const float (*p)[K / 8][4], const T* b, int c0,
+                                         int lane) {
 #pragma unroll
   for (int kc = 0; kc < K / 16; ++kc) {
     u32 fa[MT][4];
@@ -199,16 +197,26 @@ __device__ __forceinline__ void mma_pb_m(float (*acc)[DP / 8][4], const float (*
       fa[mt][3] = pack2(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
     }
 #pragma unroll
-    for (int np = 0; np < DP / 16; ++np) {
-      u32 fb[4];
-      ldsm_x4_t(fb, b + kc * 16 * LD + b_off(lane) + np * 16);
+    for (int np = 0; np < NC / 16; ++np) {
+      if (c0 + np * 16 < DP) {
+        u32 fb[4];
+        ldsm_x4_t(fb, b + kc * 16 * LD + b_off(lane) + c0 + np * 16);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
-        mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
+          mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+        }
       }
     }
   }
+}
+
+template <int MT, int N>
+__device__ __forceinline__ void zero(float (*x)[N][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < N; ++n) x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -222,9 +230,12 @@ __device__ __forceinline__ float quad_sum(float v) {
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
 
 // ---- forward: one block per FBR queries of one (batch, query head); each warp FMT x 16 rows ----
-__device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                    float* __restrict__ lse, Dims dm, double scale, int causal) {
-  constexpr int MT = FMT, BR = FBR, BC = FBC;
+// The running row maximum m is kept on the raw scores q.k (their minimum when NEG, a negative
+// scale), so each probability is one FFMA and one ex2: p = 2^(s * scale * log2 e - m * |...|).
+template <bool NEG>
+__device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                    T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal) {
+  constexpr int MT = FMT, BR = FBR, BC = FBC, SUB = FSUB, NTH = FNT;
   FLASH_SMEM(smem);
   T* sq = (T*)smem;
   T* sk = sq + BR * LD;      // 2 stages of BC rows
@@ -242,20 +253,22 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
   const float sl2 = (float)(scale * 1.4426950408889634);
-  const i64 wrow = q0 + w * 16 * MT;  // the warp's first row
+  const float asl2 = NEG ? -sl2 : sl2;
+  const float MASKV = NEG ? F32_INF : NEG_INF;     // a masked raw score: never the row's maximum
+  const i64 wrow = q0 + w * 16 * MT;                // the warp's first row
+  const i64 wlast = wrow + 16 * MT - 1;             // and its last
 
-  load_tile<BR>(sq, qh, q0, T_ - q0, d, vec);
+  load_tile<NTH, BR>(sq, qh, q0, T_ - q0, d, vec);
   if (ntiles > 0) {
-    load_tile<BC>(sk, kh, 0, S, d, vec);
-    load_tile<BC>(sv, vh, 0, S, d, vec);
+    load_tile<NTH, BC>(sk, kh, 0, S, d, vec);
+    load_tile<NTH, BC>(sv, vh, 0, S, d, vec);
   }
   cp_commit();
   float acc[MT][DP / 8][4];
   float m[MT][2], l[MT][2];
+  zero<MT, DP / 8>(acc);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int n = 0; n < DP / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
     m[mt][0] = m[mt][1] = NEG_INF;
     l[mt][0] = l[mt][1] = 0.f;
   }
@@ -264,8 +277,8 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const i64 j0 = (i64)it * BC;
     if (it + 1 < ntiles) {
       const int st = (it + 1) & 1;
-      load_tile<BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, vec);
-      load_tile<BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, vec);
+      load_tile<NTH, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, vec);
+      load_tile<NTH, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, vec);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -274,54 +287,56 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
     FLASH_SYNC();
     const T* ks = sk + (it & 1) * BC * LD;
     const T* vs = sv + (it & 1) * BC * LD;
-    float s[MT][BC / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-    mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
+#pragma unroll 1
+    for (int sb = 0; sb < BC / SUB; ++sb) {
+      const i64 kb0 = j0 + sb * SUB;
+      if (kb0 >= S || (causal && kb0 > wlast)) continue;  // no key of this step is visible to the warp
+      float s[MT][SUB / 8][4];
+      zero<MT, SUB / 8>(s);
+      mma_abt_m<MT, SUB>(s, sq + w * 16 * MT * LD, ks + sb * SUB * LD, lane);
 
-    const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > wrow);
+      const bool mask = kb0 + SUB > S || (causal && kb0 + SUB - 1 > wrow);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const i64 row[2] = {wrow + mt * 16 + g, wrow + mt * 16 + g + 8};
-      float mx[2] = {NEG_INF, NEG_INF};
+      for (int mt = 0; mt < MT; ++mt) {
+        const i64 row[2] = {wrow + mt * 16 + g, wrow + mt * 16 + g + 8};
+        float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-      for (int n = 0; n < BC / 8; ++n)
+        for (int n = 0; n < SUB / 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[mt][n][e] * sl2;
-          if (mask) {
-            const i64 key = j0 + n * 8 + 2 * tq + (e & 1);
-            if (key >= S || (causal && key > row[e >> 1])) x = NEG_INF;
+          for (int e = 0; e < 4; ++e) {
+            if (mask) {
+              const i64 key = kb0 + n * 8 + 2 * tq + (e & 1);
+              if (key >= S || (causal && key > row[e >> 1])) s[mt][n][e] = MASKV;
+            }
+            mx[e >> 1] = fmaxf(mx[e >> 1], NEG ? -s[mt][n][e] : s[mt][n][e]);
           }
-          s[mt][n][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-      float mu[2];
+        float nb[2];  // -(the row maximum) in log2 units
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float mn = fmaxf(m[mt][i], quad_max(mx[i]));
-        mu[i] = mn == NEG_INF ? 0.f : mn;  // a row with nothing visible yet keeps p = 0
-        const float alpha = ex2(m[mt][i] - mu[i]);
-        m[mt][i] = mn;
-        l[mt][i] *= alpha;
+        for (int i = 0; i < 2; ++i) {
+          const float mn = fmaxf(m[mt][i], quad_max(mx[i]));
+          const float mu = mn == NEG_INF ? 0.f : mn;  // a row with nothing visible yet keeps p = 0
+          const float alpha = m[mt][i] == NEG_INF ? 0.f : ex2((m[mt][i] - mu) * asl2);
+          nb[i] = -mu * asl2;
+          m[mt][i] = mn;
+          l[mt][i] *= alpha;
 #pragma unroll
-        for (int n = 0; n < DP / 8; ++n) {
-          acc[mt][n][2 * i] *= alpha;
-          acc[mt][n][2 * i + 1] *= alpha;
+          for (int n = 0; n < DP / 8; ++n) {
+            acc[mt][n][2 * i] *= alpha;
+            acc[mt][n][2 * i + 1] *= alpha;
+          }
         }
+#pragma unroll
+        for (int n = 0; n < SUB / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float p = ex2(fmaf(s[mt][n][e], sl2, nb[e >> 1]));
+            if (mask && s[mt][n][e] == MASKV) p = 0.f;  // (also right for a zero scale)
+            s[mt][n][e] = p;
+            l[mt][e >> 1] += p;
+          }
       }
-#pragma unroll
-      for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = ex2(s[mt][n][e] - mu[e >> 1]);
-          s[mt][n][e] = p;
-          l[mt][e >> 1] += p;
-        }
+      mma_pb_m<MT, SUB, DP>(acc, s, vs + sb * SUB * LD, 0, lane);
     }
-    mma_pb_m<MT, BC>(acc, s, vs, lane);
     FLASH_SYNC();
   }
   cp_wait<0>();
@@ -334,7 +349,7 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
       const float inv = lt > 0.f ? 1.f / lt : 0.f;
       const i64 r = wrow + mt * 16 + g + 8 * i;
       if (r < T_) {
-        if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[mt][i] + log2f(lt)) * LN2 : NEG_INF;
+        if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[mt][i] * asl2 + log2f(lt)) * LN2 : NEG_INF;
 #pragma unroll
         for (int n = 0; n < DP / 8; ++n)
 #pragma unroll
@@ -346,7 +361,7 @@ __device__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* _
     }
 }
 
-// ---- backward 1/3: delta = rowsum(dO * O) in f32, one warp per row ----
+// ---- backward, without FDELTA 1/3: delta = rowsum(dO * O) in f32, one warp per row ----
 __device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta, i64 rows, i64 d) {
   const int lane = threadIdx.x & 31;
   for (i64 r = (i64)blockIdx.x * (NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (NT / 32)) {
@@ -358,10 +373,12 @@ __device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, f
   }
 }
 
-// ---- backward 2/3: dK, dV of 64 keys of one (batch, kv head), head dims [c0, c0 + DC) ----
+// ---- backward: dK, dV of BK keys of one (batch, kv head), head dims [c0, c0 + DC); each warp
+// KMT x 16 keys, so each Q / dO fragment read from shared memory feeds KMT mma ----
 __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
                          T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal) {
+  constexpr int MT = KMT;
   FLASH_SMEM(smem);
   T* sk = (T*)smem;
   T* sv = sk + BK * LD;
@@ -380,15 +397,16 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of BQ
   const int nqt = T_ > qstart ? (int)((T_ - qstart + BQ - 1) / BQ) : 0;
   const int total = (int)group * nqt;
+  const i64 kw = k0 + w * 16 * MT;  // the warp's first key
 
-  load_tile<BK>(sk, k + bk * S * d, k0, S - k0, d, vec);
-  load_tile<BK>(sv, v + bk * S * d, k0, S - k0, d, vec);
+  load_tile<NT, BK>(sk, k + bk * S * d, k0, S - k0, d, vec);
+  load_tile<NT, BK>(sv, v + bk * S * d, k0, S - k0, d, vec);
   // Tile `it`: query head b*hq + kvh*group + it / nqt, queries from qstart + (it % nqt) * BQ.
   auto load_q = [&](int it, int st) {
     const i64 bh = b * dm.hq + kvh * group + it / nqt;
     const i64 i0 = qstart + (i64)(it % nqt) * BQ;
-    load_tile<BQ>(sq + st * BQ * LD, q + bh * T_ * d, i0, T_ - i0, d, vec);
-    load_tile<BQ>(sdo + st * BQ * LD, dout + bh * T_ * d, i0, T_ - i0, d, vec);
+    load_tile<NT, BQ>(sq + st * BQ * LD, q + bh * T_ * d, i0, T_ - i0, d, vec);
+    load_tile<NT, BQ>(sdo + st * BQ * LD, dout + bh * T_ * d, i0, T_ - i0, d, vec);
     for (int e = threadIdx.x; e < BQ; e += NT) {
       const bool ok = i0 + e < T_;
       sl[st * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
@@ -398,12 +416,9 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   if (total > 0) load_q(0, 0);
   cp_commit();
 
-  float gk[DC / 8][4], gv[DC / 8][4];
-#pragma unroll
-  for (int n = 0; n < DC / 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) gk[n][e] = gv[n][e] = 0.f;
-  const i64 key[2] = {k0 + w * 16 + g, k0 + w * 16 + g + 8};
+  float gk[MT][DC / 8][4], gv[MT][DC / 8][4];
+  zero<MT, DC / 8>(gk);
+  zero<MT, DC / 8>(gv);
 
   for (int it = 0; it < total; ++it) {
     if (it + 1 < total) {
@@ -418,61 +433,70 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
     const T* qs = sq + st * BQ * LD;
     const T* dos = sdo + st * BQ * LD;
     const i64 i0 = qstart + (i64)(it % nqt) * BQ;
-    float s[BQ / 8][4], dp[BQ / 8][4];
+    // Causal: a tile whose queries all come before the warp's first key adds nothing.
+    if (!(causal && i0 + BQ - 1 < kw)) {
+      float s[MT][BQ / 8][4], dp[MT][BQ / 8][4];
+      zero<MT, BQ / 8>(s);
+      zero<MT, BQ / 8>(dp);
+      mma_abt_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, lane);    // S^T = K Q^T
+      mma_abt_m<MT, BQ>(dp, sv + w * 16 * MT * LD, dos, lane);  // dP^T = V dO^T
+      const bool mask = i0 + BQ > T_ || (causal && i0 < kw + 16 * MT - 1);
 #pragma unroll
-    for (int n = 0; n < BQ / 8; ++n)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-    mma_abt<BQ>(s, sk + w * 16 * LD, qs, lane);    // S^T = K Q^T
-    mma_abt<BQ>(dp, sv + w * 16 * LD, dos, lane);  // dP^T = V dO^T
-    const bool mask = i0 + BQ > T_ || (causal && i0 < k0 + w * 16 + 15);
+        for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
-    for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ci = n * 8 + 2 * tq + (e & 1);
-        float p = ex2(s[n][e] * sl2 - sl[st * BQ + ci]);
-        if (mask) {
-          const i64 qi = i0 + ci;
-          if (qi >= T_ || (causal && qi < key[e >> 1])) p = 0.f;
-        }
-        s[n][e] = p;
-        dp[n][e] = p * (dp[n][e] - sd[st * BQ + ci]);
-      }
-    mma_pb<BQ, DC>(gv, s, dos, c0, lane);  // dV += P^T dO
-    mma_pb<BQ, DC>(gk, dp, qs, c0, lane);  // dK += dS^T Q
+          for (int e = 0; e < 4; ++e) {
+            const int ci = n * 8 + 2 * tq + (e & 1);
+            float p = ex2(fmaf(s[mt][n][e], sl2, -sl[st * BQ + ci]));
+            if (mask) {
+              const i64 qi = i0 + ci, key = kw + mt * 16 + g + 8 * (e >> 1);
+              if (qi >= T_ || (causal && qi < key)) p = 0.f;
+            }
+            s[mt][n][e] = p;
+            dp[mt][n][e] = p * (dp[mt][n][e] - sd[st * BQ + ci]);
+          }
+      mma_pb_m<MT, BQ, DC>(gv, s, dos, c0, lane);  // dV += P^T dO
+      mma_pb_m<MT, BQ, DC>(gk, dp, qs, c0, lane);  // dK += dS^T Q
+    }
     FLASH_SYNC();
   }
   cp_wait<0>();
 
   const float sc = (float)scale;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const i64 r = key[i];
-    if (r < S) {
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < DC / 8; ++n)
+    for (int i = 0; i < 2; ++i) {
+      const i64 r = kw + mt * 16 + g + 8 * i;
+      if (r < S) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = c0 + n * 8 + 2 * tq + e;
-          if (c < d) {
-            st(&dk[(bk * S + r) * d + c], gk[n][2 * i + e] * sc);
-            st(&dv[(bk * S + r) * d + c], gv[n][2 * i + e]);
+        for (int n = 0; n < DC / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const i64 c = c0 + n * 8 + 2 * tq + e;
+            if (c < d) {
+              st(&dk[(bk * S + r) * d + c], gk[mt][n][2 * i + e] * sc);
+              st(&dv[(bk * S + r) * d + c], gv[mt][n][2 * i + e]);
+            }
           }
-        }
+      }
     }
-  }
 }
 
-// ---- backward 3/3: dQ of 64 queries of one (batch, query head) ----
+// ---- backward: dQ of BR queries of one (batch, query head); each warp QMT x 16 queries. With
+// FDELTA it first computes delta = rowsum(dO * O) of its rows (and stores it for dK/dV, which
+// then runs after it) ----
 __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
-                       T* __restrict__ dq, Dims dm, double scale, int causal) {
+                       const T* __restrict__ o, const float* __restrict__ lse, const T* __restrict__ dout,
+                       float* __restrict__ delta, T* __restrict__ dq, Dims dm, double scale, int causal) {
+  constexpr int MT = QMT;
   FLASH_SMEM(smem);
   T* sq = (T*)smem;
   T* sdo = sq + BR * LD;
-  T* sk = sdo + BR * LD;     // 2 stages of BC rows
-  T* sv = sk + 2 * BC * LD;  // 2 stages of BC rows
+  T* sk = sdo + BR * LD;                  // 2 stages of BC rows
+  T* sv = sk + 2 * BC * LD;               // 2 stages of BC rows
+  float* sdel = (float*)(sv + 2 * BC * LD);  // FDELTA: delta of the block's rows
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const i64 nqb = (T_ + BR - 1) / BR;
@@ -485,32 +509,50 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
   const float sl2 = (float)(scale * 1.4426950408889634);
+  const i64 wrow = q0 + w * 16 * MT, wlast = wrow + 16 * MT - 1;
 
-  load_tile<BR>(sq, q + bh * T_ * d, q0, T_ - q0, d, vec);
-  load_tile<BR>(sdo, dout + bh * T_ * d, q0, T_ - q0, d, vec);
+  load_tile<NT, BR>(sq, q + bh * T_ * d, q0, T_ - q0, d, vec);
+  load_tile<NT, BR>(sdo, dout + bh * T_ * d, q0, T_ - q0, d, vec);
   if (ntiles > 0) {
-    load_tile<BC>(sk, kh, 0, S, d, vec);
-    load_tile<BC>(sv, vh, 0, S, d, vec);
+    load_tile<NT, BC>(sk, kh, 0, S, d, vec);
+    load_tile<NT, BC>(sv, vh, 0, S, d, vec);
   }
   cp_commit();
-  const i64 row[2] = {q0 + w * 16 + g, q0 + w * 16 + g + 8};
-  float L[2], D[2];
+  if (FDELTA) {
+    // One row at a time per warp, lanes across the head dims (while the tiles above arrive).
+    for (int r = 0; r < 16 * MT; ++r) {
+      const i64 row = wrow + r;
+      float a = 0.f;
+      if (row < T_)
+        for (i64 c = lane; c < d; c += 32) a += ld(o[(bh * T_ + row) * d + c]) * ld(dout[(bh * T_ + row) * d + c]);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const bool ok = row[i] < T_;
-    L[i] = ok ? lse[bh * T_ + row[i]] * LOG2E : 0.f;
-    D[i] = ok ? delta[bh * T_ + row[i]] : 0.f;
+      for (int x = 16; x > 0; x >>= 1) a += shfl_xor(a, x);
+      if (lane == 0) {
+        sdel[w * 16 * MT + r] = a;
+        if (row < T_) delta[bh * T_ + row] = a;
+      }
+    }
+    FLASH_SYNC();
   }
-  float acc[DP / 8][4];
+  float L[MT][2], D[MT][2];
 #pragma unroll
-  for (int n = 0; n < DP / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const i64 row = wrow + mt * 16 + g + 8 * i;
+      const bool ok = row < T_;
+      L[mt][i] = ok ? lse[bh * T_ + row] * LOG2E : 0.f;
+      D[mt][i] = ok ? (FDELTA ? sdel[w * 16 * MT + mt * 16 + g + 8 * i] : delta[bh * T_ + row]) : 0.f;
+    }
+  float acc[MT][DP / 8][4];
+  zero<MT, DP / 8>(acc);
 
   for (int it = 0; it < ntiles; ++it) {
     const i64 j0 = (i64)it * BC;
     if (it + 1 < ntiles) {
       const int st = (it + 1) & 1;
-      load_tile<BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, vec);
-      load_tile<BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, vec);
+      load_tile<NT, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, vec);
+      load_tile<NT, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, vec);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -519,51 +561,59 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
     FLASH_SYNC();
     const T* ks = sk + (it & 1) * BC * LD;
     const T* vs = sv + (it & 1) * BC * LD;
-    float s[BC / 8][4], dp[BC / 8][4];
+    // Causal: a tile whose keys all come after the warp's last query adds nothing.
+    if (!(causal && j0 > wlast)) {
+      float s[MT][BC / 8][4], dp[MT][BC / 8][4];
+      zero<MT, BC / 8>(s);
+      zero<MT, BC / 8>(dp);
+      mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
+      mma_abt_m<MT, BC>(dp, sdo + w * 16 * MT * LD, vs, lane);
+      const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > wrow);
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-    mma_abt<BC>(s, sq + w * 16 * LD, ks, lane);
-    mma_abt<BC>(dp, sdo + w * 16 * LD, vs, lane);
-    const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > q0 + w * 16);
+        for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = ex2(s[n][e] * sl2 - L[e >> 1]);
-        if (mask) {
-          const i64 key = j0 + n * 8 + 2 * tq + (e & 1);
-          if (key >= S || (causal && key > row[e >> 1])) p = 0.f;
-        }
-        dp[n][e] = p * (dp[n][e] - D[e >> 1]);
-      }
-    mma_pb<BC, DP>(acc, dp, ks, 0, lane);  // dQ += dS K
+          for (int e = 0; e < 4; ++e) {
+            float p = ex2(fmaf(s[mt][n][e], sl2, -L[mt][e >> 1]));
+            if (mask) {
+              const i64 key = j0 + n * 8 + 2 * tq + (e & 1), row = wrow + mt * 16 + g + 8 * (e >> 1);
+              if (key >= S || (causal && key > row)) p = 0.f;
+            }
+            dp[mt][n][e] = p * (dp[mt][n][e] - D[mt][e >> 1]);
+          }
+      mma_pb_m<MT, BC, DP>(acc, dp, ks, 0, lane);  // dQ += dS K
+    }
     FLASH_SYNC();
   }
   cp_wait<0>();
 
   const float sc = (float)scale;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const i64 r = row[i];
-    if (r < T_) {
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < DP / 8; ++n)
+    for (int i = 0; i < 2; ++i) {
+      const i64 r = wrow + mt * 16 + g + 8 * i;
+      if (r < T_) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = n * 8 + 2 * tq + e;
-          if (c < d) st(&dq[(bh * T_ + r) * d + c], acc[n][2 * i + e] * sc);
-        }
+        for (int n = 0; n < DP / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const i64 c = n * 8 + 2 * tq + e;
+            if (c < d) st(&dq[(bh * T_ + r) * d + c], acc[mt][n][2 * i + e] * sc);
+          }
+      }
     }
-  }
 }
 }  // namespace fa
 
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v,
-                                                               fa::T* o, float* lse, fa::Dims dm, double scale,
-                                                               int causal) {
-  fa::fwd(q, k, v, o, lse, dm, scale, causal);
+extern "C" __global__ void __launch_bounds__(fa::FNT) flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v,
+                                                                fa::T* o, float* lse, fa::Dims dm, double scale,
+                                                                int causal) {
+  if (scale < 0)
+    fa::fwd<true>(q, k, v, o, lse, dm, scale, causal);
+  else
+    fa::fwd<false>(q, k, v, o, lse, dm, scale, causal);
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T* o, const fa::T* dout, float* delta,
                                                                      i64 rows, i64 d) {
@@ -576,8 +626,8 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv(const fa::T*
   fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,
-                                                                  const float* lse, const fa::T* dout,
-                                                                  const float* delta, fa::T* dq, fa::Dims dm,
-                                                                  double scale, int causal) {
-  fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal);
+                                                                  const fa::T* o, const float* lse, const fa::T* dout,
+                                                                  float* delta, fa::T* dq, fa::Dims dm, double scale,
+                                                                  int causal) {
+  fa::bwd_dq(q, k, v, o, lse, dout, delta, dq, dm, scale, causal);
 }

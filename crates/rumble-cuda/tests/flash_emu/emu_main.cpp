@@ -1,8 +1,10 @@
 // Runs the flash-attention kernels of one module (flash_attn.cu for FT = bf16/f16, or
 // flash_fma.cu for f32) under the CPU emulator (emu.h) on random inputs and compares o, lse,
 // dq, dk and dv with attention computed exactly in double, as rumble_core's CPU reference does.
-//   emu_main B HQ HKV T S D CAUSAL SEED    prints one line; exits 1 over tolerance
+//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL]    prints one line; exits 1 over tolerance
 #include "emu.h"
+#define STR_(x) #x
+#define STR(x) STR_(x)
 #ifndef FLASH_FMA
 #define FLASH_FMA 0
 #endif
@@ -13,8 +15,14 @@
 
 #if FLASH_FMA
 #include "../../src/kernels/flash_fma.cu"
+#define FWD_THREADS fa::NT
+#define BWD_FUSED_DELTA 0
+#define CFG_NAME ""
 #else
 #include "../../src/kernels/flash_attn.cu"
+#define FWD_THREADS fa::FNT
+#define BWD_FUSED_DELTA fa::FDELTA
+#define CFG_NAME " cfg" STR(FCFG)
 #endif
 
 using fa::T;
@@ -98,12 +106,13 @@ static double rel_err_f(const std::vector<float>& got, const std::vector<double>
 }
 
 int main(int argc, char** argv) {
-  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED\n"); return 2; }
+  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL]\n"); return 2; }
   int B = atoi(argv[1]), HQ = atoi(argv[2]), HKV = atoi(argv[3]), Tn = atoi(argv[4]), S = atoi(argv[5]), D = atoi(argv[6]);
   bool causal = atoi(argv[7]);
   std::mt19937_64 rng(atoi(argv[8]));
   std::normal_distribution<float> nd(0.f, 1.f);
-  double scale = 1.0 / std::sqrt((double)D);
+  // An optional 9th argument multiplies the usual scale (e.g. -1: the negative-scale path).
+  double scale = (argc > 9 ? atof(argv[9]) : 1.0) / std::sqrt((double)D);
   if (D > fa::DP || (D <= fa::DP - (FLASH_FMA ? 32 : 16))) {
     fprintf(stderr, "head size %d does not belong to the module of DP %d\n", D, fa::DP);
     return 2;
@@ -123,7 +132,7 @@ int main(int argc, char** argv) {
   std::fill((unsigned char*)o, (unsigned char*)o + nq * sizeof(T), 0xff);
   std::fill((unsigned char*)lse, (unsigned char*)lse + rows * 4, 0xff);
   fa::Dims dm{B, HQ, HKV, Tn, S, D};
-  emu::launch({(unsigned)((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_FWD,
+  emu::launch({(unsigned)((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, FWD_THREADS, fa::SMEM_FWD,
               [&] { flash_fwd(q.data(), k.data(), v.data(), o, lse, dm, scale, causal); });
   Ref r0 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, nullptr, nullptr);
   double mo, e_o = rel_err(std::vector<T>(o, o + nq), r0.o, &mo);
@@ -141,20 +150,37 @@ int main(int argc, char** argv) {
   std::fill((unsigned char*)dq, (unsigned char*)dq + nq * sizeof(T), 0xff);
   std::fill((unsigned char*)dk, (unsigned char*)dk + nk * sizeof(T), 0xff);
   std::fill((unsigned char*)dv, (unsigned char*)dv + nk * sizeof(T), 0xff);
-  emu::launch({(unsigned)std::min<size_t>((rows + 3) / 4, 64), 1, 1}, fa::NT, 0,
-              [&] { flash_bwd_delta(oref.data(), dout.data(), delta, rows, D); });
-  emu::launch({(unsigned)(((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK), (unsigned)(B * HKV), 1}, fa::NT,
-              fa::SMEM_DKDV,
-              [&] { flash_bwd_dkdv(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dk, dv, dm, scale, causal); });
-  emu::launch({(unsigned)((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ,
-              [&] { flash_bwd_dq(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal); });
+  std::fill((unsigned char*)delta, (unsigned char*)delta + rows * 4, 0xff);
+  auto dkdv = [&] {
+    emu::launch({(unsigned)(((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK), (unsigned)(B * HKV), 1}, fa::NT,
+                fa::SMEM_DKDV,
+                [&] { flash_bwd_dkdv(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dk, dv, dm, scale, causal); });
+  };
+  auto dq_ = [&] {
+    emu::launch({(unsigned)((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ, [&] {
+#if FLASH_FMA
+      flash_bwd_dq(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal);
+#else
+      flash_bwd_dq(q.data(), k.data(), v.data(), oref.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal);
+#endif
+    });
+  };
+  if (BWD_FUSED_DELTA) {  // dQ computes delta, then dK/dV reads it
+    dq_();
+    dkdv();
+  } else {
+    emu::launch({(unsigned)std::min<size_t>((rows + 3) / 4, 64), 1, 1}, fa::NT, 0,
+                [&] { flash_bwd_delta(oref.data(), dout.data(), delta, rows, D); });
+    dkdv();
+    dq_();
+  }
   double m1, m2, m3;
   double e_dq = rel_err(std::vector<T>(dq, dq + nq), r1.dq, &m1);
   double e_dk = rel_err(std::vector<T>(dk, dk + nk), r1.dk, &m2);
   double e_dv = rel_err(std::vector<T>(dv, dv + nk), r1.dv, &m3);
   double tol = sizeof(T) == 4 ? 2e-5 : 1e-2;
   bool ok = e_o <= tol && e_l <= tol && e_dq <= tol && e_dk <= tol && e_dv <= tol;
-  printf("%s DP%d B%d HQ%d HKV%d T%d S%d D%d causal%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
-         ok ? "ok  " : "FAIL", fa::DP, B, HQ, HKV, Tn, S, D, (int)causal, e_o, e_l, e_dq, e_dk, e_dv, tol);
+  printf("%s DP%d%s B%d HQ%d HKV%d T%d S%d D%d causal%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
+         ok ? "ok  " : "FAIL", fa::DP, CFG_NAME, B, HQ, HKV, Tn, S, D, (int)causal, e_o, e_l, e_dq, e_dk, e_dv, tol);
   return ok ? 0 : 1;
 }

@@ -1,6 +1,8 @@
 """Registers, stack and spills of every flash-attention kernel, from NVRTC's ptxas (-v), offline.
 
-usage: NVRTC_LIB_DIR=/path/to/nvidia/cu13/lib python3 crates/rumble-cuda/tests/flash_emu/resources.py [mma|fma] [DP,...]
+usage: NVRTC_LIB_DIR=/path/to/nvidia/cu13/lib python3 crates/rumble-cuda/tests/flash_emu/resources.py [mma|fma] [DP,...] [CFG,...]
+
+(CFG: the FCFG numbers of kernels/flash_attn.cu's tiling configurations; default all.)
 
 Compiles the sources as src/flash.rs does (prelude + defines + kernel file, sm_90, --fmad=true)
 and prints one line per module. Needs libnvrtc (e.g. the nvidia-cuda-nvrtc wheel); no GPU.
@@ -56,9 +58,11 @@ def report(fname, defines, label):
 which = sys.argv[1] if len(sys.argv) > 1 else "mma"
 ok = True
 if which == "mma":
-    dps = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else range(16, 257, 16)
+    dps = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 and sys.argv[2] else range(16, 257, 16)
+    cfgs = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else range(4)
     for dp in dps:
-        ok &= report("flash_attn.cu", {"FT": "bf16", "FLASH_F16": 0, "FDP": dp}, f"bf16 dp{dp}")
+        for c in cfgs:
+            ok &= report("flash_attn.cu", {"FT": "bf16", "FLASH_F16": 0, "FDP": dp, "FCFG": c}, f"bf16 dp{dp} cfg{c}")
 else:
     dps = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else range(32, 257, 32)
     for dp in dps:

@@ -2,7 +2,8 @@
 # Builds the flash-attention kernels for the CPU emulator (emu.h) with g++ and runs them
 # against exact double attention on the issue-6 matrix: head sizes 1..256 (vectorised and
 # element-wise loads), sequences that are and are not multiples of the tiles, GQA 1 and 7,
-# causal and not, bf16 / f16 (tensor-core kernels) and f32 (FMA kernels). No GPU needed.
+# causal and not, bf16 / f16 (tensor-core kernels, every tiling configuration FCFG) and f32
+# (FMA kernels). No GPU needed.
 #   tests/flash_emu/run.sh [quick|full]   (BUILD=dir keeps the binaries; default: a temp dir, removed)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,35 +21,48 @@ bin() { # name defines...
   [ -x "$build/$name" ] || g++ -std=c++20 -O1 -pthread "$@" -o "$build/$name" "$here/emu_main.cpp"
   echo "$build/$name"
 }
-run() { # binary B HQ HKV T S D CAUSAL SEED
+run() { # binary B HQ HKV T S D CAUSAL SEED [SCALE_MUL]
   local b=$1
   shift
   "$b" "$@" || fail=1
 }
-# (binary, B HQ HKV T S D causal seed)
-b=$(bin bf16_16 -DFT=bf16 -DFDP=16)
-run "$b" 1 7 1 200 200 1 1 1
-run "$b" 1 2 2 37 100 1 0 2
-run "$b" 2 2 1 65 65 16 1 3
-b=$(bin bf16_64 -DFT=bf16 -DFDP=64)
-run "$b" 1 7 1 130 130 64 1 4
-run "$b" 1 2 2 45 19 64 0 5
-run "$b" 1 2 1 64 64 60 1 6
-b=$(bin bf16_112 -DFT=bf16 -DFDP=112)
-run "$b" 1 2 2 130 130 100 1 7
-run "$b" 1 7 1 70 70 100 0 8
-b=$(bin bf16_128 -DFT=bf16 -DFDP=128)
-run "$b" 1 2 2 200 200 128 1 9
-run "$b" 2 2 1 64 64 128 0 10
-if [ "${1:-}" != quick ]; then
-  b=$(bin bf16_144 -DFT=bf16 -DFDP=144)
+# The tensor-core kernels' cases for one tiling configuration (FCFG, see kernels/flash_attn.cu):
+# `all` the whole matrix, else a few shapes (head sizes 16, 64 and 128, a negative scale).
+mma_cases() { # cfg all|some
+  local c=$1 b
+  b=$(bin bf16_64_c$c -DFT=bf16 -DFDP=64 -DFCFG=$c)
+  run "$b" 1 7 1 130 130 64 1 4
+  run "$b" 1 2 2 45 19 64 0 5 -1
+  b=$(bin bf16_128_c$c -DFT=bf16 -DFDP=128 -DFCFG=$c)
+  run "$b" 1 2 2 200 200 128 1 9
+  b=$(bin bf16_16_c$c -DFT=bf16 -DFDP=16 -DFCFG=$c)
+  run "$b" 1 7 1 200 200 1 1 1
+  [ "$2" = all ] || return 0
+  run "$b" 1 2 2 37 100 1 0 2
+  run "$b" 2 2 1 65 65 16 1 3 -0.5
+  b=$(bin bf16_64_c$c -DFT=bf16 -DFDP=64 -DFCFG=$c)
+  run "$b" 1 2 1 64 64 60 1 6
+  b=$(bin bf16_112_c$c -DFT=bf16 -DFDP=112 -DFCFG=$c)
+  run "$b" 1 2 2 130 130 100 1 7
+  run "$b" 1 7 1 70 70 100 0 8
+  b=$(bin bf16_128_c$c -DFT=bf16 -DFDP=128 -DFCFG=$c)
+  run "$b" 2 2 1 64 64 128 0 10
+  run "$b" 1 1 1 300 300 128 1 22
+  [ "$mode" = full ] || return 0
+  b=$(bin bf16_144_c$c -DFT=bf16 -DFDP=144 -DFCFG=$c)
   run "$b" 1 2 1 70 70 136 1 11
-  b=$(bin bf16_256 -DFT=bf16 -DFDP=256)
+  b=$(bin bf16_256_c$c -DFT=bf16 -DFDP=256 -DFCFG=$c)
   run "$b" 1 2 2 70 70 256 1 12
   run "$b" 1 1 1 33 50 250 0 13
-  b=$(bin f16_64 -DFT=f16 -DFDP=64 -DFLASH_F16=1)
+  b=$(bin f16_64_c$c -DFT=f16 -DFDP=64 -DFLASH_F16=1 -DFCFG=$c)
   run "$b" 1 7 1 100 100 64 1 14
-fi
+}
+mode=${1:-full}
+# quick: the default configuration (FCFG 1, `wide`) on the quick matrix, the others on a few
+# shapes; full: every configuration on the whole matrix.
+for c in 0 1 2 3; do
+  if [ "$mode" = quick ] && [ $c != 1 ]; then mma_cases $c some; else mma_cases $c all; fi
+done
 b=$(bin f32_32 -DFLASH_FMA=1 -DFDPF=32)
 run "$b" 1 7 1 100 100 1 1 15
 run "$b" 1 2 2 37 70 32 0 16
@@ -57,7 +71,7 @@ run "$b" 1 7 1 130 130 64 1 17
 b=$(bin f32_128 -DFLASH_FMA=1 -DFDPF=128)
 run "$b" 1 2 2 100 100 100 1 18
 run "$b" 1 2 1 70 45 128 0 19
-if [ "${1:-}" != quick ]; then
+if [ "$mode" != quick ]; then
   b=$(bin f32_160 -DFLASH_FMA=1 -DFDPF=160)
   run "$b" 1 2 1 70 70 130 1 20
   b=$(bin f32_256 -DFLASH_FMA=1 -DFDPF=256)
