@@ -24,4 +24,4 @@ fi
 cat "$OUT/session.txt"
 tail -32 "$OUT/sweep-bf16.txt"
 for c in a b; do grep -E "llama-f32" "$OUT/sweep-f32-$c.txt" | sed "s/^/f32 cfg $c: /"; done
-(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz . && find . -type f ! -name logs.tgz -delete)
+tar czf /tmp/logs.tgz -C "$OUT" . && find "$OUT" -type f -delete && mv /tmp/logs.tgz "$OUT/logs.tgz"

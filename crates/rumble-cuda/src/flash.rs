@@ -48,8 +48,10 @@ pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
 pub const CFG_NAMES: [&str; 4] = ["base", "wide", "deep", "w8"];
-/// The configuration used unless `RUMBLE_FLASH_CFG` names another.
-pub const DEFAULT_CFG: Cfg = Cfg(1);
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `base`, the fastest on
+/// every shape of the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session/run4-*):
+/// `wide`'s two m-tiles per warp in the backward made dK/dV slower, not faster.
+pub const DEFAULT_CFG: Cfg = Cfg(0);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
 pub const SWEEP_DP: [usize; 3] = [16, 64, 128];
@@ -111,9 +113,11 @@ pub fn choose(cc: (i32, i32), dtype: DType, d: usize) -> Option<Variant> {
     }
 }
 
-/// `RUMBLE_FLASH_FMA_CFG=b` selects the FMA kernels' second tiling (`a`, the default, the first).
+/// The FMA kernels' tiling: the second (`b`, 64-key forward and 64-query dK/dV tiles) unless
+/// `RUMBLE_FLASH_FMA_CFG=a`. On the H200 (2026-12-02) `b` took 5.24 ms fwd+bwd on seed-llama's
+/// attention against 5.92 ms for `a`.
 fn fma_big() -> bool {
-    std::env::var("RUMBLE_FLASH_FMA_CFG").is_ok_and(|v| v == "b")
+    !std::env::var("RUMBLE_FLASH_FMA_CFG").is_ok_and(|v| v == "a")
 }
 
 /// The launch shape of a variant's kernels: mirrors the `FWD_ROWS` ... `SMEM_DKDV` constants

@@ -58,29 +58,31 @@ mma_cases() { # cfg all|some
   run "$b" 1 7 1 100 100 64 1 14
 }
 mode=${1:-full}
-# quick: the default configuration (FCFG 1, `wide`) on the quick matrix, the others on a few
-# shapes; full: every configuration on the whole matrix.
+# quick: the default configuration (FCFG 0, `base`; DEFAULT_CFG in src/flash.rs) on the quick
+# matrix, the others on a few shapes; full: every configuration on the whole matrix.
 for c in 0 1 2 3; do
-  if [ "$mode" = quick ] && [ $c != 1 ]; then mma_cases $c some; else mma_cases $c all; fi
+  if [ "$mode" = quick ] && [ $c != 0 ]; then mma_cases $c some; else mma_cases $c all; fi
 done
-b=$(bin f32_32 -DFLASH_FMA=1 -DFDPF=32)
+# f32: the default tiling (FLASH_FMA_CFG 1, `b`; fma_big in src/flash.rs)
+b=$(bin f32_32b -DFLASH_FMA=1 -DFDPF=32 -DFLASH_FMA_CFG=1)
 run "$b" 1 7 1 100 100 1 1 15
 run "$b" 1 2 2 37 70 32 0 16
-b=$(bin f32_64 -DFLASH_FMA=1 -DFDPF=64)
+b=$(bin f32_64b -DFLASH_FMA=1 -DFDPF=64 -DFLASH_FMA_CFG=1)
 run "$b" 1 7 1 130 130 64 1 17
-b=$(bin f32_128 -DFLASH_FMA=1 -DFDPF=128)
+b=$(bin f32_128b -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=1)
 run "$b" 1 2 2 100 100 100 1 18
 run "$b" 1 2 1 70 45 128 0 19
 if [ "$mode" != quick ]; then
-  b=$(bin f32_160 -DFLASH_FMA=1 -DFDPF=160)
+  b=$(bin f32_160b -DFLASH_FMA=1 -DFDPF=160 -DFLASH_FMA_CFG=1)
   run "$b" 1 2 1 70 70 130 1 20
-  b=$(bin f32_256 -DFLASH_FMA=1 -DFDPF=256)
+  b=$(bin f32_256b -DFLASH_FMA=1 -DFDPF=256 -DFLASH_FMA_CFG=1)
   run "$b" 1 2 2 65 65 256 1 21
-  # the second FMA tiling (RUMBLE_FLASH_FMA_CFG=b)
-  b=$(bin f32_128b -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=1)
+  run "$b" 1 2 1 70 70 250 1 24
+  # the first FMA tiling (RUMBLE_FLASH_FMA_CFG=a)
+  b=$(bin f32_128a -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=0)
   run "$b" 1 2 2 150 150 100 1 22
   run "$b" 1 7 1 70 45 128 0 23
-  b=$(bin f32_256b -DFLASH_FMA=1 -DFDPF=256 -DFLASH_FMA_CFG=1)
-  run "$b" 1 2 1 70 70 250 1 24
+  b=$(bin f32_256a -DFLASH_FMA=1 -DFDPF=256 -DFLASH_FMA_CFG=0)
+  run "$b" 1 2 1 70 70 250 1 25
 fi
 [ $fail = 0 ] && echo "flash emulation: all passed" || { echo "flash emulation: FAILURES"; exit 1; }
