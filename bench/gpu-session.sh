@@ -4,8 +4,8 @@
 # .gpu/ and .whl/ carried. Logs go to $OUT; a short summary is printed last.
 #   1. the flash-attention and op tests (if flash fails, the benches fall back to the old kernel)
 #   2. rumble bench on small, seed-qwen2, seed-llama (eager, planned, graphed)
-#   3. the PyTorch references for small and seed-qwen2 (eager, compile reduce-overhead)
-#   4. the attention bench against PyTorch SDPA
+#   3. the attention bench against PyTorch SDPA
+#   4. the references (PyTorch eager, torch.compile, Thunder; REF_PAIRS or REFS x REF_WORKLOADS)
 # Optional parts (env): SANITIZE=1 (compute-sanitizer memcheck + racecheck on a graphed
 # training step of the tiny model), PROFILE="w ..." (rumble bench --profile: device time per
 # op and the slowest nodes), XCHECK=1 (make_reference.py with this machine's transformers, then
@@ -49,16 +49,26 @@ for w in ${WORKLOADS-small seed-qwen2 seed-llama}; do
   timeout "${PER:-150}" .gpu/rumble bench "$w" --device cuda --json --steps "${STEPS:-6}" >> "$res" 2>> "$OUT/rumble.err" \
     || echo "{\"workload\":\"$w\",\"executor\":\"rumble\",\"failed\":true}" >> "$res"
 done
-for w in ${REF_WORKLOADS-small seed-qwen2}; do
-  for r in ${REFS:-torch-eager torch-compile-ro}; do
-    timeout "${REF_PER:-120}" python3 bench/reference/torch_ref.py "$w" "$r" --steps 8 >> "$res" 2>> "$OUT/ref.err" \
-      || echo "{\"workload\":\"$w\",\"executor\":\"$r\",\"failed\":true}" >> "$res"
-  done
-done
 if [ "${ATTN:-1}" = 1 ]; then
   RUMBLE_ATTN_DUMP=/tmp/rumble-attn timeout 150 .gpu/bin/attention-bench > "$OUT/attention.log" 2>&1
   timeout 120 python3 bench/reference/attention_ref.py /tmp/rumble-attn >> "$OUT/attention.log" 2>&1
 fi
+# The references: REF_PAIRS="workload:executor ..." in order, or every REFS executor on every
+# REF_WORKLOADS workload. None starts once BUDGET seconds (default 540) have passed since the
+# session began, so the summary still prints inside the call's time limit.
+pairs=${REF_PAIRS:-}
+if [ -z "$pairs" ]; then
+  for w in ${REF_WORKLOADS-small seed-qwen2}; do for r in ${REFS:-torch-eager torch-compile-ro}; do pairs="$pairs $w:$r"; done; done
+fi
+for pr in $pairs; do
+  w=${pr%%:*} r=${pr#*:}
+  if [ $((SECONDS + ${REF_PER:-120})) -gt "${BUDGET:-540}" ]; then
+    echo "reference $w $r skipped: the session's time budget is spent" >> "$OUT/summary.txt"
+    continue
+  fi
+  timeout "${REF_PER:-120}" python3 bench/reference/torch_ref.py "$w" "$r" --steps 8 >> "$res" 2>> "$OUT/ref.err" \
+    || echo "{\"workload\":\"$w\",\"executor\":\"$r\",\"failed\":true}" >> "$res"
+done
 python3 bench/compare.py "$res" > "$OUT/table.md"
 cat "$OUT/summary.txt" "$OUT/table.md"
 sed -n '/^attention fwd+bwd/,$p' "$OUT/attention.log" 2>/dev/null | head -30
