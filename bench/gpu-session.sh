@@ -17,7 +17,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export RUMBLE_CUDA_CACHE=$PWD/.gpu/kcache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/summary.txt"
 echo "commit $(cat .gpu/COMMIT)" >> "$OUT/summary.txt"
-for t in ${TESTS:-flash ops exec}; do
+for t in ${TESTS-flash ops exec}; do
   timeout "${TEST_TIMEOUT:-120}" .gpu/bin/$t --test-threads=1 > "$OUT/test-$t.log" 2>&1
   rc=$?
   echo "test $t rc=$rc $(grep -E '^test result' "$OUT/test-$t.log" | tail -1)" >> "$OUT/summary.txt"
