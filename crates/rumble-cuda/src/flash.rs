@@ -30,8 +30,7 @@ use crate::recipe::PRELUDE;
 
 const MMA: &str = include_str!("kernels/flash_attn.cu");
 const FMA: &str = include_str!("kernels/flash_fma.cu");
-/// Threads per block of the tensor-core flash kernels but their forward (whose come from its
-/// [`Shape`]).
+/// Threads per block of the tensor-core flash kernels (the forward's come from its [`Shape`]).
 const THREADS: u32 = 128;
 /// Threads per block of the FMA flash kernels (`fa::NT` of flash_fma.cu).
 const FMA_THREADS: u32 = 256;

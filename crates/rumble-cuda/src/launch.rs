@@ -114,12 +114,6 @@ impl Recipe {
     /// # Safety
     /// The buffers must be live device allocations of the sizes the recipe was prepared for.
     pub unsafe fn launch(&self, dev: &Device, tag: usize, b: &Buffers) -> Result<()> {
-        if b.scratch_bytes < self.scratch {
-            return Err(CudaError::usage(format!(
-                "op `{}` needs {} scratch bytes, got {}",
-                self.op, self.scratch, b.scratch_bytes
-            )));
-        }
         unsafe { self.launch_each(dev, tag, b, &mut |_, _| Ok(())) }
     }
 
@@ -152,6 +146,12 @@ impl Recipe {
         b: &Buffers,
         hook: &mut dyn FnMut(usize, bool) -> Result<()>,
     ) -> Result<()> {
+        if b.scratch_bytes < self.scratch {
+            return Err(CudaError::usage(format!(
+                "op `{}` needs {} scratch bytes, got {}",
+                self.op, self.scratch, b.scratch_bytes
+            )));
+        }
         let stream = dev.stream();
         for (i, step) in self.steps.iter().enumerate() {
             hook(i, true)?;

@@ -497,7 +497,7 @@ fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: u
     if x.dtype.is_float() && n_red >= 1 << 16 && pieces > 1 {
         let chunk = n_red.div_ceil(pieces).max(1 << 14);
         let parts = n_red.div_ceil(chunk);
-        let acc = if x.dtype == DType::F64 { 8 } else { 4 };
+        let acc = rumble_core::ir::stat_dtype(x.dtype).size_in_bytes(); // Acc<T> of the kernels
         let part = b.scratch(n_out * parts * acc);
         let sfx = sfx(x.dtype);
         let args = vec![

@@ -65,26 +65,10 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
 
     // Loss and every gradient, with the logits materialised and with the fused loss.
     for fused_loss in [false, true] {
-        let sc = StepConfig {
-            batch: b,
-            seq: t,
-            objective: Objective::CausalLm,
-            optimizer: None,
-            grad_accum: 1,
-            clip: None,
-            fused_loss,
-        };
-        let step = build_train_step(&cfg, &sc).unwrap();
+        let step = build_train_step(&cfg, &step_config(b, t, fused_loss)).unwrap();
         let out = eval(&step.trace, &inputs).unwrap();
         let what = format!("{name} (fused {fused_loss})");
-        close(&out[0].to_f64(), &reference["loss"].to_f64(), rel, &format!("{what}: loss"));
-        let mut checked = 0;
-        for (o, v) in step.trace.outputs.iter().zip(&out).skip(1) {
-            let want = reference.get(&o.name).unwrap_or_else(|| panic!("{what}: no reference for {}", o.name));
-            close(&v.to_f64(), &want.to_f64(), rel_grad, &format!("{what}: {}", o.name));
-            checked += 1;
-        }
-        assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{what}");
+        check_step(&what, &step.trace, &reference, &out[0], |i, _| out[i].clone(), rel, rel_grad);
     }
 
     // The same step on the GPU, graphed, with the fused loss.
@@ -92,25 +76,35 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
         eprintln!("{name}: CUDA check skipped: {why}");
         return;
     }
-    let sc = StepConfig {
-        batch: b,
-        seq: t,
-        objective: Objective::CausalLm,
-        optimizer: None,
-        grad_accum: 1,
-        clip: None,
-        fused_loss: true,
-    };
-    let step = build_train_step(&cfg, &sc).unwrap();
+    let step = build_train_step(&cfg, &step_config(b, t, true)).unwrap();
     let (trace, _) = passes::run(&step.trace, PIPELINE).unwrap();
     let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Graphed).unwrap();
     let out = exec.run(&inputs[..2]).unwrap();
     let what = format!("{name} (CUDA graphed)");
-    close(&out[0].to_f64(), &reference["loss"].to_f64(), rel, &format!("{what}: loss"));
+    check_step(&what, &step.trace, &reference, &out[0], |_, n| exec.output(n).unwrap(), rel, rel_grad);
+}
+
+/// The causal-LM step without an optimizer (loss and every gradient).
+fn step_config(batch: usize, seq: usize, fused_loss: bool) -> StepConfig {
+    StepConfig { batch, seq, objective: Objective::CausalLm, optimizer: None, grad_accum: 1, clip: None, fused_loss }
+}
+
+/// The loss and every gradient output of `trace` (the `i`-th output, named `n`, from
+/// `output(i, n)`) against the reference; every reference gradient must be checked.
+fn check_step(
+    what: &str,
+    trace: &rumble_core::Trace,
+    reference: &HashMap<String, HostTensor>,
+    loss: &HostTensor,
+    output: impl Fn(usize, &str) -> HostTensor,
+    rel: f64,
+    rel_grad: f64,
+) {
+    close(&loss.to_f64(), &reference["loss"].to_f64(), rel, &format!("{what}: loss"));
     let mut checked = 0;
-    for o in step.trace.outputs.iter().skip(1) {
+    for (i, o) in trace.outputs.iter().enumerate().skip(1) {
         let want = reference.get(&o.name).unwrap_or_else(|| panic!("{what}: no reference for {}", o.name));
-        close(&exec.output(&o.name).unwrap().to_f64(), &want.to_f64(), rel_grad, &format!("{what}: {}", o.name));
+        close(&output(i, &o.name).to_f64(), &want.to_f64(), rel_grad, &format!("{what}: {}", o.name));
         checked += 1;
     }
     assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{what}");

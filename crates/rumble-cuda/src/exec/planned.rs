@@ -90,6 +90,16 @@ impl Placed {
 
     /// Enqueues nodes `range` (no allocation, no synchronisation: capturable).
     pub fn launch(&self, range: std::ops::Range<usize>) -> Result<()> {
+        self.launch_each(range, &mut |_, _, _| Ok(()))
+    }
+
+    /// [`Placed::launch`] calling `hook(node, step, before)` just before and just after
+    /// enqueuing each step of each launched node (see [`crate::launch::Recipe::launch_each`]).
+    fn launch_each(
+        &self,
+        range: std::ops::Range<usize>,
+        hook: &mut dyn FnMut(usize, usize, bool) -> Result<()>,
+    ) -> Result<()> {
         let p = &self.prog;
         let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
         for n in range {
@@ -99,7 +109,7 @@ impl Placed {
             let (args, outs) = &self.addrs[n];
             let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
             let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes, node };
-            unsafe { p.recipes[n].launch(&p.dev, n + 1, &b)? };
+            unsafe { p.recipes[n].launch_each(&p.dev, n + 1, &b, &mut |i, before| hook(n, i, before))? };
         }
         Ok(())
     }
@@ -108,43 +118,33 @@ impl Placed {
     /// launched node; synchronises and returns `(node, step, milliseconds)`, in launch order.
     pub fn launch_timed(&self, range: std::ops::Range<usize>) -> Result<Vec<(usize, usize, f64)>> {
         let p = &self.prog;
-        let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
         let mut events: Vec<(usize, usize, sys::CUevent, sys::CUevent)> = Vec::new();
         let stream = p.dev.stream();
-        let result = (|| -> Result<()> {
-            for n in range {
-                if p.is_view_node(n) {
-                    continue;
-                }
-                let (args, outs) = &self.addrs[n];
-                let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
-                let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes, node };
-                let mut hook = |i: usize, before: bool| -> Result<()> {
-                    let e = if before {
-                        let a =
-                            drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
-                        let z =
-                            drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
-                        events.push((n, i, a, z));
-                        a
-                    } else {
-                        events.last().map(|e| e.3).ok_or_else(|| CudaError::usage("profile: no open event"))?
-                    };
-                    unsafe { drv::event::record(e, stream) }.ctx(|| "cuEventRecord".into())
-                };
-                unsafe { p.recipes[n].launch_each(&p.dev, n + 1, &b, &mut hook)? };
-            }
-            p.dev.synchronize()
-        })();
+        let mut hook = |n: usize, i: usize, before: bool| -> Result<()> {
+            let e = if before {
+                let a = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
+                let z = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "cuEventCreate".into())?;
+                events.push((n, i, a, z));
+                a
+            } else {
+                events.last().map(|e| e.3).ok_or_else(|| CudaError::usage("profile: no open event"))?
+            };
+            unsafe { drv::event::record(e, stream) }.ctx(|| "cuEventRecord".into())
+        };
+        let result = self.launch_each(range, &mut hook).and_then(|()| p.dev.synchronize());
+        // Every event is destroyed, whatever failed.
         let mut times = Vec::with_capacity(events.len());
+        let mut result = result;
         for (n, i, a, z) in events {
             let ms = unsafe { drv::event::elapsed(a, z) }.ctx(|| "cuEventElapsedTime".into());
             unsafe {
                 let _ = drv::event::destroy(a);
                 let _ = drv::event::destroy(z);
             }
-            if result.is_ok() {
-                times.push((n, i, ms? as f64));
+            match ms {
+                Ok(ms) => times.push((n, i, ms as f64)),
+                Err(e) if result.is_ok() => result = Err(e),
+                Err(_) => {}
             }
         }
         result.map(|()| times)

@@ -22,8 +22,8 @@
 // FLASH_FMA_CFG picks between two tilings (src/flash.rs reads RUMBLE_FLASH_FMA_CFG):
 // 0 ("a"): 32-key tiles in the forward, 32-query tiles in dK/dV;
 // 1 ("b"): 64-key tiles in the forward, 64-query tiles in dK/dV up to head size 128 (bigger
-// register tiles, single-buffered where two buffers no longer fit). dQ takes 32-key tiles. The default is 1 (faster on
-// the H200: 5.24 against 5.92 ms fwd+bwd at seed-llama's shape).
+// register tiles, single-buffered where two buffers no longer fit). dQ takes 32-key tiles.
+// The default is 1 (faster on the H200: 5.24 against 5.92 ms fwd+bwd at seed-llama's shape).
 
 #ifndef FLASH_EMU
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
