@@ -1,14 +1,14 @@
 //! Property tests of the memory planner on random DAG traces: views, in-place chains, updates
 //! of parameters and optimizer state, values read across phases. For every trace and option
-//! set (and after fusion), the independent checker accepts the plan, the arena is at least
-//! LOAD, the passes keep the program's results, and the arena executor matches `cpu::eval` bit
-//! for bit.
+//! set (per-node backend scratch included; and after fusion), the independent checker
+//! accepts the plan, the arena is at least LOAD, the passes keep the program's results, and
+//! the arena executor matches `cpu::eval` bit for bit.
 
 use proptest::prelude::*;
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, InputRole, OutputRole, Phase, Tensor, Trace, verify};
 use rumble_core::passes::remat::Remat;
-use rumble_core::plan::{PlanOptions, check::check, plan};
+use rumble_core::plan::{BackendScratch, PlanOptions, check::check, plan};
 
 /// Builds a random trace from `choices` (each `(kind, a, b)` picks an op and two operands).
 fn random_trace(choices: &[(u8, u16, u16)], updates: u8) -> Trace {
@@ -103,6 +103,17 @@ fn option_sets() -> Vec<PlanOptions> {
         PlanOptions::default(),
         PlanOptions { remat: Remat::Auto, workspace_bytes: 300, ..Default::default() },
         PlanOptions { remat: Remat::Budget { peak_bytes: 4096 }, ..Default::default() },
+        // Backend scratch per node, sized from the op and its types (unaligned sizes too).
+        PlanOptions {
+            backend_scratch: Some(BackendScratch::new(|op, at, ot| {
+                Ok(match op.name().len() % 3 {
+                    0 => 0,
+                    1 => at.iter().map(|t| t.size_in_bytes()).sum::<usize>() + 12,
+                    _ => ot.first().map_or(0, |t| 3 * t.size_in_bytes() + 1),
+                })
+            })),
+            ..Default::default()
+        },
     ]
 }
 

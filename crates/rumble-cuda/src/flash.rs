@@ -4,7 +4,7 @@
 //! tiles; `RUMBLE_FLASH_FMA_CFG=b` picks its second tiling). Both keep their tiles
 //! in shared memory and registers, save only o and the log-sum-exp, and need O(seq x head)
 //! memory; the backward's only scratch is one f32 per query row (`delta = rowsum(dO * O)`),
-//! part of the recipe's scratch and so of the plan's workspace.
+//! part of the recipe's scratch and so of the node's planned scratch range.
 //!
 //! [`choose`] is the one place that decides between these kernels and the simple per-row
 //! kernel of `kernels/attention.cu` (the fallback: f64, head sizes over 256, GPUs before

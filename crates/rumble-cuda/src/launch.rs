@@ -19,7 +19,8 @@ pub enum Arg {
     In(usize),
     /// The address of output `i`.
     Out(usize),
-    /// The address `offset` bytes into the node's scratch (the plan's workspace).
+    /// The address `offset` bytes into the node's recipe scratch ([`Recipe::scratch`] bytes:
+    /// the backend's part of the node's planned scratch range, or the plan's workspace).
     Scratch(usize),
     /// The address `offset` bytes into the node's own scratch range of the plan
     /// (`MemoryPlan::scratch`, sized by `Op::scratch_bytes`), live during the node only.
@@ -92,7 +93,8 @@ fn addr(a: &Arg, b: &Buffers) -> Result<sys::CUdeviceptr> {
 pub struct Recipe {
     pub op: &'static str,
     pub steps: Vec<Step>,
-    /// Scratch bytes the steps use (a part of the plan's workspace).
+    /// Scratch bytes the steps use through [`Arg::Scratch`], planned per node as the backend's
+    /// part of the node's scratch range (`PlanOptions::backend_scratch`).
     pub scratch: usize,
     /// Bytes the steps use of the node's own scratch range (at most `Op::scratch_bytes`).
     pub node_scratch: usize,
@@ -102,6 +104,7 @@ pub struct Recipe {
 pub struct Buffers<'a> {
     pub args: &'a [sys::CUdeviceptr],
     pub outs: &'a [sys::CUdeviceptr],
+    /// The recipe's scratch ([`Arg::Scratch`]) and its size.
     pub scratch: sys::CUdeviceptr,
     pub scratch_bytes: usize,
     /// The node's own scratch range (0 when it needs none).

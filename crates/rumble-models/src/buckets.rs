@@ -200,7 +200,7 @@ pub struct BucketReport {
     /// Times its CUDA graphs were captured (1 after its first step; 0 on the CPU).
     pub captures: usize,
     pub capture_secs: f64,
-    /// Its own plan's arena (workspace included); 0 on the CPU.
+    /// Its own plan's arena (every node's scratch included); 0 on the CPU.
     pub arena_bytes: usize,
 }
 
@@ -292,9 +292,7 @@ impl BucketedExecutor {
                 let dev = rumble_cuda::Device::new(0)?;
                 let (mut progs, mut reports) = (Vec::new(), Vec::new());
                 for t in &traces {
-                    let ws = Program::workspace_bytes(&dev, t)?;
-                    let planned =
-                        rumble_core::plan::plan(t, &PlanOptions { workspace_bytes: ws, ..PlanOptions::default() })?;
+                    let planned = rumble_core::plan::plan(t, &Program::plan_options(&dev, &PlanOptions::default()))?;
                     reports.push(planned.report.clone());
                     progs.push(Arc::new(Program::new(dev.clone(), planned.trace, planned.plan)?));
                 }

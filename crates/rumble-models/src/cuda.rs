@@ -54,8 +54,8 @@ impl CudaExecutor {
     pub fn new(trace: Trace, persistent: Vec<(String, HostTensor)>, mode: CudaMode) -> Result<CudaExecutor> {
         let t0 = Instant::now();
         let dev = rumble_cuda::Device::new(0)?;
-        let ws = Program::workspace_bytes(&dev, &trace)?;
-        let planned = rumble_core::plan::plan(&trace, &PlanOptions { workspace_bytes: ws, ..PlanOptions::default() })?;
+        // Each node's kernel scratch is planned with the node (no whole-step workspace).
+        let planned = rumble_core::plan::plan(&trace, &Program::plan_options(&dev, &PlanOptions::default()))?;
         let report = planned.report.clone();
         let prog = Arc::new(Program::new(dev, planned.trace, planned.plan)?);
         let mut given: HashMap<String, HostTensor> = persistent.into_iter().collect();

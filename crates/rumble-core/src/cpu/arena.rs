@@ -4,7 +4,9 @@
 //! Each node's results are computed by [`run_op`](super::run_op) and written at their slots;
 //! a view (`alias_of`) runs nothing, its readers read its source's bytes in place; after the
 //! last node, `copy_back` values are copied into their inputs' slots. Parameters and optimizer
-//! state stay in the persistent region between steps, updated there.
+//! state stay in the persistent region between steps, updated there. Before each node runs, its
+//! scratch range (`MemoryPlan::scratch`: the op's part and the backend's) is filled with
+//! garbage, as a backend using it would leave it.
 //!
 //! Its results must equal [`eval`](super::eval)'s bit for bit: any plan that lets two live
 //! values share a byte shows up as a difference. The plan is checked (`plan::check`) when the
@@ -14,6 +16,10 @@ use super::{HostTensor, check_inputs, run_op};
 use crate::ir::{TensorType, Trace, ValueId};
 use crate::plan::{MemoryPlan, Region, Slot, check::check};
 use crate::{Error, Result};
+
+/// What a node's scratch holds when it starts (NaN in every float dtype: a value placed over
+/// live scratch would show).
+const SCRATCH_GARBAGE: u8 = 0xFF;
 
 /// A trace, its plan, and the memory they run in.
 pub struct ArenaExecutor<'a> {
@@ -79,6 +85,9 @@ impl<'a> ArenaExecutor<'a> {
         for (n, node) in trace.nodes.iter().enumerate() {
             if node.outs.iter().all(|o| plan.is_alias(*o)) {
                 continue;
+            }
+            if let Some(s) = plan.scratch.get(n).copied().flatten() {
+                self.arena[s.offset..s.offset + s.bytes].fill(SCRATCH_GARBAGE);
             }
             let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
             let ot: Vec<&TensorType> = node.outs.iter().map(|o| trace.ty(*o)).collect();

@@ -16,7 +16,9 @@
 //! 5. the arena: any two storage groups (a value owning bytes plus every view of it, or a
 //!    node's scratch, live at its step) whose byte ranges meet are never live at the same step,
 //!    except an operand and the result computed in place over it, which meet at exactly the
-//!    step of that node; scratch has the size its op asks for;
+//!    step of that node; a node's scratch is aligned, in the arena, and holds at least what
+//!    its op asks for (`Op::scratch_bytes`) and, from the next `ALIGN` boundary, the plan's
+//!    `backend_scratch` for it (the backend's part, which ends the range);
 //! 6. the persistent region: inputs' slots are disjoint; every other value there sits exactly
 //!    in one input's slot as a chain of in-place results that starts at the input, where each
 //!    link dies at the step the next is written, and ends in that input's `update_of` output;
@@ -24,7 +26,7 @@
 //!    view of all of it, or listed in `copy_back` (and then the input's slot holds no chain).
 
 use crate::ir::{Op, OutputRole, Trace, ValueId};
-use crate::plan::{ALIGN, MemoryPlan, Region, Slot};
+use crate::plan::{ALIGN, MemoryPlan, Region, Slot, node_scratch_bytes};
 use crate::{Error, Result};
 
 /// Checks `plan` for `trace`; the error says which rule broke, for which values.
@@ -215,28 +217,41 @@ impl<'a> Checker<'a> {
             .filter(|&i| self.plan.alias_of[i].is_none() && self.slots[i].region == Region::Arena)
             .map(|i| (self.slots[i], self.step[i], group_end[i], Some(i), 0))
             .collect();
-        if self.plan.scratch.len() != self.trace.nodes.len() {
+        let nodes = self.trace.nodes.len();
+        if self.plan.scratch.len() != nodes || self.plan.backend_scratch.len() != nodes {
             return Err(err(format!(
-                "{} scratch entries for {} nodes",
+                "{} scratch and {} backend scratch entries for {nodes} nodes",
                 self.plan.scratch.len(),
-                self.trace.nodes.len()
+                self.plan.backend_scratch.len(),
             )));
         }
         let values_end = self.plan.arena_bytes - self.plan.workspace_bytes;
         for (n, node) in self.trace.nodes.iter().enumerate() {
             let at: Vec<&crate::ir::TensorType> = node.args.iter().map(|a| self.trace.ty(*a)).collect();
-            let want = node.op.scratch_bytes(&at);
+            let backend = self.plan.backend_scratch[n];
+            let want = node_scratch_bytes(node.op.scratch_bytes(&at), backend);
+            if !backend.is_multiple_of(ALIGN) {
+                return Err(err(format!("backend scratch of node {n} ({backend} bytes) is not {ALIGN}-byte aligned")));
+            }
             match self.plan.scratch[n] {
                 None if want == 0 => {}
-                Some(s) if s.bytes == want && s.region == Region::Arena && s.offset % ALIGN == 0 => {
+                Some(s) if s.bytes >= want && s.region == Region::Arena && s.offset % ALIGN == 0 => {
                     if s.offset + s.bytes > values_end {
                         return Err(err(format!("scratch of node {n} overruns the arena")));
+                    }
+                    if !(s.offset + s.bytes - backend).is_multiple_of(ALIGN) {
+                        return Err(err(format!(
+                            "the backend's part of node {n}'s scratch (the last {backend} of {}+{}) is not \
+                             {ALIGN}-byte aligned",
+                            s.offset, s.bytes
+                        )));
                     }
                     owners.push((s, n + 1, n + 1, None, n));
                 }
                 s => {
                     return Err(err(format!(
-                        "node {n} ({}) needs {want} bytes of aligned arena scratch, the plan gives {s:?}",
+                        "node {n} ({}) needs {want} bytes of aligned arena scratch ({backend} of them the \
+                         backend's), the plan gives {s:?}",
                         node.op.name()
                     )));
                 }

@@ -14,13 +14,14 @@
 //! node (elementwise, or a fused body) may write a result over an operand of the same shape
 //! whose last read is that node. A parameter's or optimizer state's buffer is persistent; the chain in it must end
 //! in the input's `update_of` output, so that the new value is found there after the step.
-//! Everything else lives in the transient arena, and so does the scratch memory an op asks for
-//! (`Op::scratch_bytes`): a buffer of no value, live at its node's step only.
+//! Everything else lives in the transient arena, and so does a node's scratch memory (what
+//! its op asks for, `Op::scratch_bytes`, plus what the backend asks for, see
+//! [`lifetimes_with_scratch`]): a buffer of no value, live at its node's step only.
 //!
 //! **Classes** are derived, not declared: see [`Class`].
 
 use crate::ir::{Def, InputRole, Op, OutputRole, Phase, TensorType, Trace, ValueId};
-use crate::plan::{ALIGN, Region, align_up};
+use crate::plan::{ALIGN, Region, align_up, node_scratch_bytes};
 
 /// What a buffer is for, as the memory report groups bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -39,7 +40,8 @@ pub enum Class {
     Output,
     /// Everything else: dies within its phase.
     Temporary,
-    /// An op's scratch memory (`Op::scratch_bytes`), live during its node only.
+    /// A node's scratch memory (`Op::scratch_bytes` plus the backend's), live during its node
+    /// only.
     Scratch,
 }
 
@@ -172,6 +174,12 @@ pub fn view_offset(op: &Op, arg: &TensorType, out: &TensorType) -> Option<usize>
 /// Computes the lifetimes, classes and buffers of `trace` in its node order. The trace must
 /// be verified (every value defined once, before use).
 pub fn lifetimes(trace: &Trace, opts: LifetimeOptions) -> Lifetimes {
+    lifetimes_with_scratch(trace, opts, &[])
+}
+
+/// [`lifetimes`] with `backend[i]` more bytes of scratch for node `i` (missing entries: 0),
+/// placed after the op's own (`plan::node_scratch_bytes`) in the node's one scratch buffer.
+pub fn lifetimes_with_scratch(trace: &Trace, opts: LifetimeOptions, backend: &[usize]) -> Lifetimes {
     let n = trace.num_values();
     let end = trace.nodes.len() + 1;
     let defs = trace.defs();
@@ -270,7 +278,7 @@ pub fn lifetimes(trace: &Trace, opts: LifetimeOptions) -> Lifetimes {
     let mut buffers = b.buffers;
     for (i, node) in trace.nodes.iter().enumerate() {
         let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
-        let bytes = node.op.scratch_bytes(&at);
+        let bytes = node_scratch_bytes(node.op.scratch_bytes(&at), backend.get(i).copied().unwrap_or(0));
         if bytes > 0 {
             let (start, end) = (i + 1, i + 1);
             buffers.push(Buffer { region: Region::Arena, bytes, start, end, members: Vec::new(), scratch_of: Some(i) });

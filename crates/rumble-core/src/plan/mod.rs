@@ -24,9 +24,18 @@
 //! may overwrite dead inputs); run the nodes in order, each reading its operands' slots and
 //! writing its results at theirs (a result with `inplace_of` set shares its operand's slot: the
 //! node is pointwise, so element `i` is read before it is written), skipping views, and giving
-//! a node with `scratch[node]` that range as scratch; library calls get the workspace at
-//! `workspace_offset()`; then copy back. Every `update_of` output not in `copy_back` already
-//! sits in its input's slot. `cpu::arena` is the reference implementation.
+//! a node with `scratch[node]` that range as scratch; then copy back. Every `update_of` output
+//! not in `copy_back` already sits in its input's slot. `cpu::arena` is the reference
+//! implementation.
+//!
+//! **Scratch.** A node's scratch range holds two parts, both live at its step only and placed
+//! by best fit like any value: first the op's own (`Op::scratch_bytes`, the chunk buffers of
+//! the fused ops), then, from the next `ALIGN` boundary, what the backend asks for that node
+//! ([`BackendScratch`] in [`PlanOptions`]: cuBLASLt's workspace, reduction partials, ...),
+//! found by [`MemoryPlan::backend_scratch_slot`]. The two parts are summed, not maxed: a
+//! backend may use both at once. `workspace_bytes` is the older alternative, one range at the
+//! end of the arena live for the whole step (the most any node needs); the CUDA backend plans
+//! per node and leaves it 0.
 
 pub mod assign;
 pub mod check;
@@ -36,7 +45,7 @@ pub mod report;
 pub mod svg;
 
 pub use lifetimes::{Class, LifetimeOptions, Lifetimes, view_offset};
-pub use pipeline::{PlanOptions, Planned, plan, plan_in_order, plan_order};
+pub use pipeline::{BackendScratch, PlanOptions, Planned, plan, plan_in_order, plan_order};
 pub use report::PlanReport;
 
 use crate::ir::{OutputRole, Trace, ValueId};
@@ -69,8 +78,9 @@ pub struct MemoryPlan {
     pub arena_bytes: usize,
     /// Bytes of the persistent region.
     pub persistent_bytes: usize,
-    /// Bytes a backend library needs as scratch (e.g. cuBLASLt's workspace), planned as its own
-    /// range at the end of the arena.
+    /// Bytes of a whole-step library workspace, planned as its own range at the end of the
+    /// arena and live for the whole step (0 where the backend's scratch is planned per node,
+    /// in `backend_scratch`).
     pub workspace_bytes: usize,
     /// The most bytes of arena values live at once: the lower bound for `arena_bytes`.
     pub load_bytes: usize,
@@ -84,14 +94,25 @@ pub struct MemoryPlan {
     /// `(value, input)`: after the last node, copy `value`'s bytes into persistent `input`'s
     /// slot (an `update_of` output that could not be computed in place).
     pub copy_back: Vec<(ValueId, ValueId)>,
-    /// Indexed by node: the arena range of the node's scratch memory (`Op::scratch_bytes`),
+    /// Indexed by node: the arena range of the node's scratch memory (`Op::scratch_bytes`, then
+    /// `backend_scratch[node]` bytes from the next `ALIGN` boundary), live at its step only;
     /// `None` for nodes that need none.
     pub scratch: Vec<Option<Slot>>,
+    /// Indexed by node: bytes of its scratch range the backend asked for (see
+    /// [`MemoryPlan::backend_scratch_slot`]); 0 for none.
+    pub backend_scratch: Vec<usize>,
 }
 
 impl MemoryPlan {
     pub fn slot(&self, v: ValueId) -> Result<Slot> {
         self.slots.get(v.index()).copied().flatten().ok_or_else(|| Error::Plan(format!("{v} has no slot")))
+    }
+    /// The backend's part of node `node`'s scratch range (after the op's own part), `None`
+    /// where the backend asked for none.
+    pub fn backend_scratch_slot(&self, node: usize) -> Option<Slot> {
+        let bytes = self.backend_scratch.get(node).copied().unwrap_or(0);
+        let s = self.scratch.get(node).copied().flatten()?;
+        (bytes > 0 && bytes <= s.bytes).then(|| Slot { region: s.region, offset: s.offset + s.bytes - bytes, bytes })
     }
     /// Offset of the library workspace inside the arena.
     pub fn workspace_offset(&self) -> usize {
@@ -113,6 +134,12 @@ impl MemoryPlan {
 
 pub fn align_up(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
+}
+
+/// Bytes of a node's scratch range: the op's own `op_bytes`, then `backend_bytes` from the next
+/// `ALIGN` boundary (the backend's part ends the range).
+pub fn node_scratch_bytes(op_bytes: usize, backend_bytes: usize) -> usize {
+    if backend_bytes == 0 { op_bytes } else { align_up(op_bytes, ALIGN) + backend_bytes }
 }
 
 /// Every value its own aligned range, nothing reused, nothing aliased; updates are copied back.
@@ -161,6 +188,7 @@ pub fn plan_naive(trace: &Trace, workspace_bytes: usize) -> MemoryPlan {
         alias_of: vec![None; trace.num_values()],
         inplace_of: vec![None; trace.num_values()],
         copy_back,
+        backend_scratch: vec![0; scratch.len()],
         scratch,
     }
 }

@@ -1,23 +1,68 @@
 //! The planner's entry points: [`plan`] (optionally schedule and rematerialise, then place) and
 //! [`plan_order`] (place the trace in the order it is given).
 
+use std::fmt;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::assign::{Item, assign};
-use super::lifetimes::{LifetimeOptions, Lifetimes, Storage, lifetimes};
+use super::lifetimes::{LifetimeOptions, Lifetimes, Storage, lifetimes_with_scratch};
 use super::report::PlanReport;
 use super::{ALIGN, MemoryPlan, Region, Slot, align_up};
-use crate::ir::{Trace, ValueId, verify};
+use crate::ir::{Op, TensorType, Trace, ValueId, verify};
 use crate::passes::remat::{Remat, remat};
 use crate::passes::schedule::schedule;
 use crate::{Error, Result};
 
+/// The signature of a [`BackendScratch`] function: a node's op, operand types and result
+/// types in, the scratch bytes the backend needs while running it out.
+pub type BackendScratchFn = dyn Fn(&Op, &[&TensorType], &[&TensorType]) -> Result<usize> + Send + Sync;
+
+/// How much scratch a backend needs for each node beyond the op's own (`Op::scratch_bytes`),
+/// decided from the node's op and types alone. Keyed by op and types rather than by node
+/// index because [`plan`] reorders nodes and rematerialisation adds some.
+#[derive(Clone)]
+pub struct BackendScratch(pub Arc<BackendScratchFn>);
+
+impl BackendScratch {
+    pub fn new(f: impl Fn(&Op, &[&TensorType], &[&TensorType]) -> Result<usize> + Send + Sync + 'static) -> Self {
+        BackendScratch(Arc::new(f))
+    }
+
+    /// The backend's bytes for every node of `trace`, each rounded up to `ALIGN`; an error
+    /// names the node and its op.
+    pub fn per_node(&self, trace: &Trace) -> Result<Vec<usize>> {
+        trace
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+                let ot: Vec<&TensorType> = node.outs.iter().map(|o| trace.ty(*o)).collect();
+                (self.0)(&node.op, &at, &ot)
+                    .map(|b| align_up(b, ALIGN))
+                    .map_err(|e| Error::Plan(format!("backend scratch of node {i} ({}): {e}", node.op.name())))
+            })
+            .collect()
+    }
+}
+
+impl fmt::Debug for BackendScratch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BackendScratch(..)")
+    }
+}
+
 /// What the planner does besides placing buffers.
 #[derive(Clone, Debug)]
 pub struct PlanOptions {
-    /// Bytes of library scratch space (e.g. cuBLASLt's workspace), given its own range at the
-    /// end of the arena.
+    /// Bytes of a whole-step library workspace, given its own range at the end of the arena and
+    /// live for the whole step. Prefer `backend_scratch`, which plans scratch per node.
     pub workspace_bytes: usize,
+    /// The backend's scratch per node, planned with the node's own scratch (see the `plan`
+    /// module doc): live at its node's step only, reused like any buffer. The scheduler does not
+    /// see it (it is transient); a memory budget for rematerialisation counts the largest.
+    pub backend_scratch: Option<BackendScratch>,
     /// Let elementwise nodes write over a dying operand (and updates over their parameter).
     pub inplace: bool,
     /// Reorder nodes to lower LOAD first (`passes::schedule`).
@@ -30,7 +75,14 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { workspace_bytes: 0, inplace: true, schedule: true, remat: Remat::Off, peak_buffers: 12 }
+        PlanOptions {
+            workspace_bytes: 0,
+            backend_scratch: None,
+            inplace: true,
+            schedule: true,
+            remat: Remat::Off,
+            peak_buffers: 12,
+        }
     }
 }
 
@@ -64,7 +116,13 @@ pub fn plan(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
         passes.push(r);
     }
     if opts.remat != Remat::Off {
-        let (s, r) = remat(&t, opts.remat, opts.workspace_bytes, lt_opts)?;
+        // The budget counts the largest backend scratch as if it were a whole-step workspace
+        // (remat's lifetimes do not see it): conservative, never over the budget for it.
+        let most = match &opts.backend_scratch {
+            Some(b) => b.per_node(&t)?.into_iter().max().unwrap_or(0),
+            None => 0,
+        };
+        let (s, r) = remat(&t, opts.remat, opts.workspace_bytes + most, lt_opts)?;
         let changed = s != t;
         t = s;
         passes.push(r);
@@ -93,7 +151,11 @@ pub fn plan_in_order(trace: &Trace, workspace_bytes: usize) -> Result<MemoryPlan
 pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
     let t0 = Instant::now();
     verify(trace)?;
-    let lt = lifetimes(trace, LifetimeOptions { inplace: opts.inplace });
+    let backend = match &opts.backend_scratch {
+        Some(b) => b.per_node(trace)?,
+        None => vec![0; trace.nodes.len()],
+    };
+    let lt = lifetimes_with_scratch(trace, LifetimeOptions { inplace: opts.inplace }, &backend);
 
     // Persistent buffers one after another in input order; arena buffers by best fit.
     let mut buf_offset = vec![0; lt.buffers.len()];
@@ -157,6 +219,7 @@ pub fn plan_order(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
         inplace_of,
         copy_back: lt.copy_back.clone(),
         scratch,
+        backend_scratch: backend,
     };
     check_copy_back(trace, &plan)?;
     let mut report = PlanReport::new(trace, &lt, &plan, placement.order, opts.peak_buffers);

@@ -55,8 +55,10 @@ pub struct PassReport {
     pub millis: f64,
 }
 
-/// The report of one plan. `arena_bytes` here is the arena's values part (compare with LOAD);
-/// `peak_bytes = persistent_bytes + arena_bytes + workspace_bytes`.
+/// The report of one plan. `arena_bytes` here is the arena's values part (compare with LOAD):
+/// every buffer, scratch included (the op's and the backend's per-node scratch are buffers of
+/// class `scratch`, counted in LOAD), less a whole-step `workspace_bytes` if the plan has one
+/// (0 on CUDA); `peak_bytes = persistent_bytes + arena_bytes + workspace_bytes`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanReport {
     pub trace: String,
@@ -131,11 +133,17 @@ impl PlanReport {
             .filter_map(|(bi, b)| {
                 if let Some(n) = b.scratch_of {
                     let offset = plan.scratch.get(n).copied().flatten().map_or(0, |s| s.offset);
+                    let backend = plan.backend_scratch.get(n).copied().unwrap_or(0);
+                    let ty = if backend > 0 {
+                        format!("{} bytes ({backend} backend)", b.bytes)
+                    } else {
+                        format!("{} bytes", b.bytes)
+                    };
                     return Some(PeakBuffer {
                         value: None,
                         name: format!("scratch of node {n}"),
                         op: trace.nodes[n].op.name().to_string(),
-                        ty: format!("{} bytes", b.bytes),
+                        ty,
                         class: Class::Scratch,
                         phase: trace.nodes[n].phase.name().to_string(),
                         bytes: b.aligned(),

@@ -4,8 +4,8 @@
 //! - The persistent region (parameters, optimizer state) is shared, so every bucket's plan must
 //!   put each persistent input at the same offset with the same type: [`check_shared_layout`]
 //!   says which value differs first when they do not.
-//! - The arena is allocated once, at the largest bucket's `arena_bytes` (its workspace
-//!   included); a smaller bucket uses its start. Buckets never run at the same time, and every
+//! - The arena is allocated once, at the largest bucket's `arena_bytes` (every node's scratch
+//!   included: it is planned per node, inside the arena); a smaller bucket uses its start. Buckets never run at the same time, and every
 //!   step writes each arena value before reading it, so nothing stale crosses buckets.
 //! - A bucket's graphs are captured on its first step and cached; the capture's seconds are
 //!   reported per bucket ([`BucketStats`]).
@@ -85,7 +85,7 @@ pub struct BucketStats {
     /// The bucket's trace name and per-step input types, e.g. `tokens i64[2, 16]`.
     pub shape: String,
     pub arena_bytes: usize,
-    /// Its own plan's peak (persistent + arena, workspace included).
+    /// Its own plan's peak (persistent + arena, scratch included).
     pub plan_peak_bytes: usize,
     /// Times its graphs were captured (0 before its first step, then 1: captures are cached).
     pub captures: usize,

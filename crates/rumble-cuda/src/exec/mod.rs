@@ -12,6 +12,17 @@
 //!   region (`buckets.rs`).
 //!
 //! All three launch the same recipes in the same order, so they compute the same bits.
+//!
+//! **Scratch.** A recipe's own scratch (`Recipe::scratch`: cuBLASLt's workspace, attention's
+//! delta rows, split reductions' partials, cross-entropy's statistics) is planned per node:
+//! [`Program::plan_options`] hands the planner a `BackendScratch` that prepares each node's
+//! recipe, and the plan gives every node one scratch range live at its step only, the op's
+//! part (`Op::scratch_bytes`, [`crate::launch::Arg::Node`]) first and the recipe's part
+//! ([`crate::launch::Arg::Scratch`], `MemoryPlan::backend_scratch_slot`) after it. The plan's
+//! whole-step workspace is then 0. A plan made with only a workspace size
+//! ([`Program::compile`] with `plan_naive` or `plan_in_order`) still runs: a node with no
+//! backend part of its own uses the workspace at the end of the arena. The eager executor
+//! allocates each node's scratch while the node runs.
 //! Persistent inputs (params, optimizer state) are given once when an executor is built; each
 //! step takes the other inputs, in trace order. `Update` outputs are written back to their
 //! input's persistent buffer at the end of the step (unless the plan computed them there).
@@ -25,7 +36,7 @@ use std::sync::Arc;
 
 use rumble_core::cpu::HostTensor;
 use rumble_core::ir::{InputRole, OutputRole, Trace, ValueId, verify};
-use rumble_core::plan::{MemoryPlan, Region};
+use rumble_core::plan::{BackendScratch, MemoryPlan, PlanOptions, Region};
 
 use crate::device::Device;
 use crate::error::{CudaError, Result};
@@ -43,7 +54,7 @@ pub struct Program {
     pub trace: Trace,
     pub plan: MemoryPlan,
     pub recipes: Vec<Recipe>,
-    /// Scratch bytes the program needs (the most any node needs).
+    /// The most recipe scratch (`Recipe::scratch`) any node needs.
     pub scratch_bytes: usize,
     /// For each value, the last node that reads it (`None`: no node reads it).
     pub last_use: Vec<Option<usize>>,
@@ -54,9 +65,10 @@ pub struct Program {
 /// Bytes an executor holds, comparable with PyTorch's accounting.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryStats {
-    /// Most bytes the framework held at once (arena + persistent + workspace for the planned
-    /// executors; live allocator blocks, parameters included, for eager): what
-    /// `torch.cuda.max_memory_allocated` counts.
+    /// Most bytes the framework held at once (arena + persistent for the planned executors,
+    /// every node's scratch and any whole-step workspace being inside the arena; live
+    /// allocator blocks, parameters included, for eager): what `torch.cuda.max_memory_allocated`
+    /// counts.
     pub peak_bytes: usize,
     /// Bytes held from the driver at the peak (eager's cache included).
     pub reserved_bytes: usize,
@@ -85,7 +97,8 @@ pub trait Executor {
 }
 
 impl Program {
-    /// Scratch (workspace) bytes `trace` needs on `dev`: plan with at least this much.
+    /// The most recipe scratch any node of `trace` needs on `dev`: the whole-step workspace a
+    /// planner that takes only a size must reserve ([`Program::compile`]).
     pub fn workspace_bytes(dev: &Device, trace: &Trace) -> Result<usize> {
         let mut most = 0;
         for node in &trace.nodes {
@@ -96,8 +109,21 @@ impl Program {
         Ok(most)
     }
 
+    /// Planner options that plan each node's recipe scratch on `dev` as part of that node's
+    /// scratch range (`PlanOptions::backend_scratch`), `base`'s otherwise. A node the CUDA
+    /// backend cannot prepare fails planning with the reason.
+    pub fn plan_options(dev: &Arc<Device>, base: &PlanOptions) -> PlanOptions {
+        let dev = dev.clone();
+        let backend = BackendScratch::new(move |op, at, ot| match prepare(&dev, op, at, ot) {
+            Ok(r) => Ok(r.scratch),
+            Err(e) => Err(rumble_core::Error::msg(e.to_string())),
+        });
+        PlanOptions { backend_scratch: Some(backend), ..base.clone() }
+    }
+
     /// Plans `trace` with `planner(trace, workspace_bytes)` (e.g. `plan_in_order`, or
-    /// `|t, ws| Ok(plan_naive(t, ws))`) and prepares it.
+    /// `|t, ws| Ok(plan_naive(t, ws))`) and prepares it. The scratch is then one whole-step
+    /// workspace of the most any node needs; [`Program::planned`] plans it per node instead.
     pub fn compile(
         dev: Arc<Device>,
         trace: Trace,
@@ -109,13 +135,21 @@ impl Program {
     }
 
     /// Plans `trace` with the core planner (`plan::plan`: memory-aware schedule, views,
-    /// in-place results, best-fit reuse; `opts.workspace_bytes` is raised to what the kernels
-    /// need) and prepares the trace as planned (its node order may differ).
-    pub fn planned(dev: Arc<Device>, trace: &Trace, opts: &rumble_core::plan::PlanOptions) -> Result<Program> {
-        let ws = Self::workspace_bytes(&dev, trace)?;
-        let opts = rumble_core::plan::PlanOptions { workspace_bytes: opts.workspace_bytes.max(ws), ..opts.clone() };
-        let planned = rumble_core::plan::plan(trace, &opts)?;
+    /// in-place results, best-fit reuse, each node's recipe scratch planned as part of its
+    /// scratch range: [`Program::plan_options`]) and prepares the trace as planned (its node
+    /// order may differ).
+    pub fn planned(dev: Arc<Device>, trace: &Trace, opts: &PlanOptions) -> Result<Program> {
+        let planned = rumble_core::plan::plan(trace, &Self::plan_options(&dev, opts))?;
         Self::new(dev, planned.trace, planned.plan)
+    }
+
+    /// Where node `n`'s recipe scratch lies in the arena, `(offset, bytes)`: the backend part of
+    /// its scratch range, or the plan's whole-step workspace if it has none.
+    pub fn scratch_range(&self, n: usize) -> (usize, usize) {
+        match self.plan.backend_scratch_slot(n) {
+            Some(s) => (s.offset, s.bytes),
+            None => (self.plan.workspace_offset(), self.plan.workspace_bytes),
+        }
     }
 
     /// Prepares every node of `trace` (compiling kernels) and checks `plan` against it.
@@ -150,11 +184,30 @@ impl Program {
         if p.slots.len() < t.num_values() {
             return Err(bad(format!("{} slots for {} values", p.slots.len(), t.num_values())));
         }
-        if p.workspace_bytes < self.scratch_bytes {
+        if p.scratch.len() != t.nodes.len() || p.backend_scratch.len() != t.nodes.len() {
             return Err(bad(format!(
-                "workspace of {} bytes, the CUDA kernels need {} (plan with Program::workspace_bytes)",
-                p.workspace_bytes, self.scratch_bytes
+                "{} scratch and {} backend scratch entries for {} nodes",
+                p.scratch.len(),
+                p.backend_scratch.len(),
+                t.nodes.len()
             )));
+        }
+        for (n, r) in self.recipes.iter().enumerate() {
+            let (_, bytes) = self.scratch_range(n);
+            if bytes < r.scratch {
+                return Err(bad(format!(
+                    "node {n} ({}) needs {} bytes of scratch, the plan gives {bytes} (plan with \
+                     Program::plan_options, or a workspace of Program::workspace_bytes)",
+                    r.op, r.scratch
+                )));
+            }
+            let own = p.scratch[n].map_or(0, |s| s.bytes.saturating_sub(p.backend_scratch[n]));
+            if own < r.node_scratch {
+                return Err(bad(format!(
+                    "node {n} ({}) uses {} bytes of its own scratch, the plan gives {own}",
+                    r.op, r.node_scratch
+                )));
+            }
         }
         let mut values: Vec<ValueId> = t.inputs.iter().map(|i| i.value).collect();
         values.extend(t.nodes.iter().flat_map(|n| n.outs.iter().copied()));

@@ -101,14 +101,14 @@ impl Placed {
         hook: &mut dyn FnMut(usize, usize, bool) -> Result<()>,
     ) -> Result<()> {
         let p = &self.prog;
-        let ws = self.arena.ptr + p.plan.workspace_offset() as u64;
         for n in range {
             if p.is_view_node(n) {
                 continue;
             }
             let (args, outs) = &self.addrs[n];
             let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
-            let b = Buffers { args, outs, scratch: ws, scratch_bytes: p.plan.workspace_bytes, node };
+            let (off, scratch_bytes) = p.scratch_range(n);
+            let b = Buffers { args, outs, scratch: self.arena.ptr + off as u64, scratch_bytes, node };
             unsafe { p.recipes[n].launch_each(&p.dev, n + 1, &b, &mut |i, before| hook(n, i, before))? };
         }
         Ok(())

@@ -1,0 +1,100 @@
+//! Kernel scratch planned per node (`Program::plan_options`): a TinyLlama training step with
+//! matmuls has no whole-step workspace, every node's recipe scratch lies in its own planned
+//! range (checked by the core checker), the planned and graphed executors give the eager
+//! executor's results bit for bit, the arena is no larger than with a whole-step workspace, and
+//! a plan short of a node's scratch is refused naming the node. Skips without a GPU.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{device, init_params, step_inputs, training_step};
+use rumble_core::cpu::{HostTensor, Rng};
+use rumble_core::ir::{DType, Op};
+use rumble_core::plan::{PlanOptions, check::check, plan};
+use rumble_core::testing::TinyLlama;
+use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
+
+fn cfg(dtype: DType) -> TinyLlama {
+    TinyLlama { vocab: 96, dim: 64, heads: 4, kv_heads: 2, hidden: 96, layers: 2, batch: 2, seq: 24, dtype }
+}
+
+/// Each step's returned outputs, then every output and persistent input after the last.
+fn run(ex: &mut dyn Executor, prog: &Program, steps: usize, vocab: u64) -> Vec<HostTensor> {
+    let mut rng = Rng::new(5);
+    let mut all = Vec::new();
+    for _ in 0..steps {
+        all.extend(ex.step(&step_inputs(&prog.trace, vocab, &mut rng)).expect("step"));
+    }
+    all.extend(prog.trace.outputs.iter().map(|o| ex.output(&o.name).expect("output")));
+    let pers = prog.trace.inputs.iter().filter(|i| i.role.is_persistent());
+    all.extend(pers.map(|i| ex.persistent(&i.name).expect("persistent")));
+    all
+}
+
+#[test]
+fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    for dtype in [DType::F32, DType::BF16] {
+        let c = cfg(dtype);
+        let trace = training_step(&c, Some(0.05));
+        let prog = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile"));
+        let (t, p) = (&prog.trace, &prog.plan);
+        assert!(t.nodes.iter().any(|n| matches!(n.op, Op::Matmul { .. })));
+        assert_eq!(p.workspace_bytes, 0, "{dtype}: the CUDA plan keeps no whole-step workspace");
+        check(t, p).expect("the core checker accepts the plan");
+        let mut with = Vec::new();
+        for (n, r) in prog.recipes.iter().enumerate() {
+            if r.scratch == 0 {
+                continue;
+            }
+            let s = p.backend_scratch_slot(n).unwrap_or_else(|| panic!("node {n} ({}) has no scratch range", r.op));
+            assert!(s.bytes >= r.scratch, "node {n} ({}): {} < {}", r.op, s.bytes, r.scratch);
+            assert_eq!(prog.scratch_range(n), (s.offset, s.bytes));
+            with.push(r.op);
+        }
+        assert!(!with.is_empty(), "{dtype}: some node should need kernel scratch");
+        // The same step with one whole-step workspace of the most any node needs.
+        let ws = Program::workspace_bytes(&dev, &trace).expect("workspace");
+        let whole = plan(&trace, &PlanOptions { workspace_bytes: ws, ..Default::default() }).expect("plan");
+        println!(
+            "{dtype}: {} nodes with kernel scratch ({with:?}); arena {} (LOAD {}) per node vs {} with a {ws}-byte \
+             workspace",
+            with.len(),
+            p.arena_bytes,
+            p.load_bytes,
+            whole.plan.arena_bytes
+        );
+        assert!(p.arena_bytes <= whole.plan.arena_bytes, "{dtype}: per-node scratch made the arena larger");
+
+        let params = init_params(t, &mut Rng::new(1));
+        let steps = 5;
+        let mut eager = EagerExecutor::new(prog.clone(), &params).expect("eager");
+        let want = run(&mut eager, &prog, steps, c.vocab as u64);
+        let mut planned = PlannedExecutor::new(prog.clone(), &params).expect("planned");
+        planned.poison(0xFF).expect("poison");
+        let mut graphed = GraphedExecutor::new(prog.clone(), &params, GraphMode::Whole).expect("graphed");
+        for (name, ex) in [("planned", &mut planned as &mut dyn Executor), ("graphed", &mut graphed)] {
+            let got = run(ex, &prog, steps, c.vocab as u64);
+            assert_eq!(got.len(), want.len());
+            for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(a.bytes == b.bytes, "{dtype} {name}: tensor {k} ({}) differs from eager", a.ty);
+            }
+        }
+        let (gm, em) = (graphed.memory(), eager.memory());
+        assert_eq!(gm.peak_bytes, p.peak_bytes());
+        println!("{dtype}: graphed peak {} B, eager peak {} B", gm.peak_bytes, em.peak_bytes);
+    }
+}
+
+#[test]
+fn a_plan_short_of_a_nodes_scratch_is_refused() {
+    let Some(dev) = device() else { return };
+    let trace = training_step(&cfg(DType::F32), Some(0.05));
+    let prog = Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile");
+    let n = prog.recipes.iter().position(|r| r.scratch > 0).expect("a node with kernel scratch");
+    let mut bad = prog.plan.clone();
+    bad.backend_scratch[n] = 0;
+    let e = Program::new(dev.clone(), prog.trace.clone(), bad).err().expect("refused").to_string();
+    assert!(e.contains(&format!("node {n}")) && e.contains("scratch"), "{e}");
+}
