@@ -33,6 +33,7 @@ mma_cases() { # cfg all|some
   b=$(bin bf16_64_c$c -DFT=bf16 -DFDP=64 -DFCFG=$c)
   run "$b" 1 7 1 130 130 64 1 4
   run "$b" 1 2 2 45 19 64 0 5 -1
+  run "$b" 1 2 1 130 130 64 1 15 8  # peaked rows: the forward's running maximum must move late
   b=$(bin bf16_128_c$c -DFT=bf16 -DFDP=128 -DFCFG=$c)
   run "$b" 1 2 2 200 200 128 1 9
   b=$(bin bf16_16_c$c -DFT=bf16 -DFDP=16 -DFCFG=$c)
