@@ -50,7 +50,7 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 4] = ["base", "wide", "deep", "w8"];
+pub const CFG_NAMES: [&str; 5] = ["base", "wide", "deep", "w8", "pair"];
 /// The configuration used unless `RUMBLE_FLASH_CFG` names another: `base`, the fastest on
 /// every shape of the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session/run4-*):
 /// `wide`'s two m-tiles per warp in the backward made dK/dV slower, not faster.
@@ -200,7 +200,8 @@ impl Variant {
         match *self {
             Variant::Mma { dp, cfg, .. } => {
                 // The FCFG table at the top of namespace `fa` in kernels/flash_attn.cu.
-                let (c, ld) = (cfg.0, dp + 8);
+                // `pair` (4) has base's (0) tiles.
+                let (c, ld) = (if cfg.0 == 4 { 0 } else { cfg.0 }, dp + 8);
                 let fnw = if c == 3 { 8 } else { 4 };
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
                 let fbc = match (c, dp) {

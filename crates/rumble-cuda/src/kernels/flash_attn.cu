@@ -93,8 +93,10 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //   2 deep: the forward of wide; for d<=64 dK/dV with 16-query tiles and dQ with 32-key
 //           tiles, for d in (64, 128] the base backward tiles; delta inside the dQ kernel.
 //   3 w8:   the backward of wide, with an 8-warp forward (one m-tile per warp for d > 64).
-constexpr int C = FCFG;
-static_assert(C >= 0 && C <= 3, "unknown flash configuration");
+//   4 pair: base's tiles; the backward computes S and dP in one interleaved loop (mma_abt2_m).
+static_assert(FCFG >= 0 && FCFG <= 4, "unknown flash configuration");
+constexpr int C = FCFG == 4 ? 0 : FCFG;  // the tile sizes of pair are base's
+constexpr bool PAIR2 = FCFG == 4;        // S and dP in one interleaved loop
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
 constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
 constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
@@ -179,6 +181,35 @@ __device__ __forceinline__ void mma_abt_m(float (*acc)[N / 8][4], const T* a, co
       for (int mt = 0; mt < MT; ++mt) {
         mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
         mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+      }
+    }
+  }
+}
+// Two products at once, x += A1 * B1^T and y += A2 * B2^T (the backward's S and dP share their
+// shapes and the reduction over the head dims): interleaved, so each kk step issues twice as
+// many independent mma and the chains of accumulation into one tile wait on each other less.
+template <int MT, int N>
+__device__ __forceinline__ void mma_abt2_m(float (*x)[N / 8][4], const T* a1, const T* b1, float (*y)[N / 8][4],
+                                           const T* a2, const T* b2, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    u32 f1[MT][4], f2[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      ldsm_x4(f1[mt], a1 + mt * 16 * LD + a_off(lane) + kk * 16);
+      ldsm_x4(f2[mt], a2 + mt * 16 * LD + a_off(lane) + kk * 16);
+    }
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      u32 g1[4], g2[4];
+      ldsm_x4(g1, b1 + np * 16 * LD + bt_off(lane) + kk * 16);
+      ldsm_x4(g2, b2 + np * 16 * LD + bt_off(lane) + kk * 16);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816(x[mt][2 * np], f1[mt], g1[0], g1[1]);
+        mma16816(y[mt][2 * np], f2[mt], g2[0], g2[1]);
+        mma16816(x[mt][2 * np + 1], f1[mt], g1[2], g1[3]);
+        mma16816(y[mt][2 * np + 1], f2[mt], g2[2], g2[3]);
       }
     }
   }
@@ -458,8 +489,12 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
       float s[MT][BQ / 8][4], dp[MT][BQ / 8][4];
       zero<MT, BQ / 8>(s);
       zero<MT, BQ / 8>(dp);
-      mma_abt_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, lane);    // S^T = K Q^T
-      mma_abt_m<MT, BQ>(dp, sv + w * 16 * MT * LD, dos, lane);  // dP^T = V dO^T
+      if (PAIR2) {
+        mma_abt2_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, dp, sv + w * 16 * MT * LD, dos, lane);  // S^T, dP^T
+      } else {
+        mma_abt_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, lane);    // S^T = K Q^T
+        mma_abt_m<MT, BQ>(dp, sv + w * 16 * MT * LD, dos, lane);  // dP^T = V dO^T
+      }
       auto probs = [&](const bool MASK) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -591,8 +626,12 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
       float s[MT][BC / 8][4], dp[MT][BC / 8][4];
       zero<MT, BC / 8>(s);
       zero<MT, BC / 8>(dp);
-      mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
-      mma_abt_m<MT, BC>(dp, sdo + w * 16 * MT * LD, vs, lane);
+      if (PAIR2) {
+        mma_abt2_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, dp, sdo + w * 16 * MT * LD, vs, lane);  // S, dP
+      } else {
+        mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
+        mma_abt_m<MT, BC>(dp, sdo + w * 16 * MT * LD, vs, lane);
+      }
       auto probs = [&](const bool MASK) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
