@@ -51,10 +51,12 @@ pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
 pub const CFG_NAMES: [&str; 5] = ["base", "wide", "deep", "w8", "pair"];
-/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `base`, the fastest on
-/// every shape of the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session/run4-*):
-/// `wide`'s two m-tiles per warp in the backward made dK/dV slower, not faster.
-pub const DEFAULT_CFG: Cfg = Cfg(0);
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (base's tiles, S and
+/// dP interleaved in the backward), the fastest or within 1% of it on every shape of the H200
+/// sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep): 2.86 ms against base's
+/// 2.91 ms at d128 x seq 4096. `wide`'s forward is faster at d <= 64 (0.34 vs 0.36 ms) and its
+/// dQ at d128 (0.79 vs 0.85 ms), its dK/dV slower.
+pub const DEFAULT_CFG: Cfg = Cfg(4);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
 pub const SWEEP_DP: [usize; 3] = [16, 64, 128];
