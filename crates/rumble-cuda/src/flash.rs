@@ -51,11 +51,11 @@ pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
 pub const CFG_NAMES: [&str; 5] = ["base", "wide", "deep", "w8", "pair"];
-/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (base's tiles, S and
-/// dP interleaved in the backward), the fastest or within 1% of it on every shape of the H200
-/// sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep): 2.86 ms against base's
-/// 2.91 ms at d128 x seq 4096. `wide`'s forward is faster at d <= 64 (0.34 vs 0.36 ms) and its
-/// dQ at d128 (0.79 vs 0.85 ms), its dK/dV slower.
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair`, made from the H200
+/// sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep): per kernel the fastest
+/// tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms; wide's dQ at d = 16 and
+/// d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and dP interleaved in the
+/// backward (2.86 vs 2.91 ms at d128 x seq 4096 with base's tiles).
 pub const DEFAULT_CFG: Cfg = Cfg(4);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
@@ -202,11 +202,14 @@ impl Variant {
         match *self {
             Variant::Mma { dp, cfg, .. } => {
                 // The FCFG table at the top of namespace `fa` in kernels/flash_attn.cu.
-                // `pair` (4) has base's (0) tiles.
-                let (c, ld) = (if cfg.0 == 4 { 0 } else { cfg.0 }, dp + 8);
+                // `pair` (4): base's (0) tiles but wide's forward at d <= 64 and wide's dQ
+                // tiles at d = 16 and d in (64, 128].
+                let pair = cfg.0 == 4;
+                let (c, ld) = (if pair { 0 } else { cfg.0 }, dp + 8);
                 let fnw = if c == 3 { 8 } else { 4 };
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
                 let fbc = match (c, dp) {
+                    _ if pair && dp <= 64 => 128,
                     (0, ..=64) => 64,
                     (0, _) => 32,
                     (_, ..=64) => 128,
@@ -214,6 +217,7 @@ impl Variant {
                     _ => 32,
                 };
                 let (d64, d128) = (dp <= 64, dp <= 128);
+                let pq2 = pair && d128 && (dp <= 16 || !d64);
                 let kmt = if c != 0 && d64 { 2 } else { 1 };
                 let bq = match c {
                     0 if d64 => 64,
@@ -221,6 +225,7 @@ impl Variant {
                     _ => 32,
                 };
                 let qmt = match c {
+                    _ if pq2 => 2,
                     0 => 1,
                     2 if d64 => 2,
                     2 => 1,
@@ -228,6 +233,8 @@ impl Variant {
                     _ => 1,
                 };
                 let bc = match c {
+                    _ if pq2 && d64 => 64,
+                    _ if pq2 => 32,
                     0 if d128 => 64,
                     2 if d64 => 32,
                     2 if d128 => 64,

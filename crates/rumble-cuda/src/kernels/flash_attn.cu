@@ -93,20 +93,24 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //   2 deep: the forward of wide; for d<=64 dK/dV with 16-query tiles and dQ with 32-key
 //           tiles, for d in (64, 128] the base backward tiles; delta inside the dQ kernel.
 //   3 w8:   the backward of wide, with an 8-warp forward (one m-tile per warp for d > 64).
-//   4 pair: base's tiles; the backward computes S and dP in one interleaved loop (mma_abt2_m).
+//   4 pair: the fastest of the others per kernel in the H200 sweep: the forward of wide for
+//           d<=64 and of base above; base's dK/dV; dQ 32 queries per warp (wide's tiles) for
+//           d=16 and d in (64, 128], base's dQ otherwise; a separate delta kernel; and the
+//           backward computes S and dP in one interleaved loop (mma_abt2_m).
 static_assert(FCFG >= 0 && FCFG <= 4, "unknown flash configuration");
-constexpr int C = FCFG == 4 ? 0 : FCFG;  // the tile sizes of pair are base's
 constexpr bool PAIR2 = FCFG == 4;        // S and dP in one interleaved loop
+constexpr int C = PAIR2 ? 0 : FCFG;      // pair starts from base's tiles
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
+constexpr bool PQ2 = PAIR2 && D128 && (DP <= 16 || !D64);                      // pair: wide's dQ tiles
 constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
 constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
-constexpr int FBC = C == 0 ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;      // forward keys per stage
-constexpr int FSUB = C == 0 ? FBC : D64 ? 64 : 32;                              // forward keys per softmax step
+constexpr int FBC = PAIR2 && D64 ? 128 : C == 0 ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
+constexpr int FSUB = PAIR2 && D64 ? 64 : C == 0 ? FBC : D64 ? 64 : 32;          // forward keys per softmax step
 constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
 constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
-constexpr int QMT = C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;         // dq: 16-query m-tiles per warp
-constexpr int BC = C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
-constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel
+constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
+constexpr int BC = PQ2 ? (D64 ? 64 : 32) : C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
+constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel                                                  // delta inside the dq kernel
 
 constexpr int NT = 128;                      // backward threads per block (4 warps)
 constexpr int FNT = 32 * FNW;                // forward threads per block
