@@ -5,6 +5,8 @@ usage: python3 bench/reference/torch_ref.py WORKLOAD EXECUTOR [--steps N] [--tra
   WORKLOAD  seed-llama | seed-qwen2 | small        (the table in ../shared/anchors/README.md)
   EXECUTOR  torch-eager | torch-compile | torch-compile-ro | thunder | thunder-cudagraph
   --train   add an AdamW step (lr 1e-4, weight decay 0.1) after the backward
+  --profile FILE  after the timed steps, one more step under torch.profiler: the CUDA kernels
+            by total device time (name, calls, ms) into FILE, to set beside `rumble bench --profile`
 
 One process per configuration (peak memory is per process). Prints one JSON line with the same
 keys `rumble bench --json` prints, so bench/compare.py can put them side by side:
@@ -28,6 +30,7 @@ p.add_argument("workload")
 p.add_argument("executor")
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--train", action="store_true")
+p.add_argument("--profile")
 args = p.parse_args()
 dev = torch.device("cuda")
 torch.manual_seed(0)
@@ -125,6 +128,19 @@ for _ in range(args.steps - 1):
     torch.cuda.synchronize()
     times.append((time.perf_counter() - t0) * 1e3)
 free1, _ = torch.cuda.mem_get_info()
+if args.profile:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    with open(args.profile, "w") as f:
+        f.write(f"{args.workload} {args.executor}: device time of one step, by kernel: {sum(r[2] for r in rows):.3f} ms\n")
+        f.write(f"{'ms':>9} {'calls':>6}  kernel\n")
+        for name, count, ms in rows[:40]:
+            f.write(f"{ms:9.3f} {count:6d}  {name[:150]}\n")
 print(json.dumps({
     "workload": args.workload, "executor": args.executor, "train": args.train,
     "peak_allocated_bytes": peak,

@@ -65,8 +65,39 @@ fn time(dev: &Device, r: &Recipe, b: &Buffers, iters: usize) -> f64 {
     t0.elapsed().as_secs_f64() * 1e3 / iters as f64
 }
 
+/// Mean device milliseconds of each step of `r` over `iters` runs (CUDA events around every
+/// step): `(step name, ms)`, so the backward's kernels can be told apart.
+fn step_times(dev: &Device, r: &Recipe, b: &Buffers, iters: usize) -> Vec<(String, f64)> {
+    use cudarc::driver::{result as drv, sys};
+    let mut sums = vec![0.0; r.steps.len()];
+    for _ in 0..iters {
+        let mut ev: Vec<(sys::CUevent, sys::CUevent)> = Vec::new();
+        let mut hook = |_i: usize, before: bool| -> rumble_cuda::Result<()> {
+            if before {
+                let mk = || drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).expect("event");
+                ev.push((mk(), mk()));
+            }
+            let e = ev.last().expect("event pair");
+            unsafe { drv::event::record(if before { e.0 } else { e.1 }, dev.stream()) }.expect("record");
+            Ok(())
+        };
+        unsafe { r.launch_each(dev, 1, b, &mut hook) }.expect("launch");
+        dev.synchronize().expect("sync");
+        for (i, (a, z)) in ev.into_iter().enumerate() {
+            sums[i] += unsafe { drv::event::elapsed(a, z) }.expect("elapsed") as f64;
+            unsafe {
+                let _ = drv::event::destroy(a);
+                let _ = drv::event::destroy(z);
+            }
+        }
+    }
+    (0..r.steps.len()).map(|i| (r.step_name(i), sums[i] / iters as f64)).collect()
+}
+
 /// What one shape's run gives: times and the outputs (o, lse, dq, dk, dv) as bytes.
 struct Run {
+    /// Per kernel of the forward, then of the backward: `(name, ms)`.
+    steps: Vec<(String, f64)>,
     fwd_ms: f64,
     bwd_ms: f64,
     outs: Vec<Vec<u8>>,
@@ -102,9 +133,18 @@ fn run_shape(dev: &Device, sh: &Shape, iters: usize, seed: u64) -> Run {
     let (ba, bo) = ([q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, g.ptr], [dq.ptr, dk.ptr, dv.ptr]);
     let bb = Buffers { args: &ba, outs: &bo, scratch: scratch.ptr, scratch_bytes: ws, node: 0 };
     let bwd_ms = time(dev, &bwd, &bb, iters);
+    let mut steps = step_times(dev, &fwd, &fb, iters.min(5));
+    steps.extend(step_times(dev, &bwd, &bb, iters.min(5)));
     dev.check_status(|_| "attention".into()).expect("device status");
     let outs = [&o, &lse, &dq, &dk, &dv].iter().map(|bf| download(dev, bf.ptr, bf.bytes).expect("download")).collect();
-    Run { fwd_ms, bwd_ms, outs, inputs: host }
+    Run { steps, fwd_ms, bwd_ms, outs, inputs: host }
+}
+
+/// `name ms, ...` with each kernel's name after its module's (`flash_bf16_d128_base/flash_fwd`
+/// -> `fwd`).
+fn kernel_times(steps: &[(String, f64)]) -> String {
+    let short = |n: &str| n.rsplit('/').next().unwrap_or(n).trim_start_matches("flash_").to_string();
+    steps.iter().map(|(n, ms)| format!("{} {ms:.3}", short(n))).collect::<Vec<_>>().join(", ")
 }
 
 /// Relative L2 difference of two bf16 buffers.
@@ -132,12 +172,13 @@ fn sweep(dev: &Device, shapes: &[Shape], iters: usize) {
         for (i, sh) in shapes.iter().enumerate() {
             let r = run_shape(dev, sh, iters, 7 + i as u64);
             println!(
-                "{:<6} {:<16} fwd {:>8.3}  bwd {:>8.3}  total {:>8.3} ms",
+                "{:<6} {:<16} fwd {:>8.3}  bwd {:>8.3}  total {:>8.3} ms  ({})",
                 cfg.name(),
                 sh.name,
                 r.fwd_ms,
                 r.bwd_ms,
-                r.fwd_ms + r.bwd_ms
+                r.fwd_ms + r.bwd_ms,
+                kernel_times(&r.steps)
             );
             if first.len() <= i {
                 first.push(r.outs.clone());
@@ -193,7 +234,7 @@ fn main() {
     for (i, sh) in chosen.iter().enumerate() {
         let (dt, b, t, d) = (sh.dtype, 1, sh.t, sh.d);
         let scale = 1.0 / (d as f64).sqrt();
-        let Run { fwd_ms, bwd_ms, outs, inputs } = run_shape(&dev, sh, iters, 7 + i as u64);
+        let Run { steps, fwd_ms, bwd_ms, outs, inputs } = run_shape(&dev, sh, iters, 7 + i as u64);
         let flops = 4.0 * (b * sh.hq) as f64 * (t as f64) * (t as f64) * d as f64 / 2.0;
         let tflops = 3.5 * flops / ((fwd_ms + bwd_ms) * 1e-3) / 1e12;
         let kind = match choose(dev.capability, dt, d) {
@@ -213,6 +254,7 @@ fn main() {
             fwd_ms + bwd_ms,
             tflops
         );
+        println!("{:<22} kernels: {}", "", kernel_times(&steps));
         if let Some(dir) = &dump {
             let save = |name: &str, bytes: &[u8]| std::fs::write(dir.join(format!("{}.{name}.bin", sh.name)), bytes);
             for (name, h) in ["q", "k", "v", "do"].iter().zip(&inputs) {

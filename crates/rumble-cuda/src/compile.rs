@@ -67,7 +67,7 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-fn cache_dir() -> Option<PathBuf> {
+pub(crate) fn cache_dir() -> Option<PathBuf> {
     match std::env::var("RUMBLE_CUDA_CACHE") {
         Ok(v) if v == "off" => return None,
         Ok(v) if !v.is_empty() => return Some(PathBuf::from(v)),

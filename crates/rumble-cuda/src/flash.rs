@@ -18,6 +18,10 @@
 //! owns a block of keys and walks its group's query heads and queries in a fixed order), then
 //! dQ (each block owns a block of queries); or, where the configuration computes delta inside
 //! the dQ kernel (each dQ block owns its rows' delta), two: dQ, then dK/dV.
+//!
+//! Causal grids are paired ([`grid_columns`]): a CTA runs query (or key) block `i` and then
+//! `n - 1 - i`, so every CTA does about the same work; unpaired, the longest blocks left a
+//! third of the device idle at the end of the dK/dV kernel (ncu, H200, d128 x seq 4096).
 
 use cudarc::driver::{result as drv, sys};
 use rumble_core::ir::{DType, Op, TensorType};
@@ -46,11 +50,13 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 4] = ["base", "wide", "deep", "w8"];
-/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `base`, the fastest on
-/// every shape of the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session/run4-*):
-/// `wide`'s two m-tiles per warp in the backward made dK/dV slower, not faster.
-pub const DEFAULT_CFG: Cfg = Cfg(0);
+pub const CFG_NAMES: [&str; 5] = ["base", "wide", "deep", "w8", "pair"];
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair`, made from the H200
+/// sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep): per kernel the fastest
+/// tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms; wide's dQ at d = 16 and
+/// d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and dP interleaved in the
+/// backward (2.86 vs 2.91 ms at d128 x seq 4096 with base's tiles).
+pub const DEFAULT_CFG: Cfg = Cfg(4);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
 pub const SWEEP_DP: [usize; 3] = [16, 64, 128];
@@ -196,10 +202,14 @@ impl Variant {
         match *self {
             Variant::Mma { dp, cfg, .. } => {
                 // The FCFG table at the top of namespace `fa` in kernels/flash_attn.cu.
-                let (c, ld) = (cfg.0, dp + 8);
+                // `pair` (4): base's (0) tiles but wide's forward at d <= 64 and wide's dQ
+                // tiles at d = 16 and d in (64, 128].
+                let pair = cfg.0 == 4;
+                let (c, ld) = (if pair { 0 } else { cfg.0 }, dp + 8);
                 let fnw = if c == 3 { 8 } else { 4 };
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
                 let fbc = match (c, dp) {
+                    _ if pair && dp <= 64 => 128,
                     (0, ..=64) => 64,
                     (0, _) => 32,
                     (_, ..=64) => 128,
@@ -207,6 +217,7 @@ impl Variant {
                     _ => 32,
                 };
                 let (d64, d128) = (dp <= 64, dp <= 128);
+                let pq2 = pair && d128 && (dp <= 16 || !d64);
                 let kmt = if c != 0 && d64 { 2 } else { 1 };
                 let bq = match c {
                     0 if d64 => 64,
@@ -214,6 +225,7 @@ impl Variant {
                     _ => 32,
                 };
                 let qmt = match c {
+                    _ if pq2 => 2,
                     0 => 1,
                     2 if d64 => 2,
                     2 => 1,
@@ -221,6 +233,8 @@ impl Variant {
                     _ => 1,
                 };
                 let bc = match c {
+                    _ if pq2 && d64 => 64,
+                    _ if pq2 => 32,
                     0 if d128 => 64,
                     2 if d64 => 32,
                     2 if d128 => 64,
@@ -345,6 +359,8 @@ fn build(
         let block = if kname == "flash_fwd" { sh.fwd_threads as u32 } else { variant.threads() };
         Ok(Step::Kernel { func, name: format!("{name}/{kname}"), grid, block, smem: smem as u32, args })
     };
+    let sms = dev.multiprocessors.max(1);
+    let cols = |n: usize, rows: usize| grid_columns(causal, n, rows, sms);
     let dims = Arg::Blob([b, hq, hkv, t, s, d].iter().map(|&x| x as u64).collect());
     let (sc, ca) = (Arg::F64(scale), Arg::I32(causal as i32));
     let mut steps = Vec::new();
@@ -352,7 +368,7 @@ fn build(
     if !backward {
         if rows > 0 {
             let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), dims, sc, ca];
-            steps.push(kernel("flash_fwd", (t.div_ceil(sh.fwd_rows), b * hq), sh.smem_fwd, args)?);
+            steps.push(kernel("flash_fwd", (cols(t.div_ceil(sh.fwd_rows), b * hq), b * hq), sh.smem_fwd, args)?);
         }
         return Ok(Recipe { op: "attention", steps, scratch: 0, node_scratch: 0 });
     }
@@ -371,7 +387,7 @@ fn build(
             args.push(Arg::In(3));
         }
         args.extend([Arg::In(4), Arg::In(5), Arg::Scratch(0), Arg::Out(0), dims.clone(), sc.clone(), ca.clone()]);
-        dq_step = Some(kernel("flash_bwd_dq", (t.div_ceil(sh.dq_rows), b * hq), sh.smem_dq, args)?);
+        dq_step = Some(kernel("flash_bwd_dq", (cols(t.div_ceil(sh.dq_rows), b * hq), b * hq), sh.smem_dq, args)?);
     }
     if sh.fused_delta {
         steps.extend(dq_step.take());
@@ -390,10 +406,23 @@ fn build(
             sc,
             ca,
         ];
-        steps.push(kernel("flash_bwd_dkdv", (s.div_ceil(sh.dkdv_keys) * sh.nchunk, b * hkv), sh.smem_dkdv, args)?);
+        steps.push(kernel(
+            "flash_bwd_dkdv",
+            (cols(s.div_ceil(sh.dkdv_keys), b * hkv) * sh.nchunk, b * hkv),
+            sh.smem_dkdv,
+            args,
+        )?);
     }
     steps.extend(dq_step);
     Ok(Recipe { op: "attention_backward", steps, scratch: (rows * 4).div_ceil(256) * 256, node_scratch: 0 })
+}
+
+/// Grid columns for `n` blocks of causal work per row of the grid (`rows` rows): block `i`
+/// sees about `n - i` tiles, so while half as many CTAs still give every multiprocessor one,
+/// each CTA runs two blocks, `i` and `n - 1 - i`, and all do about the same work (the kernels
+/// see `gridDim.x < n` and pair). Without a mask all blocks are equal: one per CTA.
+pub fn grid_columns(causal: bool, n: usize, rows: usize, sms: usize) -> usize {
+    if causal && n >= 2 && n.div_ceil(2) * rows >= sms { n.div_ceil(2) } else { n }
 }
 
 #[cfg(test)]
@@ -428,6 +457,17 @@ mod tests {
         let b = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(1) };
         assert_ne!(a.name(), b.name());
         assert!(b.source().contains("#define FCFG 1\n"));
+    }
+
+    #[test]
+    fn causal_grids_pair_blocks_while_the_device_stays_full() {
+        // 32 query blocks x 32 heads on 132 multiprocessors: 16 CTA columns, two blocks each.
+        assert_eq!(grid_columns(true, 32, 32, 132), 16);
+        assert_eq!(grid_columns(true, 33, 32, 132), 17);
+        // Without a mask every block does the same work; too few CTAs: keep them all.
+        assert_eq!(grid_columns(false, 32, 32, 132), 32);
+        assert_eq!(grid_columns(true, 8, 4, 132), 8);
+        assert_eq!(grid_columns(true, 1, 1000, 132), 1);
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod flash;
 pub mod fused;
 pub mod launch;
 pub mod matmul;
+mod matmul_tune;
 pub mod memory;
 pub mod recipe;
 

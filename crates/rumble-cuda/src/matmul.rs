@@ -2,9 +2,13 @@
 //! `RUMBLE_CUDA_TF32=1`), bf16/f16 with f32 accumulation, f64. Row-major `C = op(A) op(B)` is
 //! computed as the column-major `C^T = op(B)^T op(A)^T`.
 //!
-//! The algorithm for each shape is chosen once (by cuBLASLt's heuristic, with a workspace cap
-//! and split-K reductions that use atomics excluded, so results are deterministic) and cached:
-//! every executor then runs the same algorithm, and the plan reserves exactly its workspace.
+//! The algorithm for each shape is chosen once and cached: every executor then runs the same
+//! algorithm, and the plan reserves exactly its workspace. cuBLASLt's heuristic proposes up to
+//! [`CANDIDATES`] algorithms (workspace capped, split-K reductions that use atomics excluded, so
+//! results are deterministic); each is timed once on scratch buffers and the fastest kept if it
+//! beats the heuristic's first choice by more than 3% (`RUMBLE_MATMUL_TUNE=0`: the first
+//! choice, untimed). The choice is written to the disk cache (beside the compiled kernels, per
+//! GPU and cuBLASLt version), so later runs use the same algorithm and give the same bits.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -18,6 +22,8 @@ use crate::error::{CudaError, Result};
 
 /// Most workspace a matmul may ask for (cuBLAS's recommendation for Hopper).
 pub const MAX_WORKSPACE: usize = 32 << 20;
+/// Most algorithms the heuristic is asked for, to be timed.
+pub const CANDIDATES: usize = 8;
 
 /// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -50,7 +56,7 @@ pub struct Plan {
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
+    pub(crate) algo: sys::cublasLtMatmulAlgo_t,
     /// Workspace bytes the algorithm needs.
     pub workspace: usize,
     f64: bool,
@@ -174,15 +180,56 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             4,
         )
         .map_err(blas_err("reduction preference"))?;
-        let h = lt::get_matmul_algo_heuristic(dev.blas(), desc, x, y, c, c, pref);
+        let mut found = [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); CANDIDATES];
+        let mut count = 0i32;
+        let h = sys::cublasLtMatmulAlgoGetHeuristic(
+            dev.blas(),
+            desc,
+            x,
+            y,
+            c,
+            c,
+            pref,
+            CANDIDATES as i32,
+            found.as_mut_ptr() as *mut sys::cublasLtMatmulHeuristicResult_t,
+            &mut count,
+        )
+        .result();
         let _ = lt::destroy_matmul_pref(pref);
         h.map_err(|e| CudaError::Blas {
             op: "matmul".into(),
             what: format!("no algorithm for {key:?}"),
             err: e.to_string(),
-        })?
+        })?;
+        let found: Vec<_> = found[..(count.max(0) as usize).min(CANDIDATES)]
+            .iter()
+            .map(|r| r.assume_init())
+            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .collect();
+        if found.is_empty() {
+            return Err(CudaError::Blas {
+                op: "matmul".into(),
+                what: format!("no algorithm for {key:?}"),
+                err: "the heuristic returned none".into(),
+            });
+        }
+        found
     };
-    Ok(Plan { desc, a: x, b: y, c, algo: heur.algo, workspace: heur.workspaceSize, f64: key.dtype == DType::F64 })
+    let mut plan = Plan {
+        desc,
+        a: x,
+        b: y,
+        c,
+        algo: heur[0].algo,
+        workspace: heur[0].workspaceSize,
+        f64: key.dtype == DType::F64,
+    };
+    if heur.len() > 1 {
+        let pick = crate::matmul_tune::choose(dev, key, &mut plan, &heur);
+        plan.algo = heur[pick].algo;
+        plan.workspace = heur[pick].workspaceSize;
+    }
+    Ok(plan)
 }
 
 impl Device {
@@ -221,6 +268,24 @@ impl Device {
                 p.workspace
             )));
         }
+        unsafe { self.launch_plan(key, p, a, b, c, ws, beta) }
+    }
+
+    /// Launches `p` (the plan of `key`, its algorithm as set) with `p.workspace` bytes at `ws`.
+    ///
+    /// # Safety
+    /// As [`Device::matmul`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch_plan(
+        &self,
+        key: &MatmulKey,
+        p: &Plan,
+        a: dsys::CUdeviceptr,
+        b: dsys::CUdeviceptr,
+        c: dsys::CUdeviceptr,
+        ws: dsys::CUdeviceptr,
+        beta: f64,
+    ) -> Result<()> {
         let (one32, zero32, one64, zero64) = (1f32, beta as f32, 1f64, beta);
         let (alpha, beta): (*const c_void, *const c_void) = if p.f64 {
             (&one64 as *const f64 as *const c_void, &zero64 as *const f64 as *const c_void)

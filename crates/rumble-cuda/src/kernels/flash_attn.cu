@@ -46,6 +46,7 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
 #define FLASH_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #define FLASH_SYNC() __syncthreads()
 // c += a * b for one 16x8x16 tile; pack2 puts lo in the low half (the lower column).
@@ -92,18 +93,24 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //   2 deep: the forward of wide; for d<=64 dK/dV with 16-query tiles and dQ with 32-key
 //           tiles, for d in (64, 128] the base backward tiles; delta inside the dQ kernel.
 //   3 w8:   the backward of wide, with an 8-warp forward (one m-tile per warp for d > 64).
-constexpr int C = FCFG;
-static_assert(C >= 0 && C <= 3, "unknown flash configuration");
+//   4 pair: the fastest of the others per kernel in the H200 sweep: the forward of wide for
+//           d<=64 and of base above; base's dK/dV; dQ 32 queries per warp (wide's tiles) for
+//           d=16 and d in (64, 128], base's dQ otherwise; a separate delta kernel; and the
+//           backward computes S and dP in one interleaved loop (mma_abt2_m).
+static_assert(FCFG >= 0 && FCFG <= 4, "unknown flash configuration");
+constexpr bool PAIR2 = FCFG == 4;        // S and dP in one interleaved loop
+constexpr int C = PAIR2 ? 0 : FCFG;      // pair starts from base's tiles
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
+constexpr bool PQ2 = PAIR2 && D128 && (DP <= 16 || !D64);                      // pair: wide's dQ tiles
 constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
 constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
-constexpr int FBC = C == 0 ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;      // forward keys per stage
-constexpr int FSUB = C == 0 ? FBC : D64 ? 64 : 32;                              // forward keys per softmax step
+constexpr int FBC = PAIR2 && D64 ? 128 : C == 0 ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
+constexpr int FSUB = PAIR2 && D64 ? 64 : C == 0 ? FBC : D64 ? 64 : 32;          // forward keys per softmax step
 constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
 constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
-constexpr int QMT = C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;         // dq: 16-query m-tiles per warp
-constexpr int BC = C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
-constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel
+constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
+constexpr int BC = PQ2 ? (D64 ? 64 : 32) : C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
+constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel                                                  // delta inside the dq kernel
 
 constexpr int NT = 128;                      // backward threads per block (4 warps)
 constexpr int FNT = 32 * FNW;                // forward threads per block
@@ -128,6 +135,7 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+
 
 // Rows [row0, row0 + ROWS) of a row-major [*, d] matrix into a [ROWS][LD] shared tile by NTH
 // threads; rows at or past `valid` and columns at or past d are zeros. `vec`: 16-byte cp.async
@@ -177,6 +185,35 @@ __device__ __forceinline__ void mma_abt_m(float (*acc)[N / 8][4], const T* a, co
       for (int mt = 0; mt < MT; ++mt) {
         mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
         mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+      }
+    }
+  }
+}
+// Two products at once, x += A1 * B1^T and y += A2 * B2^T (the backward's S and dP share their
+// shapes and the reduction over the head dims): interleaved, so each kk step issues twice as
+// many independent mma and the chains of accumulation into one tile wait on each other less.
+template <int MT, int N>
+__device__ __forceinline__ void mma_abt2_m(float (*x)[N / 8][4], const T* a1, const T* b1, float (*y)[N / 8][4],
+                                           const T* a2, const T* b2, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    u32 f1[MT][4], f2[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      ldsm_x4(f1[mt], a1 + mt * 16 * LD + a_off(lane) + kk * 16);
+      ldsm_x4(f2[mt], a2 + mt * 16 * LD + a_off(lane) + kk * 16);
+    }
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      u32 g1[4], g2[4];
+      ldsm_x4(g1, b1 + np * 16 * LD + bt_off(lane) + kk * 16);
+      ldsm_x4(g2, b2 + np * 16 * LD + bt_off(lane) + kk * 16);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816(x[mt][2 * np], f1[mt], g1[0], g1[1]);
+        mma16816(y[mt][2 * np], f2[mt], g2[0], g2[1]);
+        mma16816(x[mt][2 * np + 1], f1[mt], g1[2], g1[3]);
+        mma16816(y[mt][2 * np + 1], f2[mt], g2[2], g2[3]);
       }
     }
   }
@@ -234,7 +271,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned lon
 // scale), so each probability is one FFMA and one ex2: p = 2^(s * scale * log2 e - m * |...|).
 template <bool NEG>
 __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                    T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal) {
+                                    T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal, i64 blk) {
   constexpr int MT = FMT, BR = FBR, BC = FBC, SUB = FSUB, NTH = FNT;
   FLASH_SMEM(smem);
   T* sq = (T*)smem;
@@ -243,7 +280,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const i64 nqb = (T_ + BR - 1) / BR;
-  const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * BR;  // the longest causal rows first
+  const i64 q0 = (nqb - 1 - blk) * BR;  // block 0: the longest causal rows
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
   const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
   const T* qh = q + bh * T_ * d;
@@ -295,46 +332,64 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       zero<MT, SUB / 8>(s);
       mma_abt_m<MT, SUB>(s, sq + w * 16 * MT * LD, ks + sb * SUB * LD, lane);
 
-      const bool mask = kb0 + SUB > S || (causal && kb0 + SUB - 1 > wrow);
+      auto softmax = [&](const bool MASK) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const i64 row[2] = {wrow + mt * 16 + g, wrow + mt * 16 + g + 8};
-        float mx[2] = {NEG_INF, NEG_INF};
+        for (int mt = 0; mt < MT; ++mt) {
+          const i64 row[2] = {wrow + mt * 16 + g, wrow + mt * 16 + g + 8};
+          float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int n = 0; n < SUB / 8; ++n)
+          for (int n = 0; n < SUB / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (mask) {
-              const i64 key = kb0 + n * 8 + 2 * tq + (e & 1);
-              if (key >= S || (causal && key > row[e >> 1])) s[mt][n][e] = MASKV;
+            for (int e = 0; e < 4; ++e) {
+              if (MASK) {
+                const i64 key = kb0 + n * 8 + 2 * tq + (e & 1);
+                if (key >= S || (causal && key > row[e >> 1])) s[mt][n][e] = MASKV;
+              }
+              mx[e >> 1] = fmaxf(mx[e >> 1], NEG ? -s[mt][n][e] : s[mt][n][e]);
             }
-            mx[e >> 1] = fmaxf(mx[e >> 1], NEG ? -s[mt][n][e] : s[mt][n][e]);
-          }
-        float nb[2];  // -(the row maximum) in log2 units
+          // The running maximum moves only when some row's maximum grows by more than 2^8
+          // (conditional rescaling): until then p = 2^(s - m) < 256 with the old m, harmless in
+          // f32 sums and bf16, and the DP/4 multiplications of the accumulator per row are
+          // skipped on almost every tile. The warp votes, so its rows take one branch.
+          float mnew[2];
+          bool grow = false;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float mn = fmaxf(m[mt][i], quad_max(mx[i]));
-          const float mu = mn == NEG_INF ? 0.f : mn;  // a row with nothing visible yet keeps p = 0
-          const float alpha = m[mt][i] == NEG_INF ? 0.f : ex2((m[mt][i] - mu) * asl2);
-          nb[i] = -mu * asl2;
-          m[mt][i] = mn;
-          l[mt][i] *= alpha;
-#pragma unroll
-          for (int n = 0; n < DP / 8; ++n) {
-            acc[mt][n][2 * i] *= alpha;
-            acc[mt][n][2 * i + 1] *= alpha;
+          for (int i = 0; i < 2; ++i) {
+            mnew[i] = fmaxf(m[mt][i], quad_max(mx[i]));
+            grow |= mnew[i] != NEG_INF && (m[mt][i] == NEG_INF || (mnew[i] - m[mt][i]) * asl2 > 8.f);
           }
+          if (warp_any(grow)) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float mu = mnew[i] == NEG_INF ? 0.f : mnew[i];  // nothing visible yet: p stays 0
+              const float alpha = m[mt][i] == NEG_INF ? 0.f : ex2((m[mt][i] - mu) * asl2);
+              m[mt][i] = mnew[i];
+              l[mt][i] *= alpha;
+#pragma unroll
+              for (int n = 0; n < DP / 8; ++n) {
+                acc[mt][n][2 * i] *= alpha;
+                acc[mt][n][2 * i + 1] *= alpha;
+              }
+            }
+          }
+          float nb[2];  // -(the running maximum) in log2 units
+#pragma unroll
+          for (int i = 0; i < 2; ++i) nb[i] = m[mt][i] == NEG_INF ? 0.f : -m[mt][i] * asl2;
+#pragma unroll
+          for (int n = 0; n < SUB / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float p = ex2(fmaf(s[mt][n][e], sl2, nb[e >> 1]));
+              if (MASK && s[mt][n][e] == MASKV) p = 0.f;  // (also right for a zero scale)
+              s[mt][n][e] = p;
+              l[mt][e >> 1] += p;
+            }
         }
-#pragma unroll
-        for (int n = 0; n < SUB / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float p = ex2(fmaf(s[mt][n][e], sl2, nb[e >> 1]));
-            if (mask && s[mt][n][e] == MASKV) p = 0.f;  // (also right for a zero scale)
-            s[mt][n][e] = p;
-            l[mt][e >> 1] += p;
-          }
-      }
+      };
+      if (kb0 + SUB > S || (causal && kb0 + SUB - 1 > wrow))
+        softmax(true);
+      else
+        softmax(false);
       mma_pb_m<MT, SUB, DP>(acc, s, vs + sb * SUB * LD, 0, lane);
     }
     FLASH_SYNC();
@@ -377,7 +432,7 @@ __device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, f
 // KMT x 16 keys, so each Q / dO fragment read from shared memory feeds KMT mma ----
 __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
-                         T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal) {
+                         T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal, i64 blk) {
   constexpr int MT = KMT;
   FLASH_SMEM(smem);
   T* sk = (T*)smem;
@@ -389,8 +444,8 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
   constexpr int NCH = (DP + DC - 1) / DC;
-  const i64 k0 = ((i64)blockIdx.x / NCH) * BK;
-  const int c0 = (int)(blockIdx.x % NCH) * DC;
+  const i64 k0 = (blk / NCH) * BK;
+  const int c0 = (int)(blk % NCH) * DC;
   const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const float sl2 = (float)(scale * 1.4426950408889634);
@@ -438,24 +493,33 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
       float s[MT][BQ / 8][4], dp[MT][BQ / 8][4];
       zero<MT, BQ / 8>(s);
       zero<MT, BQ / 8>(dp);
-      mma_abt_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, lane);    // S^T = K Q^T
-      mma_abt_m<MT, BQ>(dp, sv + w * 16 * MT * LD, dos, lane);  // dP^T = V dO^T
-      const bool mask = i0 + BQ > T_ || (causal && i0 < kw + 16 * MT - 1);
+      if (PAIR2) {
+        mma_abt2_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, dp, sv + w * 16 * MT * LD, dos, lane);  // S^T, dP^T
+      } else {
+        mma_abt_m<MT, BQ>(s, sk + w * 16 * MT * LD, qs, lane);    // S^T = K Q^T
+        mma_abt_m<MT, BQ>(dp, sv + w * 16 * MT * LD, dos, lane);  // dP^T = V dO^T
+      }
+      auto probs = [&](const bool MASK) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < BQ / 8; ++n)
+          for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int ci = n * 8 + 2 * tq + (e & 1);
-            float p = ex2(fmaf(s[mt][n][e], sl2, -sl[st * BQ + ci]));
-            if (mask) {
-              const i64 qi = i0 + ci, key = kw + mt * 16 + g + 8 * (e >> 1);
-              if (qi >= T_ || (causal && qi < key)) p = 0.f;
+            for (int e = 0; e < 4; ++e) {
+              const int ci = n * 8 + 2 * tq + (e & 1);
+              float p = ex2(fmaf(s[mt][n][e], sl2, -sl[st * BQ + ci]));
+              if (MASK) {
+                const i64 qi = i0 + ci, key = kw + mt * 16 + g + 8 * (e >> 1);
+                if (qi >= T_ || (causal && qi < key)) p = 0.f;
+              }
+              s[mt][n][e] = p;
+              dp[mt][n][e] = p * (dp[mt][n][e] - sd[st * BQ + ci]);
             }
-            s[mt][n][e] = p;
-            dp[mt][n][e] = p * (dp[mt][n][e] - sd[st * BQ + ci]);
-          }
+      };
+      if (i0 + BQ > T_ || (causal && i0 < kw + 16 * MT - 1))
+        probs(true);
+      else
+        probs(false);
       mma_pb_m<MT, BQ, DC>(gv, s, dos, c0, lane);  // dV += P^T dO
       mma_pb_m<MT, BQ, DC>(gk, dp, qs, c0, lane);  // dK += dS^T Q
     }
@@ -489,7 +553,7 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
 // then runs after it) ----
 __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const T* __restrict__ o, const float* __restrict__ lse, const T* __restrict__ dout,
-                       float* __restrict__ delta, T* __restrict__ dq, Dims dm, double scale, int causal) {
+                       float* __restrict__ delta, T* __restrict__ dq, Dims dm, double scale, int causal, i64 blk) {
   constexpr int MT = QMT;
   FLASH_SMEM(smem);
   T* sq = (T*)smem;
@@ -500,7 +564,7 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const i64 nqb = (T_ + BR - 1) / BR;
-  const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * BR;
+  const i64 q0 = (nqb - 1 - blk) * BR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
   const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
   const T* kh = k + kvh * S * d;
@@ -566,22 +630,31 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
       float s[MT][BC / 8][4], dp[MT][BC / 8][4];
       zero<MT, BC / 8>(s);
       zero<MT, BC / 8>(dp);
-      mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
-      mma_abt_m<MT, BC>(dp, sdo + w * 16 * MT * LD, vs, lane);
-      const bool mask = j0 + BC > S || (causal && j0 + BC - 1 > wrow);
+      if (PAIR2) {
+        mma_abt2_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, dp, sdo + w * 16 * MT * LD, vs, lane);  // S, dP
+      } else {
+        mma_abt_m<MT, BC>(s, sq + w * 16 * MT * LD, ks, lane);
+        mma_abt_m<MT, BC>(dp, sdo + w * 16 * MT * LD, vs, lane);
+      }
+      auto probs = [&](const bool MASK) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
+          for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float p = ex2(fmaf(s[mt][n][e], sl2, -L[mt][e >> 1]));
-            if (mask) {
-              const i64 key = j0 + n * 8 + 2 * tq + (e & 1), row = wrow + mt * 16 + g + 8 * (e >> 1);
-              if (key >= S || (causal && key > row)) p = 0.f;
+            for (int e = 0; e < 4; ++e) {
+              float p = ex2(fmaf(s[mt][n][e], sl2, -L[mt][e >> 1]));
+              if (MASK) {
+                const i64 key = j0 + n * 8 + 2 * tq + (e & 1), row = wrow + mt * 16 + g + 8 * (e >> 1);
+                if (key >= S || (causal && key > row)) p = 0.f;
+              }
+              dp[mt][n][e] = p * (dp[mt][n][e] - D[mt][e >> 1]);
             }
-            dp[mt][n][e] = p * (dp[mt][n][e] - D[mt][e >> 1]);
-          }
+      };
+      if (j0 + BC > S || (causal && j0 + BC - 1 > wrow))
+        probs(true);
+      else
+        probs(false);
       mma_pb_m<MT, BC, DP>(acc, dp, ks, 0, lane);  // dQ += dS K
     }
     FLASH_SYNC();
@@ -605,15 +678,36 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
       }
     }
 }
+
+// ---- which blocks a CTA runs. Causal work grows with a block's index (the longest query rows
+// first, the keys seen by the most queries first), so on a paired grid (gridDim.x < n * per:
+// src/flash.rs asks for one while half the CTAs still fill the device) CTA x runs block x and
+// then block n - 1 - x, and every CTA gets about the same work (the middle block of an odd n
+// runs once). `per` neighbouring grid columns share one block index (dK/dV's head-dim chunks). ----
+__device__ __forceinline__ int passes(i64 n, int per) {
+  const i64 x = (i64)blockIdx.x / per;
+  return (i64)gridDim.x < n * per && n - 1 - x != x ? 2 : 1;
+}
+__device__ __forceinline__ i64 block_of(i64 n, int per, int pass) {
+  const i64 x = (i64)blockIdx.x / per, c = (i64)blockIdx.x % per;
+  return (pass == 0 ? x : n - 1 - x) * per + c;
+}
 }  // namespace fa
 
 extern "C" __global__ void __launch_bounds__(fa::FNT) flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v,
                                                                 fa::T* o, float* lse, fa::Dims dm, double scale,
                                                                 int causal) {
-  if (scale < 0)
-    fa::fwd<true>(q, k, v, o, lse, dm, scale, causal);
-  else
-    fa::fwd<false>(q, k, v, o, lse, dm, scale, causal);
+  const i64 n = (dm.t + fa::FWD_ROWS - 1) / fa::FWD_ROWS;
+  const int np = fa::passes(n, 1);
+#pragma unroll 1
+  for (int p = 0; p < np; ++p) {
+    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+    const i64 blk = fa::block_of(n, 1, p);
+    if (scale < 0)
+      fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk);
+    else
+      fa::fwd<false>(q, k, v, o, lse, dm, scale, causal, blk);
+  }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T* o, const fa::T* dout, float* delta,
                                                                      i64 rows, i64 d) {
@@ -623,11 +717,23 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv(const fa::T*
                                                                     const float* lse, const fa::T* dout,
                                                                     const float* delta, fa::T* dk, fa::T* dv,
                                                                     fa::Dims dm, double scale, int causal) {
-  fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);
+  const i64 n = (dm.s + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS;
+  const int np = fa::passes(n, fa::NCHUNK);
+#pragma unroll 1
+  for (int p = 0; p < np; ++p) {
+    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+    fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+  }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,
                                                                   const fa::T* o, const float* lse, const fa::T* dout,
                                                                   float* delta, fa::T* dq, fa::Dims dm, double scale,
                                                                   int causal) {
-  fa::bwd_dq(q, k, v, o, lse, dout, delta, dq, dm, scale, causal);
+  const i64 n = (dm.t + fa::DQ_ROWS - 1) / fa::DQ_ROWS;
+  const int np = fa::passes(n, 1);
+#pragma unroll 1
+  for (int p = 0; p < np; ++p) {
+    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+    fa::bwd_dq(q, k, v, o, lse, dout, delta, dq, dm, scale, causal, fa::block_of(n, 1, p));
+  }
 }

@@ -172,7 +172,7 @@ __device__ __forceinline__ void gemm_nn(float (*c)[4 * U], const float* p, const
 
 // ---- forward: FBR queries of one (batch, query head) a block ----
 __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                    float* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal) {
+                    float* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal, i64 blk) {
   constexpr int NJ = FBC / FTX, U = DP / 32;
   FLASH_SMEM(smem);
   float* qs = (float*)smem;         // [FBR][LD]
@@ -183,7 +183,7 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const int kd = ((int)d + 3) & ~3;
   const i64 nqb = (T_ + FBR - 1) / FBR;
-  const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * FBR;
+  const i64 q0 = (nqb - 1 - blk) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
   const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
   const float* kh = k + kvh * S * d;
@@ -299,7 +299,7 @@ __device__ void bwd_delta(const float* __restrict__ o, const float* __restrict__
 // ---- backward 2/3: dK, dV of BK keys of one (batch, kv head), head dims [c0, c0 + DC) ----
 __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                          const float* __restrict__ lse, const float* __restrict__ dout, const float* __restrict__ delta,
-                         float* __restrict__ dk, float* __restrict__ dv, Dims dm, double scale, int causal) {
+                         float* __restrict__ dk, float* __restrict__ dv, Dims dm, double scale, int causal, i64 blk) {
   constexpr int NJ = BQ / KTX;
   FLASH_SMEM(smem);
   float* ks = (float*)smem;         // [BK][LD]
@@ -313,8 +313,8 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
   const int tid = threadIdx.x, ty = tid / KTX, tx = tid % KTX;
   const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
   const int kd = ((int)d + 3) & ~3;
-  const i64 k0 = ((i64)blockIdx.x / NCH) * BK;
-  const int c0 = (int)(blockIdx.x % NCH) * DC;
+  const i64 k0 = (blk / NCH) * BK;
+  const int c0 = (int)(blk % NCH) * DC;
   const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
   const float sl2 = (float)(scale * 1.4426950408889634);
   const i64 qstart = causal ? k0 : 0;
@@ -414,7 +414,7 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
 // ---- backward 3/3: dQ of FBR queries of one (batch, query head) ----
 __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                        const float* __restrict__ lse, const float* __restrict__ dout, const float* __restrict__ delta,
-                       float* __restrict__ dq, Dims dm, double scale, int causal) {
+                       float* __restrict__ dq, Dims dm, double scale, int causal, i64 blk) {
   constexpr int NJ = QBC / FTX, U = DP / 32;
   FLASH_SMEM(smem);
   float* qs = (float*)smem;         // [FBR][LD]
@@ -426,7 +426,7 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const int kd = ((int)d + 3) & ~3;
   const i64 nqb = (T_ + FBR - 1) / FBR;
-  const i64 q0 = (nqb - 1 - (i64)blockIdx.x) * FBR;
+  const i64 q0 = (nqb - 1 - blk) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
   const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
   const float* kh = k + kvh * S * d;
@@ -516,6 +516,20 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
     }
   }
 }
+
+// ---- which blocks a CTA runs. Causal work grows with a block's index (the longest query rows
+// first, the keys seen by the most queries first), so on a paired grid (gridDim.x < n * per:
+// src/flash.rs asks for one while half the CTAs still fill the device) CTA x runs block x and
+// then block n - 1 - x, and every CTA gets about the same work (the middle block of an odd n
+// runs once). `per` neighbouring grid columns share one block index (dK/dV's head-dim chunks). ----
+__device__ __forceinline__ int passes(i64 n, int per) {
+  const i64 x = (i64)blockIdx.x / per;
+  return (i64)gridDim.x < n * per && n - 1 - x != x ? 2 : 1;
+}
+__device__ __forceinline__ i64 block_of(i64 n, int per, int pass) {
+  const i64 x = (i64)blockIdx.x / per, c = (i64)blockIdx.x % per;
+  return (pass == 0 ? x : n - 1 - x) * per + c;
+}
 }  // namespace fa
 
 // 256 threads, one block an SM (shared memory allows no more): all 255 registers may be used.
@@ -528,7 +542,13 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
 extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, const float* v,
                                                                float* o, float* lse, fa::Dims dm, double scale,
                                                                int causal) {
-  fa::fwd(q, k, v, o, lse, dm, scale, causal);
+  const i64 n = (dm.t + fa::FWD_ROWS - 1) / fa::FWD_ROWS;
+  const int np = fa::passes(n, 1);
+#pragma unroll 1
+  for (int p = 0; p < np; ++p) {
+    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+    fa::fwd(q, k, v, o, lse, dm, scale, causal, fa::block_of(n, 1, p));
+  }
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta,
                                                                      i64 rows, i64 d) {
@@ -538,11 +558,23 @@ extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float*
                                                                     const float* lse, const float* dout,
                                                                     const float* delta, float* dk, float* dv,
                                                                     fa::Dims dm, double scale, int causal) {
-  fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);
+  const i64 n = (dm.s + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS;
+  const int np = fa::passes(n, fa::NCHUNK);
+#pragma unroll 1
+  for (int p = 0; p < np; ++p) {
+    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+    fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+  }
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_dq(const float* q, const float* k, const float* v,
                                                                   const float* lse, const float* dout,
                                                                   const float* delta, float* dq, fa::Dims dm,
                                                                   double scale, int causal) {
-  fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal);
+  const i64 n = (dm.t + fa::DQ_ROWS - 1) / fa::DQ_ROWS;
+  const int np = fa::passes(n, 1);
+#pragma unroll 1
+  for (int p = 0; p < np; ++p) {
+    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+    fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal, fa::block_of(n, 1, p));
+  }
 }

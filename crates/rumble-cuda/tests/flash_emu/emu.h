@@ -111,6 +111,16 @@ inline float shfl_xor(float v, int m) {
   return r;
 }
 
+inline bool warp_any(bool p) {
+  int lane = threadIdx.x & 31;
+  emu::wslot(lane)[0] = p;
+  emu::warp_sync();
+  bool r = false;
+  for (int i = 0; i < 32; ++i) r |= emu::wslot(i)[0] != 0;
+  emu::warp_sync();
+  return r;
+}
+
 inline void ldsm_impl(u32* r, const void* p, bool trans) {
   int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   emu::wslot(lane)[0] = (uint64_t)(uintptr_t)p;

@@ -132,7 +132,10 @@ int main(int argc, char** argv) {
   std::fill((unsigned char*)o, (unsigned char*)o + nq * sizeof(T), 0xff);
   std::fill((unsigned char*)lse, (unsigned char*)lse + rows * 4, 0xff);
   fa::Dims dm{B, HQ, HKV, Tn, S, D};
-  emu::launch({(unsigned)((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, FWD_THREADS, fa::SMEM_FWD,
+  // Causal grids pair block i with block n - 1 - i in one CTA (src/flash.rs grid_columns, here
+  // whatever the size, so both passes run).
+  auto cols = [&](int n) { return (unsigned)(causal && n >= 2 ? (n + 1) / 2 : n); };
+  emu::launch({cols((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, FWD_THREADS, fa::SMEM_FWD,
               [&] { flash_fwd(q.data(), k.data(), v.data(), o, lse, dm, scale, causal); });
   Ref r0 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, nullptr, nullptr);
   double mo, e_o = rel_err(std::vector<T>(o, o + nq), r0.o, &mo);
@@ -152,12 +155,12 @@ int main(int argc, char** argv) {
   std::fill((unsigned char*)dv, (unsigned char*)dv + nk * sizeof(T), 0xff);
   std::fill((unsigned char*)delta, (unsigned char*)delta + rows * 4, 0xff);
   auto dkdv = [&] {
-    emu::launch({(unsigned)(((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK), (unsigned)(B * HKV), 1}, fa::NT,
+    emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV), 1}, fa::NT,
                 fa::SMEM_DKDV,
                 [&] { flash_bwd_dkdv(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dk, dv, dm, scale, causal); });
   };
   auto dq_ = [&] {
-    emu::launch({(unsigned)((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ, [&] {
+    emu::launch({cols((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ, [&] {
 #if FLASH_FMA
       flash_bwd_dq(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal);
 #else
