@@ -33,6 +33,9 @@ pub struct Device {
     status: sys::CUdeviceptr,
     pub(crate) modules: Mutex<HashMap<String, Arc<Module>>>,
     pub(crate) matmul_cache: Mutex<crate::matmul::Cache>,
+    /// Op names (as the IR's text form prints them) whose nodes run on the host through the CPU
+    /// reference: `RUMBLE_HOST_OPS=name,name` at start, [`Device::set_host_ops`] later.
+    host_ops: Mutex<Vec<String>>,
 }
 
 // The raw handles are owned by this struct and only used after `bind()` makes the context
@@ -123,12 +126,30 @@ impl Device {
             status,
             modules: Mutex::new(HashMap::new()),
             matmul_cache: Mutex::new(Default::default()),
+            host_ops: Mutex::new(
+                std::env::var("RUMBLE_HOST_OPS")
+                    .map(|v| v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+                    .unwrap_or_default(),
+            ),
         })
     }
 
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         unsafe { drv::ctx::set_current(self.ctx) }.ctx(|| "cuCtxSetCurrent".into())
+    }
+
+    /// Makes nodes of these ops run on the host (the CPU reference) in programs prepared from
+    /// now on; `&[]` for none. Graphed programs split their graphs around such nodes.
+    pub fn set_host_ops(&self, names: &[&str]) {
+        if let Ok(mut h) = self.host_ops.lock() {
+            *h = names.iter().map(|n| n.to_string()).collect();
+        }
+    }
+
+    /// True if nodes of op `name` are to run on the host.
+    pub fn is_host_op(&self, name: &str) -> bool {
+        self.host_ops.lock().map(|h| h.iter().any(|n| n == name)).unwrap_or(false)
     }
 
     pub fn stream(&self) -> sys::CUstream {

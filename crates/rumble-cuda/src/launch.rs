@@ -73,6 +73,14 @@ pub enum Step {
         ws_bytes: usize,
         beta: f64,
     },
+    /// The node runs on the host: the stream is synchronised, the operands downloaded, the CPU
+    /// reference (`rumble_core::cpu::run_op`) run and the results uploaded into the node's
+    /// output buffers. Never inside a graph: the graphed executor splits its graphs around it.
+    Host {
+        op: Box<rumble_core::ir::Op>,
+        args: Vec<rumble_core::ir::TensorType>,
+        outs: Vec<rumble_core::ir::TensorType>,
+    },
 }
 
 /// The device address an address-valued [`Arg`] names.
@@ -86,6 +94,40 @@ fn addr(a: &Arg, b: &Buffers) -> Result<sys::CUdeviceptr> {
         Arg::OutAt(i, off) => b.outs[*i] + *off as u64,
         other => return Err(CudaError::usage(format!("{other:?} is not an address"))),
     })
+}
+
+/// [`Step::Host`]: the node `tag - 1` (op `name`) on the CPU reference, between device work.
+fn run_on_host(
+    dev: &Device,
+    tag: usize,
+    name: &str,
+    op: &rumble_core::ir::Op,
+    args: &[rumble_core::ir::TensorType],
+    outs: &[rumble_core::ir::TensorType],
+    b: &Buffers,
+) -> Result<()> {
+    let what = |why: String| CudaError::usage(format!("host node {} (`{name}`): {why}", tag.saturating_sub(1)));
+    let capturing = unsafe { drv::stream::is_capturing(dev.stream()) }
+        .map(|s| s != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        .unwrap_or(false);
+    if capturing {
+        return Err(what("cannot run inside a CUDA graph capture (the graphed executor splits around it)".into()));
+    }
+    let mut host = Vec::with_capacity(args.len());
+    for (t, &p) in args.iter().zip(b.args) {
+        host.push(crate::memory::download(dev, p, t.size_in_bytes())?);
+    }
+    let at: Vec<&rumble_core::ir::TensorType> = args.iter().collect();
+    let ot: Vec<&rumble_core::ir::TensorType> = outs.iter().collect();
+    let refs: Vec<&[u8]> = host.iter().map(|h| h.as_slice()).collect();
+    let res = rumble_core::cpu::run_op(op, &at, &refs, &ot).map_err(|e| what(e.to_string()))?;
+    for (bytes, &p) in res.iter().zip(b.outs) {
+        if !bytes.is_empty() {
+            unsafe { drv::memcpy_htod_sync(p, bytes) }
+                .ctx(|| format!("uploading the results of host node `{name}`"))?;
+        }
+    }
+    Ok(())
 }
 
 /// The prepared work of one node.
@@ -112,6 +154,11 @@ pub struct Buffers<'a> {
 }
 
 impl Recipe {
+    /// True if the node runs on the host ([`Step::Host`]): graphs are split around it.
+    pub fn is_host(&self) -> bool {
+        self.steps.iter().any(|s| matches!(s, Step::Host { .. }))
+    }
+
     /// Enqueues the node's steps on the device's stream (capturable: no allocation, no sync).
     ///
     /// # Safety
@@ -126,6 +173,7 @@ impl Recipe {
             Step::Kernel { name, .. } => name.clone(),
             Step::ZeroOut { .. } => "memset".into(),
             Step::Copy { .. } => "memcpy".into(),
+            Step::Host { .. } => format!("host:{}", self.op),
             Step::Matmul { key, .. } => format!(
                 "matmul {}{}{}x{}x{}",
                 key.dtype.name(),
@@ -204,6 +252,7 @@ impl Recipe {
                     let (pa, pb, pc) = (addr(a, b)?, addr(bm, b)?, addr(c, b)?);
                     dev.matmul(key, pa, pb, pc, b.scratch + *ws as u64, *ws_bytes, *beta)?
                 },
+                Step::Host { op, args, outs } => run_on_host(dev, tag, self.op, op, args, outs, b)?,
             }
             hook(i, false)?;
         }

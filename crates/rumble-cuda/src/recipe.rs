@@ -116,7 +116,41 @@ impl Builder<'_> {
 
 /// Prepares the work of `op` on operands of types `at` giving outputs of types `ot`,
 /// compiling its kernels now (never during graph capture).
+///
+/// Ops named by [`Device::set_host_ops`] (or `RUMBLE_HOST_OPS`) and ops with no CUDA kernel
+/// for these types become host nodes ([`Step::Host`]: the CPU reference between device work;
+/// the latter with a note on stderr, once per op and types).
 pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
+    let host = || Recipe {
+        op: op.name(),
+        steps: vec![Step::Host {
+            op: Box::new(op.clone()),
+            args: at.iter().map(|t| (*t).clone()).collect(),
+            outs: ot.iter().map(|t| (*t).clone()).collect(),
+        }],
+        scratch: 0,
+        node_scratch: 0,
+    };
+    if dev.is_host_op(op.name()) {
+        return Ok(host());
+    }
+    match prepare_device(dev, op, at, ot) {
+        Err(CudaError::Unsupported(why)) => {
+            static NOTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+            if let Ok(mut n) = NOTED.lock()
+                && !n.contains(&why)
+            {
+                eprintln!("rumble: no CUDA kernel for {why}: this node runs on the host (CPU reference)");
+                n.push(why);
+            }
+            Ok(host())
+        }
+        other => other,
+    }
+}
+
+/// [`prepare`] on the device only.
+fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
     let mut b = Builder { dev, op: op.name(), steps: Vec::new(), scratch: 0, node: 0 };
     let out_n = ot.first().map(|t| t.numel()).unwrap_or(0);
     let dt = at.first().map(|t| t.dtype).unwrap_or(ot[0].dtype);
