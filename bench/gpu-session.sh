@@ -6,7 +6,8 @@
 #   2. rumble bench on small, seed-qwen2, seed-llama (eager, planned, graphed)
 #   3. the attention bench against PyTorch SDPA
 #   4. the references (PyTorch eager, torch.compile, Thunder; REF_PAIRS or REFS x REF_WORKLOADS)
-# Optional parts (env): SANITIZE=1 (compute-sanitizer memcheck + racecheck on a graphed
+# Optional parts (env): REF_PROFILE=workload:executor (that reference also writes a torch.profiler
+# table of its kernels, torch-profile-*.txt), SANITIZE=1 (compute-sanitizer memcheck + racecheck on a graphed
 # training step of the tiny model), PROFILE="w ..." (rumble bench --profile: device time per
 # op and the slowest nodes), XCHECK=1 (make_reference.py with this machine's transformers, then
 # the cross-check test on CPU and CUDA), ATTN=0 (skip the attention bench).
@@ -66,7 +67,9 @@ for pr in $pairs; do
     echo "reference $w $r skipped: the session's time budget is spent" >> "$OUT/summary.txt"
     continue
   fi
-  timeout "${REF_PER:-120}" python3 bench/reference/torch_ref.py "$w" "$r" --steps 8 >> "$res" 2>> "$OUT/ref.err" \
+  prof=()
+  [ -n "${REF_PROFILE:-}" ] && [ "$pr" = "$REF_PROFILE" ] && prof=(--profile "$OUT/torch-profile-$w-$r.txt")
+  timeout "${REF_PER:-120}" python3 bench/reference/torch_ref.py "$w" "$r" --steps 8 "${prof[@]}" >> "$res" 2>> "$OUT/ref.err" \
     || echo "{\"workload\":\"$w\",\"executor\":\"$r\",\"failed\":true}" >> "$res"
 done
 python3 bench/compare.py "$res" > "$OUT/table.md"
