@@ -20,8 +20,18 @@ use rumble_core::ir::{DType, TensorType};
 use crate::device::Device;
 use crate::error::{CudaError, Result};
 
-/// Most workspace a matmul may ask for (cuBLAS's recommendation for Hopper).
+/// Most workspace a matmul may ask for by default (cuBLAS's recommendation for Hopper);
+/// `RUMBLE_MATMUL_WORKSPACE_MB` sets another cap. Each matmul's workspace is planned as its
+/// node's scratch, so a smaller cap can pack the arena tighter (fewer algorithms to choose from).
 pub const MAX_WORKSPACE: usize = 32 << 20;
+
+/// The workspace cap in force: [`MAX_WORKSPACE`] or `RUMBLE_MATMUL_WORKSPACE_MB`.
+pub fn max_workspace() -> usize {
+    std::env::var("RUMBLE_MATMUL_WORKSPACE_MB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(MAX_WORKSPACE, |mb| mb << 20)
+}
 /// Most algorithms the heuristic is asked for, to be timed.
 pub const CANDIDATES: usize = 8;
 
@@ -162,7 +172,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     let y = if ta { layout(ty, m, k, batch)? } else { layout(ty, k, m, batch)? };
     let c = layout(out_ty, n, m, batch)?;
     let pref = lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?;
-    let ws = MAX_WORKSPACE as u64;
+    let ws = max_workspace() as u64;
     // No in-place split-K reduction (it uses atomics: results would vary run to run).
     let mask: u32 = 0x7 & !0x1;
     let heur = unsafe {

@@ -37,7 +37,8 @@ pub(crate) fn choose(
         return 0;
     }
     let tf32 = std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1");
-    let line_key = format!("{key:?} tf32={tf32} candidates={}", heur.len());
+    let cap = crate::matmul::max_workspace();
+    let line_key = format!("{key:?} tf32={tf32} ws={cap} candidates={}", heur.len());
     let file = cache_file(dev);
     if let Some(i) = file.as_ref().and_then(|f| remembered(f, &line_key))
         && i < heur.len()
