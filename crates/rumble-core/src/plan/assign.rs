@@ -10,7 +10,14 @@
 //! - lifetime, longest first;
 //! - by breadth: steps in order of live bytes, most first, and at each step the buffers live
 //!   there, largest first (TFLite's "greedy by breadth");
-//! - start time (a linear scan, first fit).
+//! - start time (a linear scan, first fit);
+//! - and one that is not an order fixed in advance, "lowest" ([`place_lowest`]): of the
+//!   buffers not yet placed, the one that fits lowest in the arena goes next (ties: longest
+//!   lifetime, then largest), as in Sekiyama et al., "Profile-guided memory optimization for
+//!   deep neural networks" (2018). On training steps it packs the gradients that pile up
+//!   through the backward under one another, where the fixed orders leave gaps: 1.000 x LOAD
+//!   on `seed-llama` against 1.018 for the best fixed order (1.023 with a 32 MiB workspace per
+//!   matmul).
 //!
 //! Sizes are already aligned; offsets are multiples of the alignment because every size is.
 
@@ -39,6 +46,10 @@ pub fn assign(items: &[Item]) -> Placement {
         if best.as_ref().is_none_or(|b| p.size < b.size) {
             best = Some(p);
         }
+    }
+    let p = place_lowest(items);
+    if best.as_ref().is_none_or(|b| p.size < b.size) {
+        best = Some(p);
     }
     best.unwrap_or(Placement { offsets: Vec::new(), size: 0, order: "empty" })
 }
@@ -98,6 +109,50 @@ fn breadth_order(items: &[Item]) -> Vec<usize> {
     }
     order.extend(by_size.into_iter().filter(|&i| !taken[i]));
     order
+}
+
+/// Lowest offset first: repeatedly places, of the buffers not yet placed, the one whose
+/// lowest free range (first fit from offset 0 among the placed buffers it lives with) is
+/// lowest; ties go to the longest lifetime, then the largest.
+///
+/// A buffer's lowest offset only grows as others are placed, so a heap keyed by the last
+/// offset computed is lazily correct: the popped buffer's offset is recomputed, and if it grew
+/// the buffer goes back with the new key; if not, no other buffer can fit lower.
+fn place_lowest(items: &[Item]) -> Placement {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    // Placed buffers sorted by offset: (offset, size, start, end).
+    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len());
+    let lowest = |placed: &[(usize, usize, usize, usize)], it: &Item| {
+        let mut cursor = 0;
+        for &(off, sz, s, e) in placed {
+            if e < it.start || it.end < s {
+                continue;
+            }
+            if off >= cursor + it.size {
+                return cursor;
+            }
+            cursor = cursor.max(off + sz);
+        }
+        cursor
+    };
+    let key = |off: usize, i: usize| Reverse((off, Reverse(items[i].end - items[i].start), Reverse(items[i].size), i));
+    let mut heap: BinaryHeap<_> = (0..items.len()).map(|i| key(0, i)).collect();
+    let mut offsets = vec![0; items.len()];
+    let mut size = 0;
+    while let Some(Reverse((off, _, _, i))) = heap.pop() {
+        let it = items[i];
+        let now = lowest(&placed, &it);
+        if now != off {
+            heap.push(key(now, i));
+            continue;
+        }
+        offsets[i] = off;
+        size = size.max(off + it.size);
+        let at = placed.partition_point(|p| p.0 < off);
+        placed.insert(at, (off, it.size, it.start, it.end));
+    }
+    Placement { offsets, size, order: "lowest" }
 }
 
 /// Places items in `order`; best fit, or first fit if `first_fit`.
@@ -180,5 +235,28 @@ mod tests {
         assert_eq!(p.offsets[4], 0);
         assert_eq!(p.offsets[5], 512);
         assert_eq!(p.size, 1280);
+    }
+
+    /// Two buffers that live to the end (gradients, made at steps 0 and 2) and temporaries
+    /// around them: the lowest-first placement reaches LOAD, none of the fixed orders does.
+    #[test]
+    fn lowest_first_reaches_load_where_fixed_orders_do_not() {
+        let it = |start, end, k: usize| Item { start, end, size: 256 * k };
+        let items = [it(0, 4, 4), it(0, 0, 2), it(1, 2, 4), it(2, 4, 3), it(2, 3, 2), it(3, 4, 2), it(3, 3, 3)];
+        let load = (0..=4)
+            .map(|t| items.iter().filter(|i| i.start <= t && t <= i.end).map(|i| i.size).sum::<usize>())
+            .max()
+            .unwrap();
+        assert_eq!(load, 14 * 256);
+        let p = place_lowest(&items);
+        for i in 0..items.len() {
+            for j in 0..i {
+                assert!(!overlaps(&items[i], &items[j], p.offsets[i], p.offsets[j]), "{i} and {j} collide");
+            }
+        }
+        assert_eq!(p.size, load);
+        assert_eq!(assign(&items).size, load);
+        let fixed = orders(&items).into_iter().map(|(n, o)| place(&items, &o, n, n == "start").size).min().unwrap();
+        assert!(fixed > load, "the fixed orders should not reach LOAD here ({fixed})");
     }
 }
