@@ -220,19 +220,33 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         Op::ScatterAdd { rows } => {
             let n = at[0].numel();
             let d = at[1].shape.last();
+            if n > i32::MAX as usize {
+                return Err(CudaError::Unsupported(format!(
+                    "scatter_add over {n} positions (the CUDA kernel links positions with 32-bit ints)"
+                )));
+            }
             b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
-            let name = format!("scatter_add_{}_{}", sfx(at[1].dtype), sfx(at[0].dtype));
-            let args = vec![
-                Arg::In(0),
-                Arg::In(1),
-                Arg::Out(0),
-                Arg::I64(n as i64),
-                Arg::I64(*rows as i64),
-                Arg::I64(d as i64),
-                Arg::Status,
-                Arg::Tag,
-            ];
             if n > 0 {
+                let links = b.scratch(n * 8);
+                let args = vec![
+                    Arg::In(0),
+                    Arg::Scratch(links),
+                    Arg::I64(n as i64),
+                    Arg::I64(*rows as i64),
+                    Arg::Status,
+                    Arg::Tag,
+                ];
+                // One warp per position.
+                b.k("layout", format!("scatter_links_{}", sfx(at[0].dtype)), grid_for(dev, n * 32, 256), 256, 0, args)?;
+                let name = format!("scatter_sum_{}_{}", sfx(at[1].dtype), sfx(at[0].dtype));
+                let args = vec![
+                    Arg::In(0),
+                    Arg::Scratch(links),
+                    Arg::In(1),
+                    Arg::Out(0),
+                    Arg::I64(n as i64),
+                    Arg::I64(d as i64),
+                ];
                 b.k("layout", name, rows_grid(dev, n), 256, 0, args)?;
             }
         }

@@ -202,6 +202,11 @@ fn layout_and_reduction_ops_match_cpu() {
             // Repeated ids (30 positions into 11 rows; some rows never hit).
             cases
                 .push(case(Op::ScatterAdd { rows: 13 }, vec![ids(idt, &[2, 15], 11, r), randn(t(d, &[2, 15, 24]), r)]));
+            // Chains of the same id across many warps' scans, rows wider than a block.
+            cases.push(case(
+                Op::ScatterAdd { rows: 300 },
+                vec![ids(idt, &[3, 400], 290, r), randn(t(d, &[3, 400, 300]), r)],
+            ));
         }
     }
     for d in [DType::I32, DType::I64] {
@@ -352,5 +357,9 @@ fn bad_data_on_the_device_names_the_op() {
     let tg = HostTensor::from_i64(DType::I64, &[4], &[1, 2, 33, 0]).unwrap();
     let e = run_gpu(&dev, &case(Op::CrossEntropy { ignore_index: -100 }, vec![logits, tg])).unwrap_err();
     assert!(e.contains("cross_entropy") && e.contains("33"), "{e}");
+    let src = randn(t(DType::F32, &[4, 3]), &mut rng);
+    let at = HostTensor::from_i64(DType::I64, &[4], &[1, 2, 17, 1]).unwrap();
+    let e = run_gpu(&dev, &case(Op::ScatterAdd { rows: 5 }, vec![at, src])).unwrap_err();
+    assert!(e.contains("scatter_add") && e.contains("17"), "{e}");
     println!("bad data errors: ok");
 }

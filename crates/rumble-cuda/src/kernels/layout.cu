@@ -35,36 +35,64 @@ __device__ void gather(const E* __restrict__ table, const I* __restrict__ ids, E
   }
 }
 
-// Deterministic scatter_add: one block per position i; only the first position holding each
-// id writes, summing src rows of every position with that id in position order. The output
-// was zeroed before (rows no id names stay 0).
-template <typename T, typename I>
-__device__ void scatter_add(const I* __restrict__ ids, const T* __restrict__ src, T* __restrict__ out, i64 n, i64 rows,
-                            i64 d, int* status, int tag) {
-  typedef typename Acc<T>::t A;
-  __shared__ i64 chunk[1024];
-  for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
+// Deterministic scatter_add in two kernels over a links table (2 x n ints of the node's
+// scratch): scatter_links finds, for every position i, whether it is the first holding its id
+// (links[2i+1] = 1) and the next position holding the same id (links[2i], -1 at the last),
+// one warp per position scanning the ids around it with ballots (O(n) per position at most,
+// integers only). scatter_sum then walks each id's chain from its first position, summing the
+// src rows in position order, one block per first position and threads over the columns. The
+// output was zeroed before (rows no id names stay 0). Bad ids are reported and skipped.
+template <typename I>
+__device__ void scatter_links(const I* __restrict__ ids, int* __restrict__ links, i64 n, i64 rows, int* status, int tag) {
+  int lane = threadIdx.x & 31;
+  i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n; i += warps) {
     i64 id = (i64)ids[i];
     if (id < 0 || id >= rows) {
-      if (threadIdx.x == 0) report(status, tag, 1, id);
+      if (lane == 0) {
+        report(status, tag, 1, id);
+        links[2 * i] = -1;
+        links[2 * i + 1] = 0;
+      }
       continue;
     }
-    int earlier = 0;
-    for (i64 j = threadIdx.x; j < i; j += blockDim.x) earlier |= ((i64)ids[j] == id);
-    if (__syncthreads_or(earlier)) continue;
-    for (i64 c0 = 0; c0 < d; c0 += blockDim.x) {
-      i64 c = c0 + threadIdx.x;
-      A acc = 0;
-      for (i64 j0 = i; j0 < n; j0 += 1024) {
-        __syncthreads();
-        for (int k = threadIdx.x; k < 1024 && j0 + k < n; k += blockDim.x) chunk[k] = (i64)ids[j0 + k];
-        __syncthreads();
-        i64 m = n - j0 < 1024 ? n - j0 : 1024;
-        if (c < d)
-          for (i64 k = 0; k < m; ++k)
-            if (chunk[k] == id) acc += ldf(src[(j0 + k) * d + c]);
+    // The nearest earlier position with this id, scanning down from i - 1.
+    bool first = true;
+    for (i64 j0 = i - 1; j0 >= 0; j0 -= 32) {
+      i64 j = j0 - lane;
+      if (__any_sync(0xffffffffu, j >= 0 && (i64)ids[j] == id)) {
+        first = false;
+        break;
       }
-      if (c < d) stf(&out[id * d + c], acc);
+    }
+    // The nearest later position with this id.
+    i64 next = -1;
+    for (i64 j0 = i + 1; j0 < n; j0 += 32) {
+      i64 j = j0 + lane;
+      unsigned hit = __ballot_sync(0xffffffffu, j < n && (i64)ids[j] == id);
+      if (hit) {
+        next = j0 + __ffs(hit) - 1;
+        break;
+      }
+    }
+    if (lane == 0) {
+      links[2 * i] = (int)next;
+      links[2 * i + 1] = first ? 1 : 0;
+    }
+  }
+}
+
+template <typename T, typename I>
+__device__ void scatter_sum(const I* __restrict__ ids, const int* __restrict__ links, const T* __restrict__ src,
+                            T* __restrict__ out, i64 n, i64 d) {
+  typedef typename Acc<T>::t A;
+  for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
+    if (!links[2 * i + 1]) continue;
+    i64 id = (i64)ids[i];
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      A acc = 0;
+      for (i64 j = i; j >= 0; j = links[2 * j]) acc += ldf(src[j * d + c]);
+      stf(&out[id * d + c], acc);
     }
   }
 }
@@ -90,10 +118,17 @@ GATHER(unsigned int, 4, i64, i64)
 GATHER(unsigned long long, 8, int, i32)
 GATHER(unsigned long long, 8, i64, i64)
 
+#define SCATTER_LINKS(I, ISUF)                                                                            \
+  extern "C" __global__ void scatter_links_##ISUF(const I* ids, int* links, i64 n, i64 rows, int* status, int tag) { \
+    scatter_links<I>(ids, links, n, rows, status, tag);                                                      \
+  }
+SCATTER_LINKS(int, i32)
+SCATTER_LINKS(i64, i64)
+
 #define SCATTER(T, SUF, I, ISUF)                                                                          \
-  extern "C" __global__ void scatter_add_##SUF##_##ISUF(const I* ids, const T* src, T* out, i64 n, i64 rows, \
-                                                        i64 d, int* status, int tag) {                    \
-    scatter_add<T, I>(ids, src, out, n, rows, d, status, tag);                                            \
+  extern "C" __global__ void scatter_sum_##SUF##_##ISUF(const I* ids, const int* links, const T* src, T* out, i64 n, \
+                                                        i64 d) {                                          \
+    scatter_sum<T, I>(ids, links, src, out, n, d);                                                        \
   }
 SCATTER(float, f32, int, i32)
 SCATTER(float, f32, i64, i64)
