@@ -4,7 +4,7 @@
 //!
 //! The algorithm for each shape is chosen once and cached: every executor then runs the same
 //! algorithm, and the plan reserves exactly its workspace. cuBLASLt's heuristic proposes up to
-//! [`CANDIDATES`] algorithms (workspace capped, split-K reductions that use atomics excluded, so
+//! [`candidates`] algorithms (workspace capped, split-K reductions that use atomics excluded, so
 //! results are deterministic); each is timed once on scratch buffers and the fastest kept if it
 //! beats the heuristic's first choice by more than 3% (`RUMBLE_MATMUL_TUNE=0`: the first
 //! choice, untimed). The choice is written to the disk cache (beside the compiled kernels, per
@@ -32,8 +32,20 @@ pub fn max_workspace() -> usize {
         .and_then(|v| v.parse::<usize>().ok())
         .map_or(MAX_WORKSPACE, |mb| mb << 20)
 }
-/// Most algorithms the heuristic is asked for, to be timed.
+/// Most algorithms the heuristic is asked for, to be timed, by default;
+/// `RUMBLE_MATMUL_CANDIDATES` sets another count (1 to [`MAX_CANDIDATES`]).
 pub const CANDIDATES: usize = 8;
+/// The most candidates `RUMBLE_MATMUL_CANDIDATES` may ask for.
+pub const MAX_CANDIDATES: usize = 64;
+
+/// The candidate count in force: [`CANDIDATES`] or `RUMBLE_MATMUL_CANDIDATES`, clamped to
+/// `1..=MAX_CANDIDATES`.
+pub fn candidates() -> usize {
+    std::env::var("RUMBLE_MATMUL_CANDIDATES")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(CANDIDATES, |n| n.clamp(1, MAX_CANDIDATES))
+}
 
 /// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -190,7 +202,8 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             4,
         )
         .map_err(blas_err("reduction preference"))?;
-        let mut found = [std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); CANDIDATES];
+        let want = candidates();
+        let mut found = vec![std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); want];
         let mut count = 0i32;
         let h = sys::cublasLtMatmulAlgoGetHeuristic(
             dev.blas(),
@@ -200,7 +213,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             c,
             c,
             pref,
-            CANDIDATES as i32,
+            want as i32,
             found.as_mut_ptr() as *mut sys::cublasLtMatmulHeuristicResult_t,
             &mut count,
         )
@@ -211,7 +224,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             what: format!("no algorithm for {key:?}"),
             err: e.to_string(),
         })?;
-        let found: Vec<_> = found[..(count.max(0) as usize).min(CANDIDATES)]
+        let found: Vec<_> = found[..(count.max(0) as usize).min(want)]
             .iter()
             .map(|r| r.assume_init())
             .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
