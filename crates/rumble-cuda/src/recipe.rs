@@ -489,6 +489,43 @@ pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Resu
     Ok(Recipe { op, steps, scratch: 0, node_scratch: 0 })
 }
 
+/// A strided copy's index space made simpler without changing which element goes where: axes
+/// of extent 1 dropped, and neighbouring axes merged where both the input and the output step
+/// over them as one (`in[k] == in[k+1] * dims[k+1]`, the same for `out`).
+fn simplify_copy(dims: &[usize], inp: &[i64], out: &[i64]) -> (Vec<usize>, Vec<i64>, Vec<i64>) {
+    let (mut d, mut i, mut o): (Vec<usize>, Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new(), Vec::new());
+    for k in 0..dims.len() {
+        if dims[k] == 1 {
+            continue;
+        }
+        if let (Some(&li), Some(&lo)) = (i.last(), o.last())
+            && li == inp[k] * dims[k] as i64
+            && lo == out[k] * dims[k] as i64
+        {
+            *d.last_mut().unwrap() *= dims[k];
+            *i.last_mut().unwrap() = inp[k];
+            *o.last_mut().unwrap() = out[k];
+            continue;
+        }
+        d.push(dims[k]);
+        i.push(inp[k]);
+        o.push(out[k]);
+    }
+    (d, i, o)
+}
+
+/// True when every element index and offset of the copy fits in 31 bits (the `copy32_*`
+/// kernels' arithmetic).
+fn copy_fits_i32(dims: &[usize], inp: &[i64], out: &[i64], in_off: i64, out_off: i64) -> bool {
+    let n: usize = dims.iter().product();
+    let last =
+        |st: &[i64], off: i64| dims.iter().zip(st).map(|(&d, &s)| (d as i64 - 1) * s.abs()).sum::<i64>() + off.abs();
+    n < i32::MAX as usize
+        && last(inp, in_off) < i32::MAX as i64
+        && last(out, out_off) < i32::MAX as i64
+        && inp.iter().chain(out).all(|&s| s >= 0)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn copy(
     b: &mut Builder,
@@ -504,11 +541,13 @@ fn copy(
     if n == 0 {
         return Ok(());
     }
-    let blob = strides_blob(dims, inp, out)?;
+    let (dims, inp, out) = simplify_copy(dims, inp, out);
+    let blob = strides_blob(&dims, &inp, &out)?;
     let args =
         vec![Arg::In(arg), Arg::Out(0), Arg::Blob(blob), Arg::I64(n as i64), Arg::I64(in_off), Arg::I64(out_off)];
     let grid = grid_for(b.dev, n, 256);
-    b.k("layout", format!("copy_{}", dt.size_in_bytes()), grid, 256, 0, args)
+    let kind = if copy_fits_i32(&dims, &inp, &out, in_off, out_off) { "copy32" } else { "copy" };
+    b.k("layout", format!("{kind}_{}", dt.size_in_bytes()), grid, 256, 0, args)
 }
 
 fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: usize) -> Result<()> {
@@ -742,4 +781,48 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element's (input, output) offset pair of a strided copy, in index order.
+    fn pairs(dims: &[usize], inp: &[i64], out: &[i64]) -> Vec<(i64, i64)> {
+        let n: usize = dims.iter().product();
+        (0..n)
+            .map(|mut e| {
+                let (mut a, mut b) = (0, 0);
+                for k in (0..dims.len()).rev() {
+                    let idx = (e % dims[k]) as i64;
+                    e /= dims[k];
+                    a += idx * inp[k];
+                    b += idx * out[k];
+                }
+                (a, b)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn simplified_copies_move_the_same_elements() {
+        // [1, T, H, D] -> [1, H, T, D] (attention's head split), a broadcast, a slice, a
+        // transpose, and a copy that is contiguous throughout.
+        type Case = (Vec<usize>, Vec<i64>, Vec<i64>, usize);
+        let cases: Vec<Case> = vec![
+            (vec![1, 7, 3, 5], vec![105, 5, 35, 1], vec![105, 15, 5, 1], 3),
+            (vec![4, 1, 6, 5], vec![0, 0, 5, 1], vec![30, 30, 5, 1], 2),
+            (vec![3, 4, 5], vec![40, 5, 1], vec![20, 5, 1], 2),
+            (vec![6, 9], vec![1, 6], vec![9, 1], 2),
+            (vec![2, 3, 4], vec![12, 4, 1], vec![12, 4, 1], 1),
+        ];
+        for (dims, inp, out, rank) in cases {
+            let (d, i, o) = simplify_copy(&dims, &inp, &out);
+            assert_eq!(d.len(), rank, "{dims:?}: {d:?}");
+            assert_eq!(pairs(&d, &i, &o), pairs(&dims, &inp, &out), "{dims:?}");
+        }
+        assert!(copy_fits_i32(&[1 << 20, 1024], &[1024, 1], &[1024, 1], 0, 0));
+        assert!(!copy_fits_i32(&[1 << 21, 1024], &[1024, 1], &[1024, 1], 0, 0));
+        assert!(!copy_fits_i32(&[1 << 10, 1024], &[1 << 22, 1], &[1024, 1], 0, 0));
+    }
 }
