@@ -323,16 +323,25 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
             let dims = at[0].dims();
             let (t, d) = (dims[2], dims[3]);
             let rows = at[0].numel() / d.max(1);
-            let args = vec![
-                Arg::In(0),
-                Arg::Out(0),
-                Arg::I64(rows as i64),
-                Arg::I64(t as i64),
-                Arg::I64(d as i64),
-                Arg::F64(*theta),
-                Arg::F64(if *inverse { -1.0 } else { 1.0 }),
-            ];
-            b.k("rows", format!("rope_{}", sfx(dt)), grid_for(dev, rows * d / 2, 256), 256, 0, args)?;
+            let half = d / 2;
+            if rows * half > 0 {
+                // (cos, sign * sin) per position and frequency, in the accumulation type.
+                let acc = if dt == DType::F64 { 8 } else { 4 };
+                let tab = b.scratch(t * half * 2 * acc);
+                let sign = if *inverse { -1.0 } else { 1.0 };
+                let args =
+                    vec![Arg::Scratch(tab), Arg::I64(t as i64), Arg::I64(d as i64), Arg::F64(*theta), Arg::F64(sign)];
+                b.k("rows", format!("rope_table_{}", sfx(dt)), grid_for(dev, t * half, 256), 256, 0, args)?;
+                let args = vec![
+                    Arg::In(0),
+                    Arg::Out(0),
+                    Arg::Scratch(tab),
+                    Arg::I64(rows as i64),
+                    Arg::I64(t as i64),
+                    Arg::I64(d as i64),
+                ];
+                b.k("rows", format!("rope_{}", sfx(dt)), grid_for(dev, rows * half, 256), 256, 0, args)?;
+            }
         }
         Op::Softmax | Op::LogSoftmax => {
             let d = at[0].shape.last();
