@@ -622,44 +622,48 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const float sl2 = (float)(scale * 1.4426950408889634);
+  // Query tiles, by head of the group (hh) then tile (qt): queries qstart + qt Q2 + [0, Q2).
+  // In the loop everything is 32-bit and relative to qstart (registers are tight at d128).
   const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of Q2
-  const int nqt = T_ > qstart ? (int)((T_ - qstart + Q2 - 1) / Q2) : 0;
-  const int total = (int)group * nqt;
-  const i64 kw = k0 + 16 * kg;  // the warp's first key
-  const int qo = h * QW2;       // phase 1: the warp's first query in the tile
+  const int qlen = T_ > qstart ? (int)(T_ - qstart) : 0;
+  const int nqt = (qlen + Q2 - 1) / Q2;
+  const i64 bh0 = b * dm.hq + kvh * group;  // the group's first query head
+  const int kr = causal ? 16 * kg : 0;      // the warp's first key relative to qstart (causal)
+  const int qo = h * QW2;                   // phase 1: the warp's first query in the tile
 
   load_tile<NT2, K2>(sk, k + bk * S * d, k0, S - k0, d, vec);
   load_tile<NT2, K2>(sv, v + bk * S * d, k0, S - k0, d, vec);
-  // Tile `it`: query head b*hq + kvh*group + it / nqt, queries from qstart + (it % nqt) * Q2.
-  auto load_q = [&](int it, int st) {
-    const i64 bh = b * dm.hq + kvh * group + it / nqt;
-    const i64 i0 = qstart + (i64)(it % nqt) * Q2;
+  auto load_q = [&](int hh, int qt, int st) {
+    const i64 bh = bh0 + hh, i0 = qstart + (i64)qt * Q2;
     load_tile<NT2, Q2>(sq + st * Q2 * LD, q + bh * T_ * d, i0, T_ - i0, d, vec);
     load_tile<NT2, Q2>(sdo + st * Q2 * LD, dout + bh * T_ * d, i0, T_ - i0, d, vec);
     for (int e = threadIdx.x; e < Q2; e += NT2) {
-      const bool ok = i0 + e < T_;
+      const bool ok = qt * Q2 + e < qlen;
       sl[st * Q2 + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
       sd[st * Q2 + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
     }
   };
-  if (total > 0) load_q(0, 0);
+  if (nqt > 0) load_q(0, 0, 0);
   cp_commit();
 
   float gk[2 * NJ2][4], gv[2 * NJ2][4];
   zero<1, 2 * NJ2>(&gk);
   zero<1, 2 * NJ2>(&gv);
 
-  for (int it = 0; it < total; ++it) {
+  const int ng = (int)group;
+  int hh = 0, qt = 0;  // the current tile
+  for (int it = 0; nqt > 0 && hh < ng; ++it) {
     cp_wait<0>();
     FLASH_SYNC();  // tile `it` is in; every warp is done with tile it - 1 (its stage, P^T, dS^T)
-    if (it + 1 < total) load_q(it + 1, (it + 1) & 1);
+    const int nh = qt + 1 < nqt ? hh : hh + 1, nq = qt + 1 < nqt ? qt + 1 : 0;  // the next tile
+    if (nh < ng) load_q(nh, nq, (it + 1) & 1);
     cp_commit();
     const int st = it & 1;
     const T* qs = sq + st * Q2 * LD;
     const T* dos = sdo + st * Q2 * LD;
-    const i64 i0 = qstart + (i64)(it % nqt) * Q2;
+    const int q0 = qt * Q2;  // the tile's first query, relative to qstart
     // Phase 1: the warp's 16 x QW2 block of P^T and dS^T.
-    if (causal && i0 + qo + QW2 - 1 < kw) {  // all its queries come before its first key
+    if (causal && q0 + qo + QW2 - 1 < kr) {  // all its queries come before its first key
 #pragma unroll
       for (int n = 0; n < QW2 / 8; ++n)
 #pragma unroll
@@ -673,25 +677,20 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
       zero<1, QW2 / 8>(s);
       zero<1, QW2 / 8>(dp);
       mma_abt2_m<1, QW2>(s, sk + 16 * kg * LD, qs + qo * LD, dp, sv + 16 * kg * LD, dos + qo * LD, lane);  // S^T, dP^T
-      auto probs = [&](const bool MASK) {
+      // Masked: query q0 + ci past the end, or before key kr + g (+ 8); in 32 bits relative to
+      // the tile (one code path: two compares a value cost less than a second copy's registers).
+      const int qlim = qlen - q0 < Q2 ? qlen - q0 : Q2;
+      const int kd = causal ? kr - q0 : -(1 << 30);
 #pragma unroll
-        for (int n = 0; n < QW2 / 8; ++n)
+      for (int n = 0; n < QW2 / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int ci = qo + n * 8 + 2 * tq + (e & 1);
-            float p = ex2(fmaf(s[0][n][e], sl2, -sl[st * Q2 + ci]));
-            if (MASK) {
-              const i64 qi = i0 + ci, key = kw + g + 8 * (e >> 1);
-              if (qi >= T_ || (causal && qi < key)) p = 0.f;
-            }
-            s[0][n][e] = p;
-            dp[0][n][e] = p * (dp[0][n][e] - sd[st * Q2 + ci]);
-          }
-      };
-      if (i0 + qo + QW2 > T_ || (causal && i0 + qo < kw + 15))
-        probs(true);
-      else
-        probs(false);
+        for (int e = 0; e < 4; ++e) {
+          const int ci = qo + n * 8 + 2 * tq + (e & 1);
+          float p = ex2(fmaf(s[0][n][e], sl2, -sl[st * Q2 + ci]));
+          if (ci >= qlim || ci - g - 8 * (e >> 1) < kd) p = 0.f;
+          s[0][n][e] = p;
+          dp[0][n][e] = p * (dp[0][n][e] - sd[st * Q2 + ci]);
+        }
 #pragma unroll
       for (int n = 0; n < QW2 / 8; ++n)
 #pragma unroll
@@ -703,17 +702,19 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
     }
     FLASH_SYNC();  // P^T and dS^T of the tile are complete
     // Phase 2: the warp's 16 keys x its column blocks, over the tile's Q2 queries.
-    if (!(causal && i0 + Q2 - 1 < kw)) {
+    if (!(causal && q0 + Q2 - 1 < kr)) {
       mma_sb<Q2, LP2>(gv, sp + 16 * kg * LP2, dos, h, lane);   // dV += P^T dO
       mma_sb<Q2, LP2>(gk, sds + 16 * kg * LP2, qs, h, lane);  // dK += dS^T Q
     }
+    hh = nh;
+    qt = nq;
   }
   cp_wait<0>();
 
   const float sc = (float)scale;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const i64 r = kw + g + 8 * i;
+    const i64 r = k0 + 16 * kg + g + 8 * i;
     if (r < S) {
 #pragma unroll
       for (int j = 0; j < NJ2; ++j) {
