@@ -603,6 +603,31 @@ __device__ __forceinline__ void mma_sb(float (*acc)[4], const T* a, const T* b, 
   }
 }
 
+// load_tile for a tile of at most 64 rows given by its first row's pointer: 32-bit offsets
+// inside the tile (load_tile's 64-bit row arithmetic in fa2's loop cost ~30 registers at d112).
+template <int NTH, int ROWS>
+__device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, bool vec) {
+  if (vec) {
+    constexpr int CH = DP / 8;
+#pragma unroll
+    for (int i = 0; i < (ROWS * CH + NTH - 1) / NTH; ++i) {
+      const int c = threadIdx.x + i * NTH, r = c / CH, cc = c % CH;
+      if ((ROWS * CH) % NTH == 0 || c < ROWS * CH) {
+        const bool ok = r < valid && cc * 8 < d;
+        cp_async16(sm + r * LD + cc * 8, ok ? g + r * d + cc * 8 : g, ok ? 16 : 0);
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NTH) {
+      const int r = e / DP, c = e % DP;
+      T x;
+      x.x = 0;
+      if (r < valid && c < d) x = g[r * d + c];
+      sm[r * LD + c] = x;
+    }
+  }
+}
+
 __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
                           T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal, i64 blk) {
@@ -634,13 +659,14 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   load_tile<NT2, K2>(sk, k + bk * S * d, k0, S - k0, d, vec);
   load_tile<NT2, K2>(sv, v + bk * S * d, k0, S - k0, d, vec);
   auto load_q = [&](int hh, int qt, int st) {
-    const i64 bh = bh0 + hh, i0 = qstart + (i64)qt * Q2;
-    load_tile<NT2, Q2>(sq + st * Q2 * LD, q + bh * T_ * d, i0, T_ - i0, d, vec);
-    load_tile<NT2, Q2>(sdo + st * Q2 * LD, dout + bh * T_ * d, i0, T_ - i0, d, vec);
+    const i64 row = (bh0 + hh) * T_ + qstart + (i64)qt * Q2;  // the tile's first row of q, dout
+    const int valid = qlen - qt * Q2;
+    load_rows<NT2, Q2>(sq + st * Q2 * LD, q + row * d, valid, (int)d, vec);
+    load_rows<NT2, Q2>(sdo + st * Q2 * LD, dout + row * d, valid, (int)d, vec);
     for (int e = threadIdx.x; e < Q2; e += NT2) {
-      const bool ok = qt * Q2 + e < qlen;
-      sl[st * Q2 + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
-      sd[st * Q2 + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
+      const bool ok = e < valid;
+      sl[st * Q2 + e] = ok ? lse[row + e] * LOG2E : 0.f;
+      sd[st * Q2 + e] = ok ? delta[row + e] : 0.f;
     }
   };
   if (nqt > 0) load_q(0, 0, 0);
