@@ -577,15 +577,25 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
 // block walks the query heads of its group in order, as bwd_dkdv; causal: queries from the
 // block's first key on (k0 is a multiple of Q2), fully masked warps write zero tiles and skip
 // phase 2; the paired causal grid is kept (same block-of-keys work profile as pair).
-// Estimate (sm_90, by hand; resources.py gives the real numbers): registers: 2 x DP/2 (dK, dV)
-// + 2 x QW2/2 (S, dP: 16 / 32 at d128 / d64) + ~16 fragments + ~30 addresses and indices, about
-// 110-125 at d128 and ~100 at d64, under the 128 that __launch_bounds__(256, 2) asks for (two
-// blocks, 16 warps per SM). Shared memory: (2 x 64 + 4 x Q2) x (DP + 8) x 2 + 2 x 64 x (Q2 + 8)
-// x 2 + 16 Q2 bytes = 80384 at d128 (two blocks per SM: 157 KB of 228), 74752 at d64.
+// Resources. Registers, by hand: a lane holds DP/2 accumulator floats (dK and dV, 16 keys x
+// DP/2 columns each: 64 at d128, 32 at d64), QW2/2 floats of S and dP (16 at d128, 32 at d64),
+// ~16 fragment registers and ~30 of addresses and indices: ~110-125, under the 128 that
+// __launch_bounds__(256, 2) asks for (two blocks of 8 warps, 16 warps per SM; pair's dK/dV has
+// 242-255 registers x 4 warps, two blocks, 8 warps per SM). Measured (resources.py, NVRTC 13,
+// sm_90): 121-128 registers and no spills for d16..d96 and d128; d112 128 with 20 bytes of
+// spill stores/loads (stack 16). (Fully unrolled, unbounded, ptxas takes 194 at d64, 211 at
+// d128; the 64-bit tile arithmetic of load_tile in the loop, or a second masked copy of the
+// softmax, cost ~20-30 registers each and spilled at d112/d128: hence load_rows and one
+// masking path in 32-bit tile-relative indices.) Shared memory: (2 x 64 + 4 x Q2) x (DP + 8)
+// x 2 + 2 x 64 x (Q2 + 8) x 2 + 16 Q2 bytes = 80384 at d128, 74752 at d64, 37888 at d16 (two
+// blocks per SM: at most 2 x (80384 + 1024) of the H200's 233472). Per tile a warp issues, at
+// d128, 32 mma (and 32 ldmatrix) in phase 1 and 32 mma (20 ldmatrix) in phase 2, with two
+// block barriers; pair's warp, 128 mma (80 ldmatrix) and one barrier for the same 32 queries.
+
+// acc[2 NJ2][4] += A (16 x K, rows of `a`, stride LDA) * B (K rows of `b`), column blocks
+// 2 j + h (j < NJ2) of the head dims.
 template <int K, int LDA>
 __device__ __forceinline__ void mma_sb(float (*acc)[4], const T* a, const T* b, int h, int lane) {
-  // acc[2 NJ2][4] += A (16 x K, rows of `a`, stride LDA) * B (K rows of `b`), column blocks
-  // 2 j + h (j < NJ2) of the head dims.
 #pragma unroll
   for (int kc = 0; kc < K / 16; ++kc) {
     u32 fa[4];
