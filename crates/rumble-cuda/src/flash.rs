@@ -34,8 +34,11 @@ use crate::recipe::PRELUDE;
 
 const MMA: &str = include_str!("kernels/flash_attn.cu");
 const FMA: &str = include_str!("kernels/flash_fma.cu");
-/// Threads per block of the tensor-core flash kernels (the forward's come from its [`Shape`]).
+/// Threads per block of the tensor-core flash kernels (the forward's and dK/dV's come from its
+/// [`Shape`]).
 const THREADS: u32 = 128;
+/// Threads per block of `fa2`'s dK/dV kernel (`fa::NT2` of flash_attn.cu).
+const FA2_THREADS: usize = 256;
 /// Threads per block of the FMA flash kernels (`fa::NT` of flash_fma.cu).
 const FMA_THREADS: u32 = 256;
 /// Opt-in shared memory per block on sm_90 (`fa::SMEM_MAX` of flash_fma.cu).
@@ -50,12 +53,17 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 5] = ["base", "wide", "deep", "w8", "pair"];
+pub const CFG_NAMES: [&str; 6] = ["base", "wide", "deep", "w8", "pair", "fa2"];
 /// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair`, made from the H200
 /// sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep): per kernel the fastest
 /// tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms; wide's dQ at d = 16 and
 /// d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and dP interleaved in the
 /// backward (2.86 vs 2.91 ms at d128 x seq 4096 with base's tiles).
+///
+/// `fa2` (5, opt-in, not yet timed on a GPU) is `pair` with an 8-warp dK/dV kernel for head
+/// sizes up to 128 (P and dS through shared memory, warps splitting the head dims: half the
+/// accumulator registers a warp, two blocks of 8 warps per multiprocessor); above 128 it is
+/// `pair` exactly.
 pub const DEFAULT_CFG: Cfg = Cfg(4);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
@@ -137,10 +145,12 @@ pub struct Shape {
     pub smem_fwd: usize,
     pub smem_dq: usize,
     pub smem_dkdv: usize,
-    /// Threads per block of the forward kernel (the backward's are [`THREADS`]).
+    /// Threads per block of the forward kernel.
     pub fwd_threads: usize,
     /// The dQ kernel computes delta (and runs before dK/dV); no delta kernel.
     pub fused_delta: bool,
+    /// Threads per block of the dK/dV kernel.
+    pub dkdv_threads: usize,
 }
 
 impl Variant {
@@ -150,7 +160,8 @@ impl Variant {
         }
     }
 
-    /// Threads per block of the variant's kernels but the tensor-core forward (see [`Shape`]).
+    /// Threads per block of the variant's kernels but the tensor-core forward and dK/dV (see
+    /// [`Shape`]).
     pub fn threads(&self) -> u32 {
         match self {
             Variant::Mma { .. } => THREADS,
@@ -182,6 +193,7 @@ impl Variant {
                     ("SMEM_DKDV", s.smem_dkdv),
                     ("FWD_THREADS", s.fwd_threads),
                     ("FUSED_DELTA", s.fused_delta as usize),
+                    ("DKDV_THREADS", s.dkdv_threads),
                 ]
                 .iter()
                 .map(|(k, v)| format!("#define FEXPECT_{k} {v}\n"))
@@ -203,8 +215,12 @@ impl Variant {
             Variant::Mma { dp, cfg, .. } => {
                 // The FCFG table at the top of namespace `fa` in kernels/flash_attn.cu.
                 // `pair` (4): base's (0) tiles but wide's forward at d <= 64 and wide's dQ
-                // tiles at d = 16 and d in (64, 128].
-                let pair = cfg.0 == 4;
+                // tiles at d = 16 and d in (64, 128]. `fa2` (5): pair, but for d <= 128 the
+                // 8-warp dK/dV kernel: 64 keys, query tiles of 64 (d <= 64) / 32, double-buffered
+                // Q and dO, and [64][q2 + 8] tiles of P^T and dS^T.
+                let pair = cfg.0 == 4 || cfg.0 == 5;
+                let fa2 = cfg.0 == 5 && dp <= 128;
+                let q2 = if dp <= 64 { 64 } else { 32 };
                 let (c, ld) = (if pair { 0 } else { cfg.0 }, dp + 8);
                 let fnw = if c == 3 { 8 } else { 4 };
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
@@ -246,13 +262,18 @@ impl Variant {
                 Shape {
                     fwd_rows: fbr,
                     dq_rows: br,
-                    dkdv_keys: bk,
-                    nchunk: dp.div_ceil(dc),
+                    dkdv_keys: if fa2 { 64 } else { bk },
+                    nchunk: if fa2 { 1 } else { dp.div_ceil(dc) },
                     smem_fwd: (fbr + 4 * fbc) * ld * 2,
                     smem_dq: (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 },
-                    smem_dkdv: (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4,
+                    smem_dkdv: if fa2 {
+                        (2 * 64 + 4 * q2) * ld * 2 + 2 * 64 * (q2 + 8) * 2 + 4 * q2 * 4
+                    } else {
+                        (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4
+                    },
                     fwd_threads: 32 * fnw,
                     fused_delta,
+                    dkdv_threads: if fa2 { FA2_THREADS } else { THREADS as usize },
                 }
             }
             Variant::Fma { dp, big } => {
@@ -276,6 +297,7 @@ impl Variant {
                     smem_dkdv: fit(&|nb| (2 * bk * ld + 2 * nb * bq * ld + 2 * bk * lpk + 2 * nb * bq) * 4),
                     fwd_threads: FMA_THREADS as usize,
                     fused_delta: false,
+                    dkdv_threads: FMA_THREADS as usize,
                 }
             }
         }
@@ -356,7 +378,11 @@ fn build(
                 .ctx(|| format!("allowing {smem} bytes of shared memory to `{kname}` in `{name}`"))?;
         }
         let grid = (u32::try_from(grid.0).map_err(|_| CudaError::usage(format!("grid of {kname}")))?, grid.1 as u32, 1);
-        let block = if kname == "flash_fwd" { sh.fwd_threads as u32 } else { variant.threads() };
+        let block = match kname {
+            "flash_fwd" => sh.fwd_threads as u32,
+            "flash_bwd_dkdv" => sh.dkdv_threads as u32,
+            _ => variant.threads(),
+        };
         Ok(Step::Kernel { func, name: format!("{name}/{kname}"), grid, block, smem: smem as u32, args })
     };
     let sms = dev.multiprocessors.max(1);
@@ -483,6 +509,7 @@ mod tests {
                 assert!(bytes <= 227 * 1024, "{} {what}: {bytes} bytes", v.name());
             }
             assert!(s.fwd_threads <= 1024 && s.fwd_threads % 32 == 0, "{}", v.name());
+            assert!(s.dkdv_threads <= 1024 && s.dkdv_threads % 32 == 0, "{}", v.name());
         }
         // Spot values, computed by hand from the kernel file's formulas.
         let mma = |dp, c| Variant::Mma { dtype: DType::BF16, dp, cfg: Cfg(c) }.shape();
@@ -498,6 +525,15 @@ mod tests {
         let s = mma(128, 3);
         assert_eq!((s.fwd_rows, s.fwd_threads, s.smem_fwd), (128, 256, 104448));
         assert_eq!(mma(144, 1).nchunk, 2);
+        // fa2: pair but for dK/dV at d <= 128: 256 threads, 64 keys, one chunk; d128: (2 x 64 +
+        // 4 x 32) x 136 x 2 + 2 x 64 x 40 x 2 + 4 x 32 x 4; d64: 64-query tiles; above 128 pair's.
+        let (p, s) = (mma(128, 4), mma(128, 5));
+        assert_eq!((s.fwd_rows, s.dq_rows, s.smem_fwd, s.smem_dq), (p.fwd_rows, p.dq_rows, p.smem_fwd, p.smem_dq));
+        assert_eq!((s.dkdv_threads, s.dkdv_keys, s.nchunk, s.smem_dkdv), (256, 64, 1, 80384));
+        assert_eq!((mma(64, 5).smem_dkdv, mma(64, 5).dkdv_threads), (74752, 256));
+        assert_eq!(mma(144, 5), mma(144, 4));
+        assert_eq!(mma(256, 5), mma(256, 4));
+        assert_eq!(p.dkdv_threads, 128);
         // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.
         let s = Variant::Fma { dp: 128, big: false }.shape();
         assert_eq!((s.fwd_rows, s.dq_rows, s.dkdv_keys, s.nchunk), (128, 128, 64, 1));

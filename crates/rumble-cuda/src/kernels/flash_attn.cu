@@ -97,9 +97,12 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //           d<=64 and of base above; base's dK/dV; dQ 32 queries per warp (wide's tiles) for
 //           d=16 and d in (64, 128], base's dQ otherwise; a separate delta kernel; and the
 //           backward computes S and dP in one interleaved loop (mma_abt2_m).
-static_assert(FCFG >= 0 && FCFG <= 4, "unknown flash configuration");
-constexpr bool PAIR2 = FCFG == 4;        // S and dP in one interleaved loop
-constexpr int C = PAIR2 ? 0 : FCFG;      // pair starts from base's tiles
+//   5 fa2:  pair, but for d <= 128 the 8-warp dK/dV kernel bwd_dkdv2 (64 keys per block, P and
+//           dS through shared memory, warps splitting the head dims for dK += dS^T Q and
+//           dV += P^T dO); pair's dK/dV above 128. Opt-in (RUMBLE_FLASH_CFG=fa2).
+static_assert(FCFG >= 0 && FCFG <= 5, "unknown flash configuration");
+constexpr bool PAIR2 = FCFG == 4 || FCFG == 5;  // S and dP in one interleaved loop
+constexpr int C = PAIR2 ? 0 : FCFG;      // pair (and fa2) start from base's tiles
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
 constexpr bool PQ2 = PAIR2 && D128 && (DP <= 16 || !D64);                      // pair: wide's dQ tiles
 constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
@@ -110,7 +113,7 @@ constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     /
 constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
 constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
 constexpr int BC = PQ2 ? (D64 ? 64 : 32) : C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
-constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel                                                  // delta inside the dq kernel
+constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel
 
 constexpr int NT = 128;                      // backward threads per block (4 warps)
 constexpr int FNT = 32 * FNW;                // forward threads per block
@@ -118,16 +121,25 @@ constexpr int FBR = FNW * 16 * FMT;          // forward: queries per block
 constexpr int BR = 4 * 16 * QMT;             // dq: queries per block
 constexpr int BK = 4 * 16 * KMT;             // dk/dv: keys per block
 constexpr int DC = DP <= 128 ? DP : 128;     // dk/dv: head dims accumulated per block
+// fa2's dK/dV (bwd_dkdv2, d <= 128; see the note above it): 8 warps, 64 keys per block,
+// query tiles of 64 (d <= 64) / 32, P^T and dS^T tiles of [64][Q2 + 8] in shared memory.
+constexpr bool FA2 = FCFG == 5 && DP <= 128;
+constexpr int K2 = 64, Q2 = D64 ? 64 : 32, QW2 = Q2 / 2, LP2 = Q2 + 8;
+constexpr int NB2 = DP / 16, NJ2 = (NB2 + 1) / 2;  // 16-column blocks of the head dims; per warp
+constexpr int NT2 = 256;
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
-constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = BK, NCHUNK = (DP + DC - 1) / DC;
+constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = FA2 ? K2 : BK, NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
+constexpr int DKDV_NT = FA2 ? NT2 : NT;      // dk/dv threads per block
 constexpr int SMEM_FWD = (FBR + 4 * FBC) * LD * 2;
 constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
-constexpr int SMEM_DKDV = (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
-static_assert(FBC % FSUB == 0 && BK % BQ == 0, "tile sizes");
+constexpr int SMEM_DKDV = FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
+                              : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
+static_assert(FBC % FSUB == 0 && BK % BQ == 0 && K2 % Q2 == 0, "tile sizes");
 #ifdef FEXPECT
 static_assert(FWD_ROWS == FEXPECT_FWD_ROWS && DQ_ROWS == FEXPECT_DQ_ROWS && DKDV_KEYS == FEXPECT_DKDV_KEYS &&
                   NCHUNK == FEXPECT_NCHUNK && SMEM_FWD == FEXPECT_SMEM_FWD && SMEM_DQ == FEXPECT_SMEM_DQ &&
-                  SMEM_DKDV == FEXPECT_SMEM_DKDV && FNT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA,
+                  SMEM_DKDV == FEXPECT_SMEM_DKDV && FNT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA &&
+                  DKDV_NT == FEXPECT_DKDV_THREADS,
               "src/flash.rs Variant::shape disagrees with flash_attn.cu");
 #endif
 constexpr float LOG2E = 1.4426950408889634f;
@@ -548,6 +560,217 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
     }
 }
 
+// ---- backward, fa2 (FCFG 5, d <= 128): dK, dV of 64 keys of one (batch, kv head) by 8 warps.
+// Design. Per query tile (Q2 = 64 queries for d <= 64, else 32; double-buffered Q, dO, lse,
+// delta), two phases between two block barriers:
+//   1. S^T = K Q^T and dP^T = V dO^T (interleaved, mma_abt2_m): warp w owns keys 16 (w % 4) ..
+//      +16 and queries (w / 4) Q2/2 .. +Q2/2 of the tile; P^T = exp2(S^T scale log2e - lse
+//      log2e) and dS^T = P^T (dP^T - delta) are rounded to T and stored to shared memory
+//      ([64][Q2 + 8] each; the pad keeps the 4-byte stores and the ldmatrix rows conflict-free).
+//   2. dV += P^T dO and dK += dS^T Q (mma_sb): warp w owns the same 16 keys and the 16-column
+//      blocks w / 4, w / 4 + 2, ... of the head dims, reducing over all Q2 queries of the tile
+//      (A from the P^T / dS^T tiles by ldmatrix, B from dO / Q by ldmatrix.trans).
+// So a warp accumulates 16 keys x DP/2 columns of dK and of dV (DP/2 floats per lane, 64 at
+// d128) instead of pair's 16 keys x DP (128), and the block runs 8 warps instead of 4. The next
+// tile's loads are issued right after the first barrier (its stage was last read before it).
+// Deterministic: every sum runs in a fixed order (tiles in order, mma k-order fixed). GQA: the
+// block walks the query heads of its group in order, as bwd_dkdv; causal: queries from the
+// block's first key on (k0 is a multiple of Q2), fully masked warps write zero tiles and skip
+// phase 2; the paired causal grid is kept (same block-of-keys work profile as pair).
+// Resources. Registers, by hand: a lane holds DP/2 accumulator floats (dK and dV, 16 keys x
+// DP/2 columns each: 64 at d128, 32 at d64), QW2/2 floats of S and dP (16 at d128, 32 at d64),
+// ~16 fragment registers and ~30 of addresses and indices: ~110-125, under the 128 that
+// __launch_bounds__(256, 2) asks for (two blocks of 8 warps, 16 warps per SM; pair's dK/dV has
+// 242-255 registers x 4 warps, two blocks, 8 warps per SM). Measured (resources.py, NVRTC 13,
+// sm_90): 121-128 registers and no spills for d16..d96 and d128; d112 128 with 20 bytes of
+// spill stores/loads (stack 16). (Fully unrolled, unbounded, ptxas takes 194 at d64, 211 at
+// d128; the 64-bit tile arithmetic of load_tile in the loop, or a second masked copy of the
+// softmax, cost ~20-30 registers each and spilled at d112/d128: hence load_rows and one
+// masking path in 32-bit tile-relative indices.) Shared memory: (2 x 64 + 4 x Q2) x (DP + 8)
+// x 2 + 2 x 64 x (Q2 + 8) x 2 + 16 Q2 bytes = 80384 at d128, 74752 at d64, 37888 at d16 (two
+// blocks per SM: at most 2 x (80384 + 1024) of the H200's 233472). Per tile a warp issues, at
+// d128, 32 mma (and 32 ldmatrix) in phase 1 and 32 mma (20 ldmatrix) in phase 2, with two
+// block barriers; pair's warp, 128 mma (80 ldmatrix) and one barrier for the same 32 queries.
+
+// acc[2 NJ2][4] += A (16 x K, rows of `a`, stride LDA) * B (K rows of `b`), column blocks
+// 2 j + h (j < NJ2) of the head dims.
+template <int K, int LDA>
+__device__ __forceinline__ void mma_sb(float (*acc)[4], const T* a, const T* b, int h, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < K / 16; ++kc) {
+    u32 fa[4];
+    ldsm_x4(fa, a + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDA + (lane >> 4) * 8 + kc * 16);
+#pragma unroll
+    for (int j = 0; j < NJ2; ++j) {
+      const int cb = 2 * j + h;
+      if (NB2 % 2 == 0 || cb < NB2) {
+        u32 fb[4];
+        ldsm_x4_t(fb, b + kc * 16 * LD + b_off(lane) + cb * 16);
+        mma16816(acc[2 * j], fa, fb[0], fb[1]);
+        mma16816(acc[2 * j + 1], fa, fb[2], fb[3]);
+      }
+    }
+  }
+}
+
+// load_tile for a tile of at most 64 rows given by its first row's pointer: 32-bit offsets
+// inside the tile (load_tile's 64-bit row arithmetic in fa2's loop cost ~30 registers at d112).
+template <int NTH, int ROWS>
+__device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, bool vec) {
+  if (vec) {
+    constexpr int CH = DP / 8;
+#pragma unroll
+    for (int i = 0; i < (ROWS * CH + NTH - 1) / NTH; ++i) {
+      const int c = threadIdx.x + i * NTH, r = c / CH, cc = c % CH;
+      if ((ROWS * CH) % NTH == 0 || c < ROWS * CH) {
+        const bool ok = r < valid && cc * 8 < d;
+        cp_async16(sm + r * LD + cc * 8, ok ? g + r * d + cc * 8 : g, ok ? 16 : 0);
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NTH) {
+      const int r = e / DP, c = e % DP;
+      T x;
+      x.x = 0;
+      if (r < valid && c < d) x = g[r * d + c];
+      sm[r * LD + c] = x;
+    }
+  }
+}
+
+__device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
+                          T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal, i64 blk) {
+  FLASH_SMEM(smem);
+  T* sk = (T*)smem;
+  T* sv = sk + K2 * LD;
+  T* sq = sv + K2 * LD;       // 2 stages of Q2 rows
+  T* sdo = sq + 2 * Q2 * LD;  // 2 stages of Q2 rows
+  T* sp = sdo + 2 * Q2 * LD;  // P^T of the tile: [K2][LP2]
+  T* sds = sp + K2 * LP2;     // dS^T of the tile
+  float* sl = (float*)(sds + K2 * LP2);  // 2 stages of Q2: lse * log2(e)
+  float* sd = sl + 2 * Q2;               // 2 stages of Q2: delta
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int kg = w & 3, h = w >> 2;  // the warp's 16 keys; its half (phase 1 queries, phase 2 columns)
+  const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
+  const i64 k0 = blk * K2;
+  const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
+  const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
+  const float sl2 = (float)(scale * 1.4426950408889634);
+  // Query tiles, by head of the group (hh) then tile (qt): queries qstart + qt Q2 + [0, Q2).
+  // In the loop everything is 32-bit and relative to qstart (registers are tight at d128).
+  const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of Q2
+  const int qlen = T_ > qstart ? (int)(T_ - qstart) : 0;
+  const int nqt = (qlen + Q2 - 1) / Q2;
+  const i64 bh0 = b * dm.hq + kvh * group;  // the group's first query head
+  const int kr = causal ? 16 * kg : 0;      // the warp's first key relative to qstart (causal)
+  const int qo = h * QW2;                   // phase 1: the warp's first query in the tile
+
+  load_tile<NT2, K2>(sk, k + bk * S * d, k0, S - k0, d, vec);
+  load_tile<NT2, K2>(sv, v + bk * S * d, k0, S - k0, d, vec);
+  auto load_q = [&](int hh, int qt, int st) {
+    const i64 row = (bh0 + hh) * T_ + qstart + (i64)qt * Q2;  // the tile's first row of q, dout
+    const int valid = qlen - qt * Q2;
+    load_rows<NT2, Q2>(sq + st * Q2 * LD, q + row * d, valid, (int)d, vec);
+    load_rows<NT2, Q2>(sdo + st * Q2 * LD, dout + row * d, valid, (int)d, vec);
+    for (int e = threadIdx.x; e < Q2; e += NT2) {
+      const bool ok = e < valid;
+      sl[st * Q2 + e] = ok ? lse[row + e] * LOG2E : 0.f;
+      sd[st * Q2 + e] = ok ? delta[row + e] : 0.f;
+    }
+  };
+  if (nqt > 0) load_q(0, 0, 0);
+  cp_commit();
+
+  float gk[2 * NJ2][4], gv[2 * NJ2][4];
+  zero<1, 2 * NJ2>(&gk);
+  zero<1, 2 * NJ2>(&gv);
+
+  const int ng = (int)group;
+  int hh = 0, qt = 0;  // the current tile
+  for (int it = 0; nqt > 0 && hh < ng; ++it) {
+    cp_wait<0>();
+    FLASH_SYNC();  // tile `it` is in; every warp is done with tile it - 1 (its stage, P^T, dS^T)
+    const int nh = qt + 1 < nqt ? hh : hh + 1, nq = qt + 1 < nqt ? qt + 1 : 0;  // the next tile
+    if (nh < ng) load_q(nh, nq, (it + 1) & 1);
+    cp_commit();
+    const int st = it & 1;
+    const T* qs = sq + st * Q2 * LD;
+    const T* dos = sdo + st * Q2 * LD;
+    const int q0 = qt * Q2;  // the tile's first query, relative to qstart
+    // Phase 1: the warp's 16 x QW2 block of P^T and dS^T.
+    if (causal && q0 + qo + QW2 - 1 < kr) {  // all its queries come before its first key
+#pragma unroll
+      for (int n = 0; n < QW2 / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int o = (16 * kg + g + 8 * i) * LP2 + qo + n * 8 + 2 * tq;
+          *(u32*)&sp[o] = 0u;
+          *(u32*)&sds[o] = 0u;
+        }
+    } else {
+      float s[1][QW2 / 8][4], dp[1][QW2 / 8][4];
+      zero<1, QW2 / 8>(s);
+      zero<1, QW2 / 8>(dp);
+      mma_abt2_m<1, QW2>(s, sk + 16 * kg * LD, qs + qo * LD, dp, sv + 16 * kg * LD, dos + qo * LD, lane);  // S^T, dP^T
+      // Masked: query q0 + ci past the end, or before key kr + g (+ 8); in 32 bits relative to
+      // the tile (one code path: two compares a value cost less than a second copy's registers).
+      const int qlim = qlen - q0 < Q2 ? qlen - q0 : Q2;
+      const int kd = causal ? kr - q0 : -(1 << 30);
+#pragma unroll
+      for (int n = 0; n < QW2 / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ci = qo + n * 8 + 2 * tq + (e & 1);
+          float p = ex2(fmaf(s[0][n][e], sl2, -sl[st * Q2 + ci]));
+          if (ci >= qlim || ci - g - 8 * (e >> 1) < kd) p = 0.f;
+          s[0][n][e] = p;
+          dp[0][n][e] = p * (dp[0][n][e] - sd[st * Q2 + ci]);
+        }
+#pragma unroll
+      for (int n = 0; n < QW2 / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int o = (16 * kg + g + 8 * i) * LP2 + qo + n * 8 + 2 * tq;
+          *(u32*)&sp[o] = pack2(s[0][n][2 * i], s[0][n][2 * i + 1]);
+          *(u32*)&sds[o] = pack2(dp[0][n][2 * i], dp[0][n][2 * i + 1]);
+        }
+    }
+    FLASH_SYNC();  // P^T and dS^T of the tile are complete
+    // Phase 2: the warp's 16 keys x its column blocks, over the tile's Q2 queries.
+    if (!(causal && q0 + Q2 - 1 < kr)) {
+      mma_sb<Q2, LP2>(gv, sp + 16 * kg * LP2, dos, h, lane);   // dV += P^T dO
+      mma_sb<Q2, LP2>(gk, sds + 16 * kg * LP2, qs, h, lane);  // dK += dS^T Q
+    }
+    hh = nh;
+    qt = nq;
+  }
+  cp_wait<0>();
+
+  const float sc = (float)scale;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const i64 r = k0 + 16 * kg + g + 8 * i;
+    if (r < S) {
+#pragma unroll
+      for (int j = 0; j < NJ2; ++j) {
+        const int cb = 2 * j + h;
+        if (NB2 % 2 == 0 || cb < NB2)
+#pragma unroll
+          for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const i64 c = cb * 16 + nn * 8 + 2 * tq + e;
+              if (c < d) {
+                st(&dk[(bk * S + r) * d + c], gk[2 * j + nn][2 * i + e] * sc);
+                st(&dv[(bk * S + r) * d + c], gv[2 * j + nn][2 * i + e]);
+              }
+            }
+      }
+    }
+  }
+}
+
 // ---- backward: dQ of BR queries of one (batch, query head); each warp QMT x 16 queries. With
 // FDELTA it first computes delta = rowsum(dO * O) of its rows (and stores it for dK/dV, which
 // then runs after it) ----
@@ -713,16 +936,25 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T
                                                                      i64 rows, i64 d) {
   fa::bwd_delta(o, dout, delta, rows, d);
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v,
-                                                                    const float* lse, const fa::T* dout,
-                                                                    const float* delta, fa::T* dk, fa::T* dv,
-                                                                    fa::Dims dm, double scale, int causal) {
+// fa2's dK/dV (8 warps) asks for two blocks per multiprocessor: at most 128 registers a thread.
+#if FCFG == 5 && FDP <= 128
+#define FLASH_DKDV_BOUNDS __launch_bounds__(fa::DKDV_NT, 2)
+#else
+#define FLASH_DKDV_BOUNDS __launch_bounds__(fa::DKDV_NT)
+#endif
+extern "C" __global__ void FLASH_DKDV_BOUNDS flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v,
+                                                            const float* lse, const fa::T* dout, const float* delta,
+                                                            fa::T* dk, fa::T* dv, fa::Dims dm, double scale,
+                                                            int causal) {
   const i64 n = (dm.s + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS;
   const int np = fa::passes(n, fa::NCHUNK);
 #pragma unroll 1
   for (int p = 0; p < np; ++p) {
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
-    fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+    if constexpr (fa::FA2)
+      fa::bwd_dkdv2(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+    else
+      fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
   }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,

@@ -22,7 +22,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __align__(n)
 
 typedef long long i64;

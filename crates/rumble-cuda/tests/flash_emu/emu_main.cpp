@@ -16,11 +16,13 @@
 #if FLASH_FMA
 #include "../../src/kernels/flash_fma.cu"
 #define FWD_THREADS fa::NT
+#define DKDV_THREADS fa::NT
 #define BWD_FUSED_DELTA 0
 #define CFG_NAME ""
 #else
 #include "../../src/kernels/flash_attn.cu"
 #define FWD_THREADS fa::FNT
+#define DKDV_THREADS fa::DKDV_NT
 #define BWD_FUSED_DELTA fa::FDELTA
 #define CFG_NAME " cfg" STR(FCFG)
 #endif
@@ -155,7 +157,7 @@ int main(int argc, char** argv) {
   std::fill((unsigned char*)dv, (unsigned char*)dv + nk * sizeof(T), 0xff);
   std::fill((unsigned char*)delta, (unsigned char*)delta + rows * 4, 0xff);
   auto dkdv = [&] {
-    emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV), 1}, fa::NT,
+    emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV), 1}, DKDV_THREADS,
                 fa::SMEM_DKDV,
                 [&] { flash_bwd_dkdv(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dk, dv, dm, scale, causal); });
   };

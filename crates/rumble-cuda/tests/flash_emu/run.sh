@@ -59,10 +59,11 @@ mma_cases() { # cfg all|some
   run "$b" 1 7 1 100 100 64 1 14
 }
 mode=${1:-full}
-# quick: the default configuration (FCFG 4, `pair`; DEFAULT_CFG in src/flash.rs) on the quick
-# matrix, the others on a few shapes; full: every configuration on the whole matrix.
-for c in 0 1 2 3 4; do
-  if [ "$mode" = quick ] && [ $c != 4 ]; then mma_cases $c some; else mma_cases $c all; fi
+# quick: the default configuration (FCFG 4, `pair`; DEFAULT_CFG in src/flash.rs) and `fa2`
+# (FCFG 5, its own dK/dV kernel) on the quick matrix, the others on a few shapes; full: every
+# configuration on the whole matrix.
+for c in 0 1 2 3 4 5; do
+  if [ "$mode" = quick ] && [ $c != 4 ] && [ $c != 5 ]; then mma_cases $c some; else mma_cases $c all; fi
 done
 # f32: the default tiling (FLASH_FMA_CFG 1, `b`; fma_big in src/flash.rs)
 b=$(bin f32_32b -DFLASH_FMA=1 -DFDPF=32 -DFLASH_FMA_CFG=1)
