@@ -117,15 +117,23 @@ fn breadth_order(items: &[Item]) -> Vec<usize> {
 ///
 /// A buffer's lowest offset only grows as others are placed, so a heap keyed by the last
 /// offset computed is lazily correct: the popped buffer's offset is recomputed, and if it grew
-/// the buffer goes back with the new key; if not, no other buffer can fit lower.
+/// the buffer goes back with the new key; if not, no other buffer can fit lower. The same bound
+/// starts each search at the last answer, past every placed buffer that ends below it (the
+/// `reach` prefix maxima): `small` with 16 accumulated micro-batches (13k buffers) places in
+/// 1.9 s instead of 21 s, seed-llama in 5 ms.
 fn place_lowest(items: &[Item]) -> Placement {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
-    // Placed buffers sorted by offset: (offset, size, start, end).
+    // Placed buffers sorted by offset: (offset, size, start, end); `reach[i]`: the highest end
+    // (offset + size) among the first i + 1 of them, so that a search for a range at or above
+    // some offset can skip every buffer that lies wholly below it.
     let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len());
-    let lowest = |placed: &[(usize, usize, usize, usize)], it: &Item| {
-        let mut cursor = 0;
-        for &(off, sz, s, e) in placed {
+    let mut reach: Vec<usize> = Vec::with_capacity(items.len());
+    // The lowest offset at or above `from` where `it` fits among the placed buffers it lives
+    // with (`from` is a lower bound of the answer: an earlier answer for the same buffer).
+    let lowest = |placed: &[(usize, usize, usize, usize)], reach: &[usize], it: &Item, from: usize| {
+        let mut cursor = from;
+        for &(off, sz, s, e) in &placed[reach.partition_point(|&r| r <= from)..] {
             if e < it.start || it.end < s {
                 continue;
             }
@@ -142,7 +150,7 @@ fn place_lowest(items: &[Item]) -> Placement {
     let mut size = 0;
     while let Some(Reverse((off, _, _, i))) = heap.pop() {
         let it = items[i];
-        let now = lowest(&placed, &it);
+        let now = lowest(&placed, &reach, &it, off);
         if now != off {
             heap.push(key(now, i));
             continue;
@@ -151,6 +159,12 @@ fn place_lowest(items: &[Item]) -> Placement {
         size = size.max(off + it.size);
         let at = placed.partition_point(|p| p.0 < off);
         placed.insert(at, (off, it.size, it.start, it.end));
+        reach.insert(at, 0);
+        let mut r = if at == 0 { 0 } else { reach[at - 1] };
+        for (p, m) in placed[at..].iter().zip(&mut reach[at..]) {
+            r = r.max(p.0 + p.1);
+            *m = r;
+        }
     }
     Placement { offsets, size, order: "lowest" }
 }
@@ -235,6 +249,60 @@ mod tests {
         assert_eq!(p.offsets[4], 0);
         assert_eq!(p.offsets[5], 512);
         assert_eq!(p.size, 1280);
+    }
+
+    /// `place_lowest` without its shortcuts: every buffer's lowest offset searched from 0 among
+    /// all placed buffers each time it is considered.
+    fn lowest_naive(items: &[Item]) -> Vec<usize> {
+        let mut placed: Vec<(usize, usize, usize, usize)> = Vec::new();
+        let mut offsets = vec![0; items.len()];
+        let mut left: Vec<usize> = (0..items.len()).collect();
+        while !left.is_empty() {
+            let fit = |it: &Item| {
+                let mut cursor = 0;
+                for &(off, sz, s, e) in &placed {
+                    if e < it.start || it.end < s {
+                        continue;
+                    }
+                    if off >= cursor + it.size {
+                        return cursor;
+                    }
+                    cursor = cursor.max(off + sz);
+                }
+                cursor
+            };
+            let key = |i: usize| {
+                (fit(&items[i]), std::cmp::Reverse(items[i].end - items[i].start), std::cmp::Reverse(items[i].size), i)
+            };
+            let k = (0..left.len()).min_by_key(|&k| key(left[k])).unwrap();
+            let i = left.swap_remove(k);
+            let off = fit(&items[i]);
+            offsets[i] = off;
+            let at = placed.partition_point(|p| p.0 < off);
+            placed.insert(at, (off, items[i].size, items[i].start, items[i].end));
+        }
+        offsets
+    }
+
+    #[test]
+    fn lowest_first_shortcuts_change_nothing() {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut rnd = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..200 {
+            let steps = 2 + rnd(30);
+            let items: Vec<Item> = (0..1 + rnd(60))
+                .map(|_| {
+                    let start = rnd(steps);
+                    Item { start, end: start + rnd(steps - start), size: 256 * (1 + rnd(8)) }
+                })
+                .collect();
+            assert_eq!(place_lowest(&items).offsets, lowest_naive(&items), "{items:?}");
+        }
     }
 
     /// Two buffers that live to the end (gradients, made at steps 0 and 2) and temporaries
