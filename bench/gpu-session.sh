@@ -10,7 +10,8 @@
 # table of its kernels, torch-profile-*.txt), SANITIZE=1 (compute-sanitizer memcheck + racecheck on a graphed
 # training step of the tiny model), PROFILE="w ..." (rumble bench --profile: device time per
 # op and the slowest nodes), XCHECK=1 (make_reference.py with this machine's transformers, then
-# the cross-check test on CPU and CUDA), ATTN=0 (skip the attention bench).
+# the cross-check test on CPU and CUDA), ATTN=0 (skip the attention bench). Every log but
+# summary.txt, table.md and bench.jsonl ends up in $OUT/logs.tgz (PACK=0: left loose).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -76,3 +77,10 @@ python3 bench/compare.py "$res" > "$OUT/table.md"
 cat "$OUT/summary.txt" "$OUT/table.md"
 sed -n '/^attention fwd+bwd/,$p' "$OUT/attention.log" 2>/dev/null | head -30
 tail -3 "$OUT/rumble.err" 2>/dev/null
+# A device call brings back only a few files: every log goes into one archive beside the summary,
+# the table and the results (PACK=0 leaves them loose).
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && tar czf /tmp/session-logs.tgz --exclude=summary.txt --exclude=table.md --exclude=bench.jsonl . \
+    && find . -type f ! -name summary.txt ! -name table.md ! -name bench.jsonl -delete \
+    && mv /tmp/session-logs.tgz logs.tgz)
+fi
