@@ -524,15 +524,13 @@ fn simplify_copy(dims: &[usize], inp: &[i64], out: &[i64]) -> (Vec<usize>, Vec<i
 }
 
 /// True when every element index and offset of the copy fits in 31 bits (the `copy32_*`
-/// kernels' arithmetic).
+/// kernels' unsigned arithmetic; strides and offsets are never negative here, but a negative
+/// one keeps the 64-bit kernel).
 fn copy_fits_i32(dims: &[usize], inp: &[i64], out: &[i64], in_off: i64, out_off: i64) -> bool {
     let n: usize = dims.iter().product();
-    let last =
-        |st: &[i64], off: i64| dims.iter().zip(st).map(|(&d, &s)| (d as i64 - 1) * s.abs()).sum::<i64>() + off.abs();
-    n < i32::MAX as usize
-        && last(inp, in_off) < i32::MAX as i64
-        && last(out, out_off) < i32::MAX as i64
-        && inp.iter().chain(out).all(|&s| s >= 0)
+    let last = |st: &[i64], off: i64| dims.iter().zip(st).map(|(&d, &s)| (d as i64 - 1) * s).sum::<i64>() + off;
+    let non_negative = inp.iter().chain(out).chain([&in_off, &out_off]).all(|&s| s >= 0);
+    non_negative && n < i32::MAX as usize && last(inp, in_off) < i32::MAX as i64 && last(out, out_off) < i32::MAX as i64
 }
 
 #[allow(clippy::too_many_arguments)]

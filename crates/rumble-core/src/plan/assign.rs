@@ -129,28 +129,14 @@ fn place_lowest(items: &[Item]) -> Placement {
     // some offset can skip every buffer that lies wholly below it.
     let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len());
     let mut reach: Vec<usize> = Vec::with_capacity(items.len());
-    // The lowest offset at or above `from` where `it` fits among the placed buffers it lives
-    // with (`from` is a lower bound of the answer: an earlier answer for the same buffer).
-    let lowest = |placed: &[(usize, usize, usize, usize)], reach: &[usize], it: &Item, from: usize| {
-        let mut cursor = from;
-        for &(off, sz, s, e) in &placed[reach.partition_point(|&r| r <= from)..] {
-            if e < it.start || it.end < s {
-                continue;
-            }
-            if off >= cursor + it.size {
-                return cursor;
-            }
-            cursor = cursor.max(off + sz);
-        }
-        cursor
-    };
     let key = |off: usize, i: usize| Reverse((off, Reverse(items[i].end - items[i].start), Reverse(items[i].size), i));
     let mut heap: BinaryHeap<_> = (0..items.len()).map(|i| key(0, i)).collect();
     let mut offsets = vec![0; items.len()];
     let mut size = 0;
     while let Some(Reverse((off, _, _, i))) = heap.pop() {
         let it = items[i];
-        let now = lowest(&placed, &reach, &it, off);
+        // Search from the last answer, past the buffers that end at or below it.
+        let now = first_fit(&placed[reach.partition_point(|&r| r <= off)..], &it, off);
         if now != off {
             heap.push(key(now, i));
             continue;
@@ -167,6 +153,22 @@ fn place_lowest(items: &[Item]) -> Placement {
         }
     }
     Placement { offsets, size, order: "lowest" }
+}
+
+/// The lowest offset at or above `from` where `it` fits among the buffers of `placed` (sorted
+/// by offset: (offset, size, start, end)) it lives with.
+fn first_fit(placed: &[(usize, usize, usize, usize)], it: &Item, from: usize) -> usize {
+    let mut cursor = from;
+    for &(off, sz, s, e) in placed {
+        if e < it.start || it.end < s {
+            continue;
+        }
+        if off >= cursor + it.size {
+            return cursor;
+        }
+        cursor = cursor.max(off + sz);
+    }
+    cursor
 }
 
 /// Places items in `order`; best fit, or first fit if `first_fit`.
@@ -252,25 +254,13 @@ mod tests {
     }
 
     /// `place_lowest` without its shortcuts: every buffer's lowest offset searched from 0 among
-    /// all placed buffers each time it is considered.
+    /// all placed buffers each time it is considered, the lowest taken.
     fn lowest_naive(items: &[Item]) -> Vec<usize> {
         let mut placed: Vec<(usize, usize, usize, usize)> = Vec::new();
         let mut offsets = vec![0; items.len()];
         let mut left: Vec<usize> = (0..items.len()).collect();
         while !left.is_empty() {
-            let fit = |it: &Item| {
-                let mut cursor = 0;
-                for &(off, sz, s, e) in &placed {
-                    if e < it.start || it.end < s {
-                        continue;
-                    }
-                    if off >= cursor + it.size {
-                        return cursor;
-                    }
-                    cursor = cursor.max(off + sz);
-                }
-                cursor
-            };
+            let fit = |it: &Item| first_fit(&placed, it, 0);
             let key = |i: usize| {
                 (fit(&items[i]), std::cmp::Reverse(items[i].end - items[i].start), std::cmp::Reverse(items[i].size), i)
             };
