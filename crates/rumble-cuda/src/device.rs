@@ -28,6 +28,9 @@ pub struct Device {
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     blas: ltsys::cublasLtHandle_t,
+    /// cuBLAS's classic handle (one more matmul candidate, see `matmul`): created on first use,
+    /// `None` inside when libcublas cannot be loaded.
+    classic: std::sync::OnceLock<Option<ClassicHandle>>,
     /// Four `int`s on the device: `[0]` is the first failing node's tag (node index + 1),
     /// `[1]` a reason code, `[2..4]` the offending value (low, high words).
     status: sys::CUdeviceptr,
@@ -37,6 +40,9 @@ pub struct Device {
     /// reference: `RUMBLE_HOST_OPS=name,name` at start, [`Device::set_host_ops`] later.
     host_ops: Mutex<Vec<String>>,
 }
+
+/// A cuBLAS (classic API) handle bound to the device's stream.
+pub(crate) struct ClassicHandle(pub(crate) cudarc::cublas::sys::cublasHandle_t);
 
 // The raw handles are owned by this struct and only used after `bind()` makes the context
 // current on the calling thread; the mutable caches sit behind mutexes.
@@ -123,6 +129,7 @@ impl Device {
             ctx,
             stream,
             blas,
+            classic: std::sync::OnceLock::new(),
             status,
             modules: Mutex::new(HashMap::new()),
             matmul_cache: Mutex::new(Default::default()),
@@ -158,6 +165,29 @@ impl Device {
 
     pub(crate) fn blas(&self) -> ltsys::cublasLtHandle_t {
         self.blas
+    }
+
+    /// The classic cuBLAS handle on the device's stream, or `None` when libcublas is missing
+    /// or its handle cannot be made (then matmuls use cuBLASLt only).
+    pub(crate) fn classic_blas(&self) -> Option<cudarc::cublas::sys::cublasHandle_t> {
+        use cudarc::cublas::{result as cb, sys as cbsys};
+        self.classic
+            .get_or_init(|| {
+                let present = std::panic::catch_unwind(|| unsafe { cbsys::is_culib_present() }).unwrap_or(false);
+                if !present {
+                    return None;
+                }
+                let h = cb::create_handle().ok()?;
+                match unsafe { cb::set_stream(h, self.stream as cbsys::cudaStream_t) } {
+                    Ok(()) => Some(ClassicHandle(h)),
+                    Err(_) => {
+                        let _ = unsafe { cb::destroy_handle(h) };
+                        None
+                    }
+                }
+            })
+            .as_ref()
+            .map(|h| h.0)
     }
 
     pub(crate) fn status_ptr(&self) -> sys::CUdeviceptr {
@@ -213,6 +243,9 @@ impl Drop for Device {
                 c.clear();
             }
             let _ = lt::destroy_handle(self.blas);
+            if let Some(Some(h)) = self.classic.get() {
+                let _ = cudarc::cublas::result::destroy_handle(h.0);
+            }
             let _ = drv::free_sync(self.status);
             let _ = drv::stream::destroy(self.stream);
             let _ = drv::primary_ctx::release(self.cu_device);

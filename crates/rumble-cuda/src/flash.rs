@@ -54,17 +54,18 @@ pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
 pub const CFG_NAMES: [&str; 6] = ["base", "wide", "deep", "w8", "pair", "fa2"];
-/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair`, made from the H200
-/// sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep): per kernel the fastest
-/// tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms; wide's dQ at d = 16 and
-/// d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and dP interleaved in the
-/// backward (2.86 vs 2.91 ms at d128 x seq 4096 with base's tiles).
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `fa2` (5), `pair` with an
+/// 8-warp dK/dV kernel for head sizes up to 128 (P and dS through shared memory, warps
+/// splitting the head dims: half the accumulator registers a warp, two blocks of 8 warps per
+/// multiprocessor); above 128 it is `pair` exactly. On the H200 (2026-12-03,
+/// bench/results/2026-12-03-session5) it was never slower than `pair` and 15% faster on
+/// seed-qwen2's head size 1 (1.49 vs 1.75 ms fwd+bwd; dK/dV 0.84 vs 1.09 ms).
 ///
-/// `fa2` (5, opt-in, not yet timed on a GPU) is `pair` with an 8-warp dK/dV kernel for head
-/// sizes up to 128 (P and dS through shared memory, warps splitting the head dims: half the
-/// accumulator registers a warp, two blocks of 8 warps per multiprocessor); above 128 it is
-/// `pair` exactly.
-pub const DEFAULT_CFG: Cfg = Cfg(4);
+/// `pair` (4) came from the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep):
+/// per kernel the fastest tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms;
+/// wide's dQ at d = 16 and d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and
+/// dP interleaved in the backward (2.86 vs 2.91 ms at d128 x seq 4096 with base's tiles).
+pub const DEFAULT_CFG: Cfg = Cfg(5);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
 pub const SWEEP_DP: [usize; 3] = [16, 64, 128];

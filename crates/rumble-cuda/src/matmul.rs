@@ -4,11 +4,16 @@
 //!
 //! The algorithm for each shape is chosen once and cached: every executor then runs the same
 //! algorithm, and the plan reserves exactly its workspace. cuBLASLt's heuristic proposes up to
-//! [`candidates`] algorithms (workspace capped, split-K reductions that use atomics excluded, so
-//! results are deterministic); each is timed once on scratch buffers and the fastest kept if it
-//! beats the heuristic's first choice by more than 3% (`RUMBLE_MATMUL_TUNE=0`: the first
-//! choice, untimed). The choice is written to the disk cache (beside the compiled kernels, per
-//! GPU and cuBLASLt version), so later runs use the same algorithm and give the same bits.
+//! [`candidates`] algorithms (workspace capped, in-place split-K reductions excluded); beside
+//! them stands cuBLAS's classic `cublasGemmStridedBatchedEx` (its own heuristic: what PyTorch
+//! runs for a plain matmul; on the H200 it was 12% faster than every cuBLASLt candidate on
+//! seed-llama's 3200x3200x2048 weight gradient), once with no workspace and once with the
+//! capped workspace. Each candidate is timed on scratch buffers and the fastest kept if it beats
+//! the heuristic's first choice by more than 2% (`RUMBLE_MATMUL_TUNE=0`: the first choice,
+//! untimed; `RUMBLE_MATMUL_CLASSIC=0`: cuBLASLt only). The choice is written to the disk cache
+//! (beside the compiled kernels, per GPU and cuBLASLt version), so later runs use the same
+//! algorithm and give the same bits (both libraries are deterministic for a fixed algorithm and
+//! workspace size).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -72,16 +77,40 @@ impl MatmulKey {
     }
 }
 
+/// How one matmul runs.
+#[derive(Clone, Copy)]
+pub(crate) enum Algo {
+    /// A cuBLASLt algorithm from its heuristic.
+    Lt(sys::cublasLtMatmulAlgo_t),
+    /// cuBLAS's classic `cublasGemmStridedBatchedEx` with its own heuristic, given the plan's
+    /// workspace (which steers that heuristic: 0 rules out split-K).
+    Classic,
+}
+
+/// One algorithm to time: how it runs and the workspace bytes it needs.
+#[derive(Clone, Copy)]
+pub(crate) struct Candidate {
+    pub algo: Algo,
+    pub workspace: usize,
+}
+
 /// Descriptors and the chosen algorithm of one shape.
 pub struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
-    pub(crate) algo: sys::cublasLtMatmulAlgo_t,
+    pub(crate) algo: Algo,
     /// Workspace bytes the algorithm needs.
     pub workspace: usize,
+    /// Exact f32 through TF32 (`RUMBLE_CUDA_TF32=1`), for the classic call.
+    tf32: bool,
     f64: bool,
+}
+
+/// Whether the classic cuBLAS gemm is a candidate (`RUMBLE_MATMUL_CLASSIC=0`: no).
+fn classic_enabled() -> bool {
+    !std::env::var("RUMBLE_MATMUL_CLASSIC").is_ok_and(|v| v == "0")
 }
 
 #[derive(Default)]
@@ -238,19 +267,28 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
         }
         found
     };
+    let mut cands: Vec<Candidate> =
+        heur.iter().map(|h| Candidate { algo: Algo::Lt(h.algo), workspace: h.workspaceSize }).collect();
+    if classic_enabled() && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
+        cands.push(Candidate { algo: Algo::Classic, workspace: 0 });
+        if ws > 0 {
+            cands.push(Candidate { algo: Algo::Classic, workspace: ws as usize });
+        }
+    }
     let mut plan = Plan {
         desc,
         a: x,
         b: y,
         c,
-        algo: heur[0].algo,
-        workspace: heur[0].workspaceSize,
+        algo: cands[0].algo,
+        workspace: cands[0].workspace,
+        tf32: compute == sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
         f64: key.dtype == DType::F64,
     };
-    if heur.len() > 1 {
-        let pick = crate::matmul_tune::choose(dev, key, &mut plan, &heur);
-        plan.algo = heur[pick].algo;
-        plan.workspace = heur[pick].workspaceSize;
+    if cands.len() > 1 {
+        let pick = crate::matmul_tune::choose(dev, key, &mut plan, &cands);
+        plan.algo = cands[pick].algo;
+        plan.workspace = cands[pick].workspace;
     }
     Ok(plan)
 }
@@ -294,6 +332,16 @@ impl Device {
         unsafe { self.launch_plan(key, p, a, b, c, ws, beta) }
     }
 
+    /// The cuBLASLt algorithm or "classic" of `key`'s cached choice (for reports and tests).
+    pub fn matmul_algorithm(&self, key: &MatmulKey) -> Result<&'static str> {
+        self.matmul_workspace(key)?;
+        let cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
+        Ok(match cache.plans[key].algo {
+            Algo::Lt(_) => "cublasLt",
+            Algo::Classic => "cublas",
+        })
+    }
+
     /// Launches `p` (the plan of `key`, its algorithm as set) with `p.workspace` bytes at `ws`.
     ///
     /// # Safety
@@ -315,6 +363,12 @@ impl Device {
         } else {
             (&one32 as *const f32 as *const c_void, &zero32 as *const f32 as *const c_void)
         };
+        let algo = match p.algo {
+            Algo::Lt(algo) => algo,
+            Algo::Classic => {
+                return unsafe { self.launch_classic(key, p.workspace, p.tf32, [a, b, c, ws], alpha, beta) };
+            }
+        };
         unsafe {
             lt::matmul(
                 self.blas(),
@@ -329,7 +383,7 @@ impl Device {
                 p.c,
                 c as *mut c_void,
                 p.c,
-                &p.algo,
+                &algo,
                 ws as *mut c_void,
                 p.workspace,
                 self.stream() as sys::cudaStream_t,
@@ -340,5 +394,110 @@ impl Device {
             what: format!("cublasLtMatmul {key:?}"),
             err: e.to_string(),
         })
+    }
+
+    /// `c = op(a) op(b) + beta * c` through cuBLAS's classic gemm with `ws_bytes` of workspace
+    /// at `ws`, whatever the cached choice of `key` is (for tests and benches: it must match
+    /// [`Device::matmul`] within rounding).
+    ///
+    /// # Safety
+    /// As [`Device::matmul`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_classic(
+        &self,
+        key: &MatmulKey,
+        a: dsys::CUdeviceptr,
+        b: dsys::CUdeviceptr,
+        c: dsys::CUdeviceptr,
+        ws: dsys::CUdeviceptr,
+        ws_bytes: usize,
+        beta: f64,
+    ) -> Result<()> {
+        self.bind()?;
+        let tf32 = key.dtype == DType::F32 && std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1");
+        let (one32, beta32, one64) = (1f32, beta as f32, 1f64);
+        let (alpha, beta): (*const c_void, *const c_void) = if key.dtype == DType::F64 {
+            (&one64 as *const f64 as *const c_void, &beta as *const f64 as *const c_void)
+        } else {
+            (&one32 as *const f32 as *const c_void, &beta32 as *const f32 as *const c_void)
+        };
+        unsafe { self.launch_classic(key, ws_bytes, tf32, [a, b, c, ws], alpha, beta) }
+    }
+
+    /// `key` through cuBLAS's classic strided-batched gemm on the device's stream, with exactly
+    /// `workspace` bytes at `ws` (set before every call: the handle holds no memory of its
+    /// own, so a captured graph touches nothing outside the plan).
+    ///
+    /// # Safety
+    /// As [`Device::matmul`]; `alpha`, `beta` point to scalars of the compute type.
+    unsafe fn launch_classic(
+        &self,
+        key: &MatmulKey,
+        workspace: usize,
+        tf32: bool,
+        [a, b, c, ws]: [dsys::CUdeviceptr; 4],
+        alpha: *const c_void,
+        beta: *const c_void,
+    ) -> Result<()> {
+        use cudarc::cublas::{result as cb, sys as cbsys};
+        let err = |what: &str| {
+            let what = format!("{what} {key:?}");
+            move |e: cb::CublasError| CudaError::Blas { op: "matmul".into(), what, err: e.to_string() }
+        };
+        let h = self.classic_blas().ok_or_else(|| CudaError::Blas {
+            op: "matmul".into(),
+            what: format!("classic cuBLAS for {key:?}"),
+            err: "libcublas is not available".into(),
+        })?;
+        let wsp = if workspace == 0 { std::ptr::null_mut() } else { ws as *mut c_void };
+        unsafe { cbsys::cublasSetWorkspace_v2(h, wsp, workspace) }.result().map_err(err("cublasSetWorkspace"))?;
+        let MatmulKey { m, n, k, batch, ta, tb, .. } = *key;
+        let op =
+            |t: bool| if t { cbsys::cublasOperation_t::CUBLAS_OP_T } else { cbsys::cublasOperation_t::CUBLAS_OP_N };
+        // Column-major C^T [n, m] = op(B)^T [n, k] op(A)^T [k, m], as for cuBLASLt above.
+        let ldb = if tb { k } else { n };
+        let lda = if ta { m } else { k };
+        use cbsys::cublasComputeType_t as C;
+        use cbsys::cudaDataType as D;
+        let of = |d: DType| match d {
+            DType::BF16 => D::CUDA_R_16BF,
+            DType::F16 => D::CUDA_R_16F,
+            DType::F64 => D::CUDA_R_64F,
+            _ => D::CUDA_R_32F,
+        };
+        let (ty, out) = (of(key.dtype), of(key.out));
+        let compute = match key.dtype {
+            DType::F64 => C::CUBLAS_COMPUTE_64F,
+            DType::F32 if tf32 => C::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => C::CUBLAS_COMPUTE_32F,
+        };
+        unsafe {
+            cb::gemm_strided_batched_ex(
+                h,
+                op(tb),
+                op(ta),
+                n as i32,
+                m as i32,
+                k as i32,
+                alpha,
+                b as *const c_void,
+                ty,
+                ldb as i32,
+                (k * n) as i64,
+                a as *const c_void,
+                ty,
+                lda as i32,
+                (m * k) as i64,
+                beta,
+                c as *mut c_void,
+                out,
+                n as i32,
+                (m * n) as i64,
+                batch.max(1) as i32,
+                compute,
+                cbsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(err("cublasGemmStridedBatchedEx"))
     }
 }

@@ -363,3 +363,55 @@ fn bad_data_on_the_device_names_the_op() {
     assert!(e.contains("scatter_add") && e.contains("17"), "{e}");
     println!("bad data errors: ok");
 }
+
+/// cuBLAS's classic gemm (one of the matmul candidates the tuner may pick) against the CPU and
+/// against whatever the tuner chose, for every transpose pair, a batch of 2, each float dtype,
+/// with no workspace and with 4 MiB, and accumulating (`beta = 1`).
+#[test]
+fn classic_cublas_matmul_matches_cpu() {
+    use rumble_cuda::matmul::MatmulKey;
+    use rumble_cuda::memory::{DeviceBuffer, download};
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(11);
+    let r = &mut rng;
+    for d in FLOATS {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let at = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
+            let bt = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
+            let (a, b) = (randn(at.clone(), r), randn(bt.clone(), r));
+            let op = Op::Matmul { ta, tb };
+            let want =
+                cpu::eval(&one_node(op.clone(), &[at.clone(), bt.clone()]), &[a.clone(), b.clone()]).unwrap().remove(0);
+            let key = MatmulKey::new(&at, &bt, ta, tb);
+            let up = |h: &HostTensor| {
+                let buf = DeviceBuffer::new(&dev, h.bytes.len(), "operand").unwrap();
+                buf.upload(&dev, 0, &h.bytes).unwrap();
+                buf
+            };
+            let (da, db) = (up(&a), up(&b));
+            let c = DeviceBuffer::new(&dev, want.bytes.len(), "c").unwrap();
+            let ws = DeviceBuffer::new(&dev, 4 << 20, "workspace").unwrap();
+            let get = |what: &str| {
+                let g = HostTensor::new(want.ty.clone(), download(&dev, c.ptr, c.bytes).unwrap()).unwrap();
+                let (rel, _) = compare(&g, &want, tolerance(d)).unwrap_or_else(|e| panic!("{what} {d} {ta} {tb}: {e}"));
+                println!("classic matmul {what} {d} ta={ta} tb={tb}: rel {rel:.2e}");
+                g
+            };
+            for ws_bytes in [0, 4 << 20] {
+                unsafe { dev.matmul_classic(&key, da.ptr, db.ptr, c.ptr, ws.ptr, ws_bytes, 0.0) }.unwrap();
+                get(&format!("ws={ws_bytes}"));
+            }
+            // Accumulating: c = a b + c, with c = a b already there.
+            unsafe { dev.matmul_classic(&key, da.ptr, db.ptr, c.ptr, ws.ptr, 0, 1.0) }.unwrap();
+            let twice = HostTensor::new(want.ty.clone(), download(&dev, c.ptr, c.bytes).unwrap()).unwrap();
+            let half: Vec<f64> = twice.to_f64().iter().map(|v| v / 2.0).collect();
+            let half = HostTensor::from_f64(d, want.ty.dims(), &half).unwrap();
+            compare(&half, &want, tolerance(d)).unwrap_or_else(|e| panic!("beta=1 {d} {ta} {tb}: {e}"));
+            // The tuner's choice (cuBLASLt or classic) agrees too.
+            let n = dev.matmul_workspace(&key).unwrap();
+            let ws2 = DeviceBuffer::new(&dev, n.max(256), "workspace").unwrap();
+            unsafe { dev.matmul(&key, da.ptr, db.ptr, c.ptr, ws2.ptr, n, 0.0) }.unwrap();
+            get(dev.matmul_algorithm(&key).unwrap());
+        }
+    }
+}

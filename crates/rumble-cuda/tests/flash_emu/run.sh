@@ -59,8 +59,8 @@ mma_cases() { # cfg all|some
   run "$b" 1 7 1 100 100 64 1 14
 }
 mode=${1:-full}
-# quick: the default configuration (FCFG 4, `pair`; DEFAULT_CFG in src/flash.rs) and `fa2`
-# (FCFG 5, its own dK/dV kernel) on the quick matrix, the others on a few shapes; full: every
+# quick: `pair` (FCFG 4) and the default configuration `fa2` (FCFG 5; DEFAULT_CFG in src/flash.rs,
+# its own dK/dV kernel) on the quick matrix, the others on a few shapes; full: every
 # configuration on the whole matrix.
 for c in 0 1 2 3 4 5; do
   if [ "$mode" = quick ] && [ $c != 4 ] && [ $c != 5 ]; then mma_cases $c some; else mma_cases $c all; fi
