@@ -204,6 +204,7 @@ fn norms_rope_softmax_swiglu() {
     gradcheck("softmax", vec![diff("x", randn(&[3, 7], r))], &|t| t[0].softmax());
     gradcheck("log_softmax", vec![diff("x", randn(&[3, 7], r))], &|t| t[0].log_softmax());
     gradcheck("swiglu", vec![diff("g", randn(&[4, 6], r)), diff("u", randn(&[4, 6], r))], &|t| t[0].swiglu(&t[1]));
+    gradcheck("swiglu_packed", vec![diff("x", randn(&[2, 3, 10], r))], &|t| t[0].swiglu_packed());
 }
 
 #[test]
@@ -291,6 +292,48 @@ fn whole_llama_style_model() {
             };
             let fd = (probe(1e-6) - probe(-1e-6)) / 2e-6;
             assert!((fd - gi[i]).abs() < 1e-6 * (1.0 + fd.abs()), "{name}[{i}]: autodiff {} vs fd {fd}", gi[i]);
+        }
+    }
+}
+
+/// Packed swiglu equals swiglu of the two halves of each row, forward and backward, exactly
+/// (the same arithmetic on the same numbers), f32 and bf16.
+#[test]
+fn swiglu_packed_is_swiglu_of_the_row_halves() {
+    use rumble_core::ir::Op;
+    let r = &mut rng();
+    for dt in [DType::F32, DType::BF16] {
+        let (n, f) = (5, 7);
+        let x = randn(&[n, 2 * f], r).cast(dt);
+        let dy = randn(&[n, f], r).cast(dt);
+        let xs = x.to_f64();
+        let half =
+            |o: usize| -> Vec<f64> { (0..n).flat_map(|i| xs[i * 2 * f + o..i * 2 * f + o + f].to_vec()).collect() };
+        let g = HostTensor::from_f64(dt, &[n, f], &half(0)).unwrap();
+        let u = HostTensor::from_f64(dt, &[n, f], &half(f)).unwrap();
+        let one = |op: Op, args: &[HostTensor]| {
+            let gr = Graph::new("one");
+            let ins: Vec<Tensor> = args
+                .iter()
+                .enumerate()
+                .map(|(i, a)| gr.data(&format!("a{i}"), a.ty.dtype, a.ty.dims()).unwrap())
+                .collect();
+            let refs: Vec<&Tensor> = ins.iter().collect();
+            for (i, o) in gr.apply(op, &refs).unwrap().iter().enumerate() {
+                gr.output(o, &format!("o{i}")).unwrap();
+            }
+            cpu::eval(&gr.finish().unwrap(), args).unwrap()
+        };
+        let packed = one(Op::SwigluPacked, &[x.clone()]).remove(0);
+        let plain = one(Op::Swiglu, &[g.clone(), u.clone()]).remove(0);
+        assert_eq!(packed.ty, TensorType::new(dt, [n, f]));
+        assert_eq!(packed.bytes, plain.bytes, "{dt} forward");
+        let dx = one(Op::SwigluPackedBackward, &[x, dy.clone()]).remove(0).to_f64();
+        let d = one(Op::SwigluBackward, &[g, u, dy]);
+        let (dg, du) = (d[0].to_f64(), d[1].to_f64());
+        for i in 0..n {
+            assert_eq!(&dx[i * 2 * f..i * 2 * f + f], &dg[i * f..(i + 1) * f], "{dt} dgate row {i}");
+            assert_eq!(&dx[i * 2 * f + f..(i + 1) * 2 * f], &du[i * f..(i + 1) * f], "{dt} dup row {i}");
         }
     }
 }

@@ -343,6 +343,19 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                 b.k("rows", format!("rope_{}", sfx(dt)), grid_for(dev, rows * half, 256), 256, 0, args)?;
             }
         }
+        Op::SwigluPacked | Op::SwigluPackedBackward => {
+            let f = at[0].shape.last() / 2;
+            let rows = at[0].numel() / (2 * f).max(1);
+            if rows * f > 0 {
+                let (name, mut args) = if matches!(op, Op::SwigluPacked) {
+                    ("swiglu_packed", vec![Arg::In(0), Arg::Out(0)])
+                } else {
+                    ("swiglu_packed_backward", vec![Arg::In(0), Arg::In(1), Arg::Out(0)])
+                };
+                args.extend([Arg::I64(rows as i64), Arg::I64(f as i64)]);
+                b.k("rows", format!("{name}_{}", sfx(dt)), grid_for(dev, rows * f, 256), 256, 0, args)?;
+            }
+        }
         Op::Softmax | Op::LogSoftmax => {
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);

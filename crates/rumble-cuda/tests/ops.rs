@@ -119,6 +119,9 @@ fn elementwise_ops_match_cpu() {
         }
         cases.push(case(Op::Swiglu, vec![randn(t(d, &s), r), randn(t(d, &s), r)]));
         cases.push(case(Op::SwigluBackward, vec![randn(t(d, &s), r), randn(t(d, &s), r), randn(t(d, &s), r)]));
+        // Gate and up side by side in rows of 2 x 37 (the last dim odd on each half).
+        cases.push(case(Op::SwigluPacked, vec![randn(t(d, &[3, 5, 74]), r)]));
+        cases.push(case(Op::SwigluPackedBackward, vec![randn(t(d, &[3, 5, 74]), r), randn(t(d, &[3, 5, 37]), r)]));
         let cond = randn(t(DType::F32, &s), r).cast(DType::Bool);
         cases.push(case(Op::Where, vec![cond, randn(t(d, &s), r), randn(t(d, &s), r)]));
         cases.push(case(Op::Full { value: -1.25, ty: t(d, &s) }, vec![]));

@@ -15,7 +15,7 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 use crate::config::Config;
 use crate::error::{ModelError, Result};
 use crate::host::{self, HostTensor};
-use crate::model::{Init, param_specs};
+use crate::model::{Init, hf_parts, param_specs};
 use crate::rng::Rng;
 
 /// Named host tensors in a fixed order (for a model: `param_specs` order).
@@ -26,7 +26,8 @@ pub struct Weights {
 
 impl Weights {
     /// Hugging Face's initialisation, seeded: weights normal with std `initializer_range`,
-    /// norms one, biases zero. Each tensor draws from its own stream (seed and name).
+    /// norms one, biases zero. Each tensor draws from its own stream (seed and its Hugging Face
+    /// name: a packed parameter's parts draw as they would unpacked).
     pub fn init(cfg: &Config, seed: u64) -> Result<Weights> {
         // Each tensor has its own generator (seeded by its name), so they fill in parallel and
         // the values do not depend on the thread count.
@@ -35,13 +36,19 @@ impl Weights {
             .into_par_iter()
             .map(|spec| {
                 let n = spec.ty.numel();
-                let vals: Vec<f32> = match spec.init {
-                    Init::Ones => vec![1.0; n],
-                    Init::Zeros => vec![0.0; n],
-                    Init::Normal(std) => {
-                        let mut rng = Rng::for_name(seed, &spec.name);
-                        (0..n).map(|_| (rng.normal() * std) as f32).collect()
+                let fill = |name: &str, n: usize| -> Vec<f32> {
+                    match spec.init {
+                        Init::Ones => vec![1.0; n],
+                        Init::Zeros => vec![0.0; n],
+                        Init::Normal(std) => {
+                            let mut rng = Rng::for_name(seed, name);
+                            (0..n).map(|_| (rng.normal() * std) as f32).collect()
+                        }
                     }
+                };
+                let vals = match hf_parts(&spec.name) {
+                    Some(parts) => parts.iter().flat_map(|p| fill(p, n / parts.len())).collect(),
+                    None => fill(&spec.name, n),
                 };
                 Ok((spec.name, host::from_f32s(spec.ty.dtype, spec.ty.dims(), &vals)?))
             })
@@ -50,36 +57,39 @@ impl Weights {
     }
 
     /// Reads a checkpoint for `cfg`: every parameter must be there with its exact shape and
-    /// dtype. A tied model accepts (and ignores) a stored `lm_head.weight`; rotary buffers
-    /// (`*.rotary_emb.inv_freq`) of old checkpoints are ignored; any other extra tensor is an
-    /// error, since it means the config and the file disagree.
+    /// dtype, a packed one ([`hf_parts`]) either under its own name or as its Hugging Face
+    /// parts (stacked here). A tied model accepts (and ignores) a stored `lm_head.weight`;
+    /// rotary buffers (`*.rotary_emb.inv_freq`) of old checkpoints are ignored; any other extra
+    /// tensor is an error, since it means the config and the file disagree.
     pub fn load(path: &Path, cfg: &Config) -> Result<Weights> {
         let mut stored: HashMap<String, HostTensor> = read_safetensors(path)?.into_iter().collect();
         let mut tensors = Vec::new();
         for spec in param_specs(cfg) {
-            let Some(t) = stored.remove(&spec.name) else {
-                return Err(ModelError::MissingTensor {
-                    file: path.into(),
-                    name: spec.name,
-                    expected: spec.ty.to_string(),
-                });
+            let t = match (stored.remove(&spec.name), hf_parts(&spec.name)) {
+                (Some(t), _) => checked(path, &spec.name, &spec.ty, t)?,
+                (None, Some(parts)) => {
+                    let mut dims = spec.ty.dims().to_vec();
+                    dims[0] /= parts.len();
+                    let part_ty = spec.ty.with_shape(dims);
+                    let mut bytes = Vec::with_capacity(spec.ty.size_in_bytes());
+                    for part in parts {
+                        let t = stored.remove(&part).ok_or_else(|| ModelError::MissingTensor {
+                            file: path.into(),
+                            name: part.clone(),
+                            expected: part_ty.to_string(),
+                        })?;
+                        bytes.extend(checked(path, &part, &part_ty, t)?.bytes);
+                    }
+                    HostTensor { ty: spec.ty.clone(), bytes }
+                }
+                (None, None) => {
+                    return Err(ModelError::MissingTensor {
+                        file: path.into(),
+                        name: spec.name,
+                        expected: spec.ty.to_string(),
+                    });
+                }
             };
-            if t.ty.dims() != spec.ty.dims() {
-                return Err(ModelError::Shape {
-                    file: path.into(),
-                    name: spec.name,
-                    expected: spec.ty.dims().to_vec(),
-                    got: t.ty.dims().to_vec(),
-                });
-            }
-            if t.ty.dtype != spec.ty.dtype {
-                return Err(ModelError::DType {
-                    file: path.into(),
-                    name: spec.name,
-                    expected: spec.ty.dtype.to_string(),
-                    got: t.ty.dtype.to_string(),
-                });
-            }
             tensors.push((spec.name, t));
         }
         let mut extra: Vec<String> = stored
@@ -97,9 +107,18 @@ impl Weights {
         Ok(Weights { tensors })
     }
 
-    /// Writes the weights as a safetensors file (atomically).
+    /// The tensors under Hugging Face's names: packed parameters split into their parts.
+    pub fn hf_tensors(&self) -> Vec<(String, HostTensor)> {
+        let mut out = Vec::with_capacity(self.tensors.len() + 8);
+        for (name, t) in &self.tensors {
+            out.extend(split_packed(name, t));
+        }
+        out
+    }
+
+    /// Writes the weights as a safetensors file with Hugging Face's names (atomically).
     pub fn save(&self, path: &Path) -> Result<()> {
-        write_safetensors(path, &self.tensors)
+        write_safetensors(path, &self.hf_tensors())
     }
 
     pub fn get(&self, name: &str) -> Option<&HostTensor> {
@@ -109,6 +128,42 @@ impl Weights {
     pub fn num_bytes(&self) -> usize {
         self.tensors.iter().map(|(_, t)| t.bytes.len()).sum()
     }
+}
+
+/// `(name, t)` as Hugging Face stores it: a packed parameter's parts (rows split evenly, in
+/// [`hf_parts`] order; a gradient of one splits the same way), anything else as it is.
+pub fn split_packed(name: &str, t: &HostTensor) -> Vec<(String, HostTensor)> {
+    let Some(parts) = hf_parts(name) else { return vec![(name.to_string(), t.clone())] };
+    let mut dims = t.ty.dims().to_vec();
+    dims[0] /= parts.len();
+    let ty = t.ty.with_shape(dims);
+    let each = ty.size_in_bytes();
+    parts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p, HostTensor { ty: ty.clone(), bytes: t.bytes[i * each..(i + 1) * each].to_vec() }))
+        .collect()
+}
+
+/// `t` if it has type `want`, else the error naming the file, the tensor and both types.
+fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor) -> Result<HostTensor> {
+    if t.ty.dims() != want.dims() {
+        return Err(ModelError::Shape {
+            file: path.into(),
+            name: name.to_string(),
+            expected: want.dims().to_vec(),
+            got: t.ty.dims().to_vec(),
+        });
+    }
+    if t.ty.dtype != want.dtype {
+        return Err(ModelError::DType {
+            file: path.into(),
+            name: name.to_string(),
+            expected: want.dtype.to_string(),
+            got: t.ty.dtype.to_string(),
+        });
+    }
+    Ok(t)
 }
 
 fn to_st_dtype(d: DType) -> StDtype {

@@ -49,10 +49,41 @@ fn init_follows_hugging_face_and_the_seed() {
     assert_ne!(Weights::init(&cfg, 2).unwrap(), w);
 }
 
+/// rumble packs gate and up projections into one parameter; files keep Hugging Face's two
+/// tensors (saved split, loaded stacked), and a file holding the packed tensor loads too.
+#[test]
+fn gate_and_up_are_packed_inside_and_split_in_files() {
+    let cfg = tiny(DType::F32);
+    let w = Weights::init(&cfg, 9).unwrap();
+    let packed = w.get("model.layers.0.mlp.gate_up_proj.weight").unwrap();
+    let f = cfg.intermediate_size;
+    assert_eq!(packed.ty.dims(), &[2 * f, cfg.hidden_size]);
+    assert!(w.get("model.layers.0.mlp.gate_proj.weight").is_none());
+    let path = tmp("packed").join("hf.safetensors");
+    w.save(&path).unwrap();
+    let stored = read_safetensors(&path).unwrap();
+    let get = |n: &str| stored.iter().find(|(k, _)| k == n).map(|(_, t)| t.clone()).unwrap();
+    let (gate, up) = (get("model.layers.0.mlp.gate_proj.weight"), get("model.layers.0.mlp.up_proj.weight"));
+    assert!(stored.iter().all(|(k, _)| !k.contains("gate_up")));
+    assert_eq!(gate.ty.dims(), &[f, cfg.hidden_size]);
+    assert_eq!([gate.bytes.clone(), up.bytes.clone()].concat(), packed.bytes);
+    assert_ne!(gate.bytes, up.bytes);
+    // Packed in the file: the same weights.
+    let path2 = tmp("packed").join("packed.safetensors");
+    write_safetensors(&path2, &w.tensors).unwrap();
+    assert_eq!(Weights::load(&path2, &cfg).unwrap(), w);
+    // A part with the wrong shape is named.
+    let e = load_error("badpart", |t| {
+        let i = t.iter().position(|(n, _)| n == "model.layers.0.mlp.up_proj.weight").unwrap();
+        t[i].1 = host::zeros(&TensorType::new(DType::F32, [3, 4]));
+    });
+    assert!(e.contains("model.layers.0.mlp.up_proj.weight"), "{e}");
+}
+
 /// Writes the tiny model's weights with `edit` applied, and returns the error of loading them.
 fn load_error(name: &str, edit: impl FnOnce(&mut Vec<(String, HostTensor)>)) -> String {
     let cfg = tiny(DType::F32);
-    let mut tensors = Weights::init(&cfg, 0).unwrap().tensors;
+    let mut tensors = Weights::init(&cfg, 0).unwrap().hf_tensors();
     edit(&mut tensors);
     let path = tmp("bad").join(format!("{name}.safetensors"));
     write_safetensors(&path, &tensors).unwrap();

@@ -221,6 +221,7 @@ pub fn vjp(
             let du = r.pop();
             vec![r.pop(), du]
         }
+        Op::SwigluPacked => vec![Some(args[0].graph().apply(Op::SwigluPackedBackward, &[&args[0], &ct])?.remove(0))],
         Op::Attention { scale, causal } => {
             if cts[1].is_some() {
                 return Err(Error::Autodiff(
@@ -242,6 +243,7 @@ pub fn vjp(
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropyBackward { .. }
         | Op::SwigluBackward
+        | Op::SwigluPackedBackward
         | Op::AttentionBackward { .. } => {
             return Err(Error::Autodiff(format!("{}: second-order gradients are not supported", op.name())));
         }

@@ -170,6 +170,24 @@ pub fn swiglu_backward<A: Real>(gate: &[A], up: &[A], dy: &[A]) -> (Vec<A>, Vec<
     (dg, du)
 }
 
+/// [`swiglu`] of each row `[gate | up]` of width `w` (`2F`): rows of `F`.
+pub fn swiglu_packed<A: Real>(w: usize, x: &[A]) -> Vec<A> {
+    let f = w / 2;
+    x.chunks(w.max(1)).flat_map(|r| swiglu(&r[..f], &r[f..])).collect()
+}
+
+/// The gradient of [`swiglu_packed`]: rows `[dgate | dup]` of width `w`.
+pub fn swiglu_packed_backward<A: Real>(w: usize, x: &[A], dy: &[A]) -> Vec<A> {
+    let f = w / 2;
+    let mut dx = Vec::with_capacity(x.len());
+    for (r, d) in x.chunks(w.max(1)).zip(dy.chunks(f.max(1))) {
+        let (dg, du) = swiglu_backward(&r[..f], &r[f..], d);
+        dx.extend(dg);
+        dx.extend(du);
+    }
+    dx
+}
+
 /// Rows `r0..r1` of `x @ w^T` (logits of one chunk), in the computation type.
 fn chunk_logits<A: Real>(xt: &TensorType, x: &[A], wt: &TensorType, w: &[A], r0: usize, r1: usize) -> Vec<A> {
     let c = xt.dims()[1];

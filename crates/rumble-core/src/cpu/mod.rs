@@ -187,6 +187,8 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
         }
         Op::Swiglu => one(out(&composite::swiglu::<A>(&f(0), &f(1)))),
+        Op::SwigluPacked => one(out(&composite::swiglu_packed::<A>(at[0].shape.last(), &f(0)))),
+        Op::SwigluPackedBackward => one(out(&composite::swiglu_packed_backward::<A>(at[0].shape.last(), &f(0), &f(1)))),
         Op::SwigluBackward => {
             let (dg, du) = composite::swiglu_backward::<A>(&f(0), &f(1), &f(2));
             Ok(vec![out(&dg), out(&du)])

@@ -209,6 +209,10 @@ impl Tensor {
             le => Op::Compare(CmpOp::Le), gt => Op::Compare(CmpOp::Gt), ge => Op::Compare(CmpOp::Ge),
             swiglu => Op::Swiglu);
 
+    /// `silu(gate) * up` with gate and up side by side in each row: `[..., 2F] -> [..., F]`.
+    pub fn swiglu_packed(&self) -> Result<Tensor> {
+        self.graph.apply1(Op::SwigluPacked, &[self])
+    }
     pub fn powf(&self, exponent: f64) -> Result<Tensor> {
         self.graph.apply1(Op::PowScalar { exponent }, &[self])
     }

@@ -132,6 +132,12 @@ pub enum Op {
     Swiglu,
     /// `(gate, up, dy) -> (dgate, dup)`.
     SwigluBackward,
+    /// Swiglu of gate and up packed side by side in each row, as one projection to `2F` gives
+    /// them: `x [..., 2F] -> silu(x[..., :F]) * x[..., F:]`, `[..., F]`.
+    SwigluPacked,
+    /// `(x [..., 2F], dy [..., F]) -> dx [..., 2F]` (dgate in the first half of each row, dup in
+    /// the second).
+    SwigluPackedBackward,
     /// Scaled dot-product attention with grouped-query heads:
     /// `(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> (o [B, Hq, T, D], lse [B, Hq, T])`,
     /// `lse` in f32 (f64 for f64 operands).
@@ -250,6 +256,8 @@ impl Op {
             Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
             Op::Swiglu => "swiglu",
             Op::SwigluBackward => "swiglu_backward",
+            Op::SwigluPacked => "swiglu_packed",
+            Op::SwigluPackedBackward => "swiglu_packed_backward",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
             Op::Fused(_) => "fused",
@@ -260,6 +268,8 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Full { .. } => 0,
+            Op::SwigluPacked => 1,
+            Op::SwigluPackedBackward => 2,
             Op::Unary(_)
             | Op::PowScalar { .. }
             | Op::AddScalar { .. }
@@ -541,6 +551,23 @@ impl Op {
                 float(args[0])?;
                 same_type(args[0], args[1])?;
                 one(args[0].clone())
+            }
+            Op::SwigluPacked | Op::SwigluPackedBackward => {
+                let x = args[0];
+                float(x)?;
+                if x.rank() == 0 || !x.shape.last().is_multiple_of(2) {
+                    return Err(format!("needs [..., 2F] (gate and up side by side), got {}", x.shape));
+                }
+                let mut half = x.dims().to_vec();
+                *half.last_mut().unwrap() /= 2;
+                let y = x.with_shape(half);
+                if matches!(self, Op::SwigluPacked) {
+                    return one(y);
+                }
+                if *args[1] != y {
+                    return Err(format!("dy must be {y}, got {}", args[1]));
+                }
+                one(x.clone())
             }
             Op::SwigluBackward => {
                 float(args[0])?;

@@ -64,7 +64,9 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         | Op::LogSoftmax
         | Op::LogSoftmaxBackward
         | Op::Swiglu
-        | Op::SwigluBackward => vec![],
+        | Op::SwigluBackward
+        | Op::SwigluPacked
+        | Op::SwigluPackedBackward => vec![],
     }
 }
 
@@ -155,6 +157,8 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         }
         "swiglu" => Op::Swiglu,
         "swiglu_backward" => Op::SwigluBackward,
+        "swiglu_packed" => Op::SwigluPacked,
+        "swiglu_packed_backward" => Op::SwigluPackedBackward,
         "attention" => Op::Attention { scale: a.f64("scale")?, causal: a.bool("causal")? },
         "attention_backward" => Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")? },
         // The body follows on the next lines; `Parser` fills it in.

@@ -76,6 +76,8 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
         Op::SoftmaxBackward | Op::LogSoftmaxBackward => 4 * out,
         Op::Swiglu => 5 * out,
         Op::SwigluBackward => 10 * inp,
+        Op::SwigluPacked => 5 * out,
+        Op::SwigluPackedBackward => 5 * inp,
         Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => 6 * inp,
         Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyBackward { .. } => {
             // x [N, C], w [V, C]: the logits' matmul, and in the backward their recomputation
