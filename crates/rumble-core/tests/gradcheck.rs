@@ -324,7 +324,7 @@ fn swiglu_packed_is_swiglu_of_the_row_halves() {
             }
             cpu::eval(&gr.finish().unwrap(), args).unwrap()
         };
-        let packed = one(Op::SwigluPacked, &[x.clone()]).remove(0);
+        let packed = one(Op::SwigluPacked, std::slice::from_ref(&x)).remove(0);
         let plain = one(Op::Swiglu, &[g.clone(), u.clone()]).remove(0);
         assert_eq!(packed.ty, TensorType::new(dt, [n, f]));
         assert_eq!(packed.bytes, plain.bytes, "{dt} forward");
