@@ -359,7 +359,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
         Ok(_) => {}
         Err(e) => return Some(Err(e)),
     }
-    Some(build(dev, variant, sh, backward, scale, causal, layout, [b, hq, hkv, t, s, d]))
+    Some(build(dev, variant, sh, backward, (scale, causal, layout), [b, hq, hkv, t, s, d]))
 }
 
 /// The `Dims` blob of every attention kernel (flash and per-row): `b, hq, hkv, t, s, d`, then
@@ -376,9 +376,7 @@ fn build(
     variant: Variant,
     sh: Shape,
     backward: bool,
-    scale: f64,
-    causal: bool,
-    layout: HeadLayout,
+    (scale, causal, layout): (f64, bool, HeadLayout),
     [b, hq, hkv, t, s, d]: [usize; 6],
 ) -> Result<Recipe> {
     let name = variant.name();
