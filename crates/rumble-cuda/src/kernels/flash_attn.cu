@@ -151,14 +151,10 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
-// Offset of position 0 of query head bh = b * hq + h (in q, o, dO, dQ), of kv head bk = b * hkv +
-// h (in k, v, dK, dV).
-__device__ __forceinline__ i64 q_at(const Dims& dm, i64 bh) {
-  return (bh / dm.hq) * dm.hq * dm.t * dm.d + (bh % dm.hq) * dm.qhs;
-}
-__device__ __forceinline__ i64 k_at(const Dims& dm, i64 bk) {
-  return (bk / dm.hkv) * dm.hkv * dm.s * dm.d + (bk % dm.hkv) * dm.khs;
-}
+// Offset of position 0 of query head h of batch b (in q, o, dO, dQ), of kv head h of batch b (in
+// k, v, dK, dV). (From b and h, which the kernels have: no 64-bit divisions here.)
+__device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
+__device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
 
 
 // Rows [row0, row0 + ROWS) of rows of d elements, rs apart, into a [ROWS][LD] shared tile by
@@ -307,10 +303,10 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const i64 nqb = (T_ + BR - 1) / BR;
   const i64 q0 = (nqb - 1 - blk) * BR;  // block 0: the longest causal rows
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const T* qh = q + q_at(dm, bh);
-  const T* kh = k + k_at(dm, kvh);
-  const T* vh = v + k_at(dm, kvh);
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const T* qh = q + q_at(dm, b, h);
+  const T* kh = k + k_at(dm, b, kvh);
+  const T* vh = v + k_at(dm, b, kvh);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
@@ -435,7 +431,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const i64 c = n * 8 + 2 * tq + e;
-            if (c < d) st(&o[q_at(dm, bh) + r * dm.qrs + c], acc[mt][n][2 * i + e] * inv);
+            if (c < d) st(&o[q_at(dm, b, h) + r * dm.qrs + c], acc[mt][n][2 * i + e] * inv);
           }
       }
     }
@@ -447,7 +443,7 @@ __device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, f
   const int lane = threadIdx.x & 31;
   const i64 rows = dm.b * dm.hq * dm.t, d = dm.d;
   for (i64 r = (i64)blockIdx.x * (NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (NT / 32)) {
-    const i64 at = q_at(dm, r / dm.t) + (r % dm.t) * dm.qrs;
+    const i64 bh = r / dm.t, at = q_at(dm, bh / dm.hq, bh % dm.hq) + (r % dm.t) * dm.qrs;
     float a = 0.f;
     for (i64 c = lane; c < d; c += 32) a += ld(o[at + c]) * ld(dout[at + c]);
 #pragma unroll
@@ -482,14 +478,14 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   const int total = (int)group * nqt;
   const i64 kw = k0 + w * 16 * MT;  // the warp's first key
 
-  load_tile<NT, BK>(sk, k + k_at(dm, bk), k0, S - k0, d, dm.krs, vec);
-  load_tile<NT, BK>(sv, v + k_at(dm, bk), k0, S - k0, d, dm.krs, vec);
+  load_tile<NT, BK>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
+  load_tile<NT, BK>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   // Tile `it`: query head b*hq + kvh*group + it / nqt, queries from qstart + (it % nqt) * BQ.
   auto load_q = [&](int it, int st) {
-    const i64 bh = b * dm.hq + kvh * group + it / nqt;
+    const i64 hh = kvh * group + it / nqt, bh = b * dm.hq + hh;
     const i64 i0 = qstart + (i64)(it % nqt) * BQ;
-    load_tile<NT, BQ>(sq + st * BQ * LD, q + q_at(dm, bh), i0, T_ - i0, d, dm.qrs, vec);
-    load_tile<NT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, bh), i0, T_ - i0, d, dm.qrs, vec);
+    load_tile<NT, BQ>(sq + st * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
+    load_tile<NT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
     for (int e = threadIdx.x; e < BQ; e += NT) {
       const bool ok = i0 + e < T_;
       sl[st * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
@@ -568,8 +564,8 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
           for (int e = 0; e < 2; ++e) {
             const i64 c = c0 + n * 8 + 2 * tq + e;
             if (c < d) {
-              st(&dk[k_at(dm, bk) + r * dm.krs + c], gk[mt][n][2 * i + e] * sc);
-              st(&dv[k_at(dm, bk) + r * dm.krs + c], gv[mt][n][2 * i + e]);
+              st(&dk[k_at(dm, b, kvh) + r * dm.krs + c], gk[mt][n][2 * i + e] * sc);
+              st(&dv[k_at(dm, b, kvh) + r * dm.krs + c], gv[mt][n][2 * i + e]);
             }
           }
       }
@@ -683,12 +679,11 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   const int kr = causal ? 16 * kg : 0;      // the warp's first key relative to qstart (causal)
   const int qo = h * QW2;                   // phase 1: the warp's first query in the tile
 
-  load_tile<NT2, K2>(sk, k + k_at(dm, bk), k0, S - k0, d, dm.krs, vec);
-  load_tile<NT2, K2>(sv, v + k_at(dm, bk), k0, S - k0, d, dm.krs, vec);
+  load_tile<NT2, K2>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
+  load_tile<NT2, K2>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   auto load_q = [&](int hh, int qt, int st) {
     const i64 row = (bh0 + hh) * T_ + qstart + (i64)qt * Q2;  // the tile's first row of lse, delta
-    // and of q, dout (the group's heads are of one batch: q_at(bh0) + hh * qhs)
-    const i64 at = q_at(dm, bh0) + hh * dm.qhs + (qstart + (i64)qt * Q2) * dm.qrs;
+    const i64 at = q_at(dm, b, kvh * group + hh) + (qstart + (i64)qt * Q2) * dm.qrs;  // and of q, dout
     const int valid = qlen - qt * Q2;
     load_rows<NT2, Q2>(sq + st * Q2 * LD, q + at, valid, (int)d, (int)dm.qrs, vec);
     load_rows<NT2, Q2>(sdo + st * Q2 * LD, dout + at, valid, (int)d, (int)dm.qrs, vec);
@@ -781,8 +776,8 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
             for (int e = 0; e < 2; ++e) {
               const i64 c = cb * 16 + nn * 8 + 2 * tq + e;
               if (c < d) {
-                st(&dk[k_at(dm, bk) + r * dm.krs + c], gk[2 * j + nn][2 * i + e] * sc);
-                st(&dv[k_at(dm, bk) + r * dm.krs + c], gv[2 * j + nn][2 * i + e]);
+                st(&dk[k_at(dm, b, kvh) + r * dm.krs + c], gk[2 * j + nn][2 * i + e] * sc);
+                st(&dv[k_at(dm, b, kvh) + r * dm.krs + c], gv[2 * j + nn][2 * i + e]);
               }
             }
       }
@@ -808,17 +803,17 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
   const i64 nqb = (T_ + BR - 1) / BR;
   const i64 q0 = (nqb - 1 - blk) * BR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const T* kh = k + k_at(dm, kvh);
-  const T* vh = v + k_at(dm, kvh);
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const T* kh = k + k_at(dm, b, kvh);
+  const T* vh = v + k_at(dm, b, kvh);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
   const float sl2 = (float)(scale * 1.4426950408889634);
   const i64 wrow = q0 + w * 16 * MT, wlast = wrow + 16 * MT - 1;
 
-  load_tile<NT, BR>(sq, q + q_at(dm, bh), q0, T_ - q0, d, dm.qrs, vec);
-  load_tile<NT, BR>(sdo, dout + q_at(dm, bh), q0, T_ - q0, d, dm.qrs, vec);
+  load_tile<NT, BR>(sq, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs, vec);
+  load_tile<NT, BR>(sdo, dout + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs, vec);
   if (ntiles > 0) {
     load_tile<NT, BC>(sk, kh, 0, S, d, dm.krs, vec);
     load_tile<NT, BC>(sv, vh, 0, S, d, dm.krs, vec);
@@ -831,7 +826,7 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
       float a = 0.f;
       if (row < T_)
         for (i64 c = lane; c < d; c += 32) {
-          const i64 at = q_at(dm, bh) + row * dm.qrs + c;
+          const i64 at = q_at(dm, b, h) + row * dm.qrs + c;
           a += ld(o[at]) * ld(dout[at]);
         }
 #pragma unroll
@@ -918,7 +913,7 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const i64 c = n * 8 + 2 * tq + e;
-            if (c < d) st(&dq[q_at(dm, bh) + r * dm.qrs + c], acc[mt][n][2 * i + e] * sc);
+            if (c < d) st(&dq[q_at(dm, b, h) + r * dm.qrs + c], acc[mt][n][2 * i + e] * sc);
           }
       }
     }

@@ -87,14 +87,10 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
-// Offset of position 0 of query head bh = b * hq + h (in q, o, dO, dQ), of kv head bk = b * hkv +
-// h (in k, v, dK, dV).
-__device__ __forceinline__ i64 q_at(const Dims& dm, i64 bh) {
-  return (bh / dm.hq) * dm.hq * dm.t * dm.d + (bh % dm.hq) * dm.qhs;
-}
-__device__ __forceinline__ i64 k_at(const Dims& dm, i64 bk) {
-  return (bk / dm.hkv) * dm.hkv * dm.s * dm.d + (bk % dm.hkv) * dm.khs;
-}
+// Offset of position 0 of query head h of batch b (in q, o, dO, dQ), of kv head h of batch b (in
+// k, v, dK, dV). (From b and h, which the kernels have: no 64-bit divisions here.)
+__device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
+__device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
 __device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
 __device__ __forceinline__ float comp(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
@@ -197,13 +193,13 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
   const i64 nqb = (T_ + FBR - 1) / FBR;
   const i64 q0 = (nqb - 1 - blk) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const float* kh = k + k_at(dm, kvh);
-  const float* vh = v + k_at(dm, kvh);
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const float* kh = k + k_at(dm, b, kvh);
+  const float* vh = v + k_at(dm, b, kvh);
   const i64 kend = causal ? min64(S, q0 + FBR) : S;
   const i64 nt = (kend + FBC - 1) / FBC;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  load_tile<FBR>(qs, q + q_at(dm, bh), q0, T_ - q0, d, dm.qrs);
+  load_tile<FBR>(qs, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
   if (FNB == 2 && nt > 0) {
     load_tile<FBC>(ks, kh, 0, S, d, dm.krs);
     load_tile<FBC>(vs, vh, 0, S, d, dm.krs);
@@ -289,7 +285,7 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const i64 col = (tx + FTX * u) * 4 + e;
-          if (col < d) o[q_at(dm, bh) + i * dm.qrs + col] = acc[r][4 * u + e] * inv;
+          if (col < d) o[q_at(dm, b, h) + i * dm.qrs + col] = acc[r][4 * u + e] * inv;
         }
     }
   }
@@ -301,7 +297,7 @@ __device__ void bwd_delta(const float* __restrict__ o, const float* __restrict__
   const int lane = threadIdx.x & 31;
   const i64 rows = dm.b * dm.hq * dm.t, d = dm.d;
   for (i64 r = (i64)blockIdx.x * (NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (NT / 32)) {
-    const i64 at = q_at(dm, r / dm.t) + (r % dm.t) * dm.qrs;
+    const i64 bh = r / dm.t, at = q_at(dm, bh / dm.hq, bh % dm.hq) + (r % dm.t) * dm.qrs;
     float a = 0.f;
     for (i64 c = lane; c < d; c += 32) a += o[at + c] * dout[at + c];
 #pragma unroll
@@ -339,17 +335,17 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
   const int ulim = NCH == 1 ? UK : (rem <= 0 ? 0 : (rem + 4 * KTX - 1) / (4 * KTX) < UK ? (rem + 4 * KTX - 1) / (4 * KTX) : UK);
   // Tile `t`: queries [i0, i0 + BQ) of query head `bh` into buffer `buf`.
   auto load_q = [&](i64 t, int buf) {
-    const i64 bh = b * dm.hq + kvh * group + t / ntq, i0 = qstart + (t % ntq) * BQ;
-    load_tile<BQ>(qs + buf * BQ * LD, q + q_at(dm, bh), i0, T_ - i0, d, dm.qrs);
-    load_tile<BQ>(dos + buf * BQ * LD, dout + q_at(dm, bh), i0, T_ - i0, d, dm.qrs);
+    const i64 hh = kvh * group + t / ntq, bh = b * dm.hq + hh, i0 = qstart + (t % ntq) * BQ;
+    load_tile<BQ>(qs + buf * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs);
+    load_tile<BQ>(dos + buf * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs);
     for (int e = tid; e < BQ; e += NT) {
       const bool ok = i0 + e < T_;
       sl[buf * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
       sd[buf * BQ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
     }
   };
-  load_tile<BK>(ks, k + k_at(dm, bk), k0, S - k0, d, dm.krs);
-  load_tile<BK>(vs, v + k_at(dm, bk), k0, S - k0, d, dm.krs);
+  load_tile<BK>(ks, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs);
+  load_tile<BK>(vs, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs);
   if (KNB == 2 && nt > 0) load_q(0, 0);
   cp_commit();
   float gk[RK][4 * UK], gv[RK][4 * UK];
@@ -417,8 +413,8 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
         for (int e = 0; e < 4; ++e) {
           const i64 col = c0 + (tx + KTX * u) * 4 + e;
           if (col < d) {
-            dk[k_at(dm, bk) + j * dm.krs + col] = gk[r][4 * u + e] * sc;
-            dv[k_at(dm, bk) + j * dm.krs + col] = gv[r][4 * u + e];
+            dk[k_at(dm, b, kvh) + j * dm.krs + col] = gk[r][4 * u + e] * sc;
+            dv[k_at(dm, b, kvh) + j * dm.krs + col] = gv[r][4 * u + e];
           }
         }
     }
@@ -442,14 +438,14 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
   const i64 nqb = (T_ + FBR - 1) / FBR;
   const i64 q0 = (nqb - 1 - blk) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const float* kh = k + k_at(dm, kvh);
-  const float* vh = v + k_at(dm, kvh);
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const float* kh = k + k_at(dm, b, kvh);
+  const float* vh = v + k_at(dm, b, kvh);
   const i64 kend = causal ? min64(S, q0 + FBR) : S;
   const i64 nt = (kend + QBC - 1) / QBC;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  load_tile<FBR>(qs, q + q_at(dm, bh), q0, T_ - q0, d, dm.qrs);
-  load_tile<FBR>(dos, dout + q_at(dm, bh), q0, T_ - q0, d, dm.qrs);
+  load_tile<FBR>(qs, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
+  load_tile<FBR>(dos, dout + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
   if (QNB == 2 && nt > 0) {
     load_tile<QBC>(ks, kh, 0, S, d, dm.krs);
     load_tile<QBC>(vs, vh, 0, S, d, dm.krs);
@@ -525,7 +521,7 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const i64 col = (tx + FTX * u) * 4 + e;
-          if (col < d) dq[q_at(dm, bh) + i * dm.qrs + col] = acc[r][4 * u + e] * sc;
+          if (col < d) dq[q_at(dm, b, h) + i * dm.qrs + col] = acc[r][4 * u + e] * sc;
         }
     }
   }
