@@ -595,7 +595,9 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
 // __launch_bounds__(256, 2) asks for (two blocks of 8 warps, 16 warps per SM; pair's dK/dV has
 // 242-255 registers x 4 warps, two blocks, 8 warps per SM). Measured (resources.py, NVRTC 13,
 // sm_90): 121-128 registers and no spills for d16..d96 and d128; d112 128 with 20 bytes of
-// spill stores/loads (stack 16). (Fully unrolled, unbounded, ptxas takes 194 at d64, 211 at
+// spill stores/loads (stack 16). Since load_q addresses q and dO by strides (either head
+// layout), the same tool gives d64 8/4, d112 128/448 and d128 60/120 bytes of spill
+// stores/loads: to look at when fa2 is timed. (Fully unrolled, unbounded, ptxas takes 194 at d64, 211 at
 // d128; the 64-bit tile arithmetic of load_tile in the loop, or a second masked copy of the
 // softmax, cost ~20-30 registers each and spilled at d112/d128: hence load_rows and one
 // masking path in 32-bit tile-relative indices.) Shared memory: (2 x 64 + 4 x Q2) x (DP + 8)
