@@ -1,7 +1,8 @@
 //! The CPU backend's values on cases worked out by hand, its dtype semantics and its errors.
 
+use rumble_core::autodiff;
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{DType, Graph, Tensor, TensorType};
+use rumble_core::ir::{DType, Graph, HeadLayout, Tensor, TensorType};
 
 fn run1(g: &Graph, out: &Tensor, inputs: &[HostTensor]) -> HostTensor {
     g.output(out, "out").unwrap();
@@ -113,6 +114,65 @@ fn causal_attention_first_query_sees_only_the_first_key() {
     // lse of query 0 is its only score.
     let s0: f32 = (0..3).map(|c| q.to_f32()[c] * k.to_f32()[c]).sum::<f32>() * 0.5;
     assert!((outs[1].to_f32()[0] - s0).abs() < 1e-6);
+}
+
+/// RoPE and attention (forward, log-sum-exp and, through autodiff, the backward) in the
+/// sequence-major layout `[B, T, H, D]` equal the head-major ops between permutes, bit for bit:
+/// the same numbers are computed, only read and written at other offsets.
+#[test]
+fn bthd_layout_equals_bhtd_between_permutes() {
+    // (B, Hq, Hkv, T, S, D, causal): GQA 1 and 7, head sizes 1, 2, 64, 100, lengths that are
+    // multiples of nothing, T != S without the mask.
+    let cases = [
+        (1, 7, 1, 37, 37, 100, true),
+        (2, 2, 2, 13, 13, 64, false),
+        (1, 7, 1, 13, 13, 1, true),
+        (2, 3, 3, 5, 11, 64, false),
+        (1, 14, 2, 19, 19, 2, true),
+        (2, 1, 1, 9, 9, 1, false),
+    ];
+    let mut r = Rng::new(31);
+    for dtype in [DType::F32, DType::BF16] {
+        for (b, hq, hkv, t, s, d, causal) in cases {
+            let scale = 0.7 / (d as f64).sqrt();
+            let rope = d % 2 == 0;
+            let shapes = [[b, t, hq, d], [b, s, hkv, d], [b, s, hkv, d], [b, t, hq, d]];
+            let vals: Vec<HostTensor> =
+                shapes.iter().map(|sh| HostTensor::randn(TensorType::new(dtype, *sh), 1.0, &mut r)).collect();
+            let run = |bthd: bool| -> Vec<HostTensor> {
+                let g = Graph::new("attn");
+                let ins: Vec<Tensor> =
+                    ["q", "k", "v", "w"].iter().zip(&shapes).map(|(n, sh)| g.data(n, dtype, sh).unwrap()).collect();
+                let (q, k, v) = if bthd {
+                    let rot = |x: &Tensor| if rope { x.rope_in(HeadLayout::Bthd, 1e4) } else { Ok(x.clone()) };
+                    (rot(&ins[0]).unwrap(), rot(&ins[1]).unwrap(), ins[2].clone())
+                } else {
+                    let p = |x: &Tensor| x.permute(&[0, 2, 1, 3]).unwrap();
+                    let rot = |x: Tensor| if rope { x.rope(1e4).unwrap() } else { x };
+                    (rot(p(&ins[0])), rot(p(&ins[1])), p(&ins[2]))
+                };
+                let layout = if bthd { HeadLayout::Bthd } else { HeadLayout::Bhtd };
+                let (o, lse) = Tensor::attention_in(layout, &q, &k, &v, scale, causal).unwrap();
+                let o = if bthd { o } else { o.permute(&[0, 2, 1, 3]).unwrap() }; // (B, T, Hq, D)
+                let loss = o.mul(&ins[3]).unwrap().cast(DType::F32).unwrap().sum_all().unwrap();
+                g.output(&o, "o").unwrap();
+                g.output(&lse, "lse").unwrap();
+                g.output(&loss, "loss").unwrap();
+                let trace = g.finish().unwrap();
+                assert_eq!(trace.to_string().contains("permute"), !bthd);
+                let joint = autodiff::grad(&trace, "loss", &["q", "k", "v"]).unwrap();
+                cpu::eval(&joint, &vals).unwrap()
+            };
+            let (got, want) = (run(true), run(false));
+            let case = format!("{dtype} B{b} Hq{hq} Hkv{hkv} T{t} S{s} D{d} causal {causal}");
+            assert_eq!(got.len(), want.len());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.ty, w.ty, "{case}: output {i}");
+                assert!(g.to_f64().iter().any(|x| *x != 0.0), "{case}: output {i} is all zero");
+                assert!(g == w, "{case}: output {i} differs");
+            }
+        }
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@
 
 use rumble_core::autodiff;
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{DType, Graph, Tensor, TensorType};
+use rumble_core::ir::{DType, Graph, HeadLayout, Tensor, TensorType};
 use rumble_core::{Result, Trace};
 
 struct Input {
@@ -201,6 +201,7 @@ fn norms_rope_softmax_swiglu() {
         t[0].rms_norm(&t[1], 1e-6)
     });
     gradcheck("rope", vec![diff("x", randn(&[2, 3, 5, 8], r))], &|t| t[0].rope(10000.0));
+    gradcheck("rope bthd", vec![diff("x", randn(&[2, 5, 3, 8], r))], &|t| t[0].rope_in(HeadLayout::Bthd, 10000.0));
     gradcheck("softmax", vec![diff("x", randn(&[3, 7], r))], &|t| t[0].softmax());
     gradcheck("log_softmax", vec![diff("x", randn(&[3, 7], r))], &|t| t[0].log_softmax());
     gradcheck("swiglu", vec![diff("g", randn(&[4, 6], r)), diff("u", randn(&[4, 6], r))], &|t| t[0].swiglu(&t[1]));
@@ -258,6 +259,16 @@ fn attention_gqa_and_head_sizes() {
         let scale = 1.0 / (d as f64).sqrt();
         gradcheck("attention", vec![diff("q", q), diff("k", k), diff("v", v)], &move |t| {
             Ok(Tensor::attention(&t[0], &t[1], &t[2], scale, causal)?.0)
+        });
+    }
+    // Sequence-major operands [B, T, H, D].
+    for (b, hq, hkv, t, s, d, causal) in [(2, 4, 2, 5, 5, 3, true), (1, 7, 1, 3, 3, 2, true), (1, 2, 2, 3, 4, 4, false)]
+    {
+        let q = randn(&[b, t, hq, d], r);
+        let k = randn(&[b, s, hkv, d], r);
+        let v = randn(&[b, s, hkv, d], r);
+        gradcheck("attention bthd", vec![diff("q", q), diff("k", k), diff("v", v)], &move |t| {
+            Ok(Tensor::attention_in(HeadLayout::Bthd, &t[0], &t[1], &t[2], 0.6, causal)?.0)
         });
     }
 }

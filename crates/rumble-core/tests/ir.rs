@@ -2,7 +2,9 @@
 
 use rumble_core::autodiff;
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{DType, Graph, InputRole, Node, Op, OutputRole, TensorType, UnaryOp, ValueId, parse, verify};
+use rumble_core::ir::{
+    DType, Graph, HeadLayout, InputRole, Node, Op, OutputRole, Tensor, TensorType, UnaryOp, ValueId, parse, verify,
+};
 use rumble_core::passes;
 use rumble_core::testing::TinyLlama;
 use rumble_core::{Trace, ValueId as V};
@@ -43,6 +45,58 @@ fn text_form_reads_as_documented() {
     let want = "trace \"block\" {\n  input %0: f32[2,3] \"x\" input\n  input %1: f32[3] \"norm.weight\" param\n  \
                 %2: f32[2,3] = rms_norm(%0, %1) eps=1e-6\n  output %2 \"y\"\n}\n";
     assert_eq!(t.to_string(), want);
+}
+
+/// Attention and RoPE carry their layout: `layout=bthd` in the text form, nothing for `bhtd`
+/// (text written before the attribute existed parses as `bhtd`); the verifier names the layout
+/// and the shapes it wants.
+#[test]
+fn head_layouts_in_the_text_form_and_the_verifier() {
+    let g = Graph::new("attn");
+    let q = g.data("q", DType::BF16, &[2, 5, 7, 4]).unwrap(); // (B, T, Hq, D)
+    let k = g.data("k", DType::BF16, &[2, 5, 1, 4]).unwrap(); // (B, S, Hkv, D)
+    let q = q.rope_in(HeadLayout::Bthd, 1e4).unwrap();
+    let (o, lse) = Tensor::attention_in(HeadLayout::Bthd, &q, &k, &k, 0.5, true).unwrap();
+    assert_eq!((o.dims(), lse.dims()), (&[2, 5, 7, 4][..], &[2, 7, 5][..]));
+    g.output(&o.cast(DType::F32).unwrap().sum_all().unwrap(), "loss").unwrap();
+    let trace = g.finish().unwrap();
+    let joint = autodiff::grad(&trace, "loss", &["q", "k"]).unwrap();
+    let text = joint.to_string();
+    assert!(text.contains("rope(%0) theta=10000.0 inverse=false layout=bthd"), "{text}");
+    assert!(text.contains("inverse=true layout=bthd"), "{text}");
+    assert!(text.contains("scale=0.5 causal=true layout=bthd"), "{text}");
+    assert!(text.contains("attention_backward(") && !text.contains("permute"), "{text}");
+    assert_eq!(parse(&text).unwrap(), joint);
+
+    // Old text: no layout attribute means bhtd.
+    let old = "trace \"t\" {\n  input %0: f32[1,2,3,4] \"q\" input\n  \
+               %1: f32[1,2,3,4], %2: f32[1,2,3] = attention(%0, %0, %0) scale=0.5 causal=true\n  \
+               %3: f32[1,2,3,4] = rope(%1) theta=10000.0 inverse=false\n  output %3 \"o\"\n}\n";
+    let t = parse(old).unwrap();
+    assert_eq!(t.nodes[0].op, Op::Attention { scale: 0.5, causal: true, layout: HeadLayout::Bhtd });
+    assert_eq!(t.nodes[1].op, Op::Rope { theta: 1e4, inverse: false, layout: HeadLayout::Bhtd });
+    assert_eq!(t.to_string(), old);
+    let e = parse_err(&old.replace("causal=true", "causal=true layout=tbhd"));
+    assert!(e.contains("bad value `tbhd` for attribute `layout`") && e.contains("bthd"), "{e}");
+
+    // bhtd-shaped operands given to a bthd attention: the lse (and o) types disagree, and a
+    // mismatch of heads is named with the layout's pattern.
+    let e = parse_err(&old.replace("causal=true", "causal=true layout=bthd"));
+    assert!(e.contains("attention") && e.contains("declared f32[1,2,3] but the op makes f32[1,3,2]"), "{e}");
+    let g = Graph::new("bad");
+    let q = g.data("q", DType::F32, &[1, 6, 4, 8]).unwrap();
+    let k = g.data("k", DType::F32, &[1, 6, 3, 8]).unwrap();
+    let e = Tensor::attention_in(HeadLayout::Bthd, &q, &k, &k, 1.0, true).unwrap_err().to_string();
+    assert!(e.contains("attention") && e.contains("4 query heads are not a multiple of 3"), "{e}");
+    assert!(e.contains("f32[1,6,4,8]") && e.contains("layout bthd"), "{e}");
+    let k = g.data("k2", DType::F32, &[1, 5, 2, 8]).unwrap();
+    let e = Tensor::attention_in(HeadLayout::Bthd, &q, &k, &k, 1.0, true).unwrap_err().to_string();
+    assert!(e.contains("causal attention needs equal lengths, got 6 and 5"), "{e}");
+    let x = g.data("x", DType::F32, &[1, 6, 4]).unwrap();
+    let e = x.rope_in(HeadLayout::Bthd, 1e4).unwrap_err().to_string();
+    assert!(e.contains("rope") && e.contains("layout bthd needs [B, T, H, D] with D even"), "{e}");
+    let e = Tensor::attention_in(HeadLayout::Bthd, &x, &x, &x, 1.0, false).unwrap_err().to_string();
+    assert!(e.contains("q [B, T, Hq, D], k and v [B, S, Hkv, D]"), "{e}");
 }
 
 fn parse_err(text: &str) -> String {

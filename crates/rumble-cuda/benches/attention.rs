@@ -3,7 +3,9 @@
 //! `seed-qwen2` (bf16, head size 1, 28/4 heads, seq 4096) and `seed-llama` (f32, head size 100,
 //! 32 heads, seq 2048) workloads. Kernels run straight on device buffers (no executor, no
 //! host copies in the timed loop). Prints a table; `RUMBLE_ATTN_ITERS` sets the timed
-//! iterations, `RUMBLE_ATTN_SHAPES=name,name` picks shapes.
+//! iterations, `RUMBLE_ATTN_SHAPES=name,name` picks shapes, `RUMBLE_ATTN_LAYOUT=bthd` runs the
+//! operands in the sequence-major layout `[B, T, H, D]` the models use (default `bhtd`; the
+//! dump below needs `bhtd`).
 //!
 //! With `RUMBLE_ATTN_DUMP=DIR` it also writes each shape's inputs (q, k, v, do) and rumble's
 //! results (o, lse, dq, dk, dv) as raw little-endian files, and a line of `DIR/manifest.jsonl`
@@ -23,7 +25,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use rumble_core::cpu::{HostTensor, Rng};
-use rumble_core::ir::{DType, Op, TensorType};
+use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 use rumble_cuda::Device;
 use rumble_cuda::flash::{Cfg, choose};
 use rumble_cuda::launch::{Buffers, Recipe};
@@ -109,11 +111,14 @@ fn run_shape(dev: &Device, sh: &Shape, iters: usize, seed: u64) -> Run {
     let mut rng = Rng::new(seed);
     let (dt, b, t, d) = (sh.dtype, 1, sh.t, sh.d);
     let scale = 1.0 / (d as f64).sqrt();
-    let qt = TensorType::new(dt, [b, sh.hq, t, d]);
-    let kt = TensorType::new(dt, [b, sh.hkv, t, d]);
+    let layout = layout();
+    let (qt, kt) = match layout {
+        HeadLayout::Bhtd => (TensorType::new(dt, [b, sh.hq, t, d]), TensorType::new(dt, [b, sh.hkv, t, d])),
+        HeadLayout::Bthd => (TensorType::new(dt, [b, t, sh.hq, d]), TensorType::new(dt, [b, t, sh.hkv, d])),
+    };
     let lt = TensorType::new(rumble_core::ir::stat_dtype(dt), [b, sh.hq, t]);
-    let fwd_op = Op::Attention { scale, causal: true };
-    let bwd_op = Op::AttentionBackward { scale, causal: true };
+    let fwd_op = Op::Attention { scale, causal: true, layout };
+    let bwd_op = Op::AttentionBackward { scale, causal: true, layout };
     let fwd = prepare(dev, &fwd_op, &[&qt, &kt, &kt], &[&qt, &lt]).expect("prepare forward");
     let bwd = prepare(dev, &bwd_op, &[&qt, &kt, &kt, &qt, &lt, &qt], &[&qt, &kt, &kt]).expect("prepare backward");
     let host: Vec<HostTensor> =
@@ -210,12 +215,22 @@ fn sweep(dev: &Device, shapes: &[Shape], iters: usize) {
     }
 }
 
+/// `RUMBLE_ATTN_LAYOUT`: `bthd`, or `bhtd` (the default).
+fn layout() -> HeadLayout {
+    match std::env::var("RUMBLE_ATTN_LAYOUT").as_deref() {
+        Ok("bthd") => HeadLayout::Bthd,
+        Ok("bhtd") | Ok("") | Err(_) => HeadLayout::Bhtd,
+        Ok(other) => panic!("RUMBLE_ATTN_LAYOUT={other:?}: expected bhtd or bthd"),
+    }
+}
+
 fn main() {
     let Some(dev) = common::device() else { return };
     let iters: usize = std::env::var("RUMBLE_ATTN_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
     let pick = std::env::var("RUMBLE_ATTN_SHAPES").ok();
     let dump = std::env::var("RUMBLE_ATTN_DUMP").ok().map(std::path::PathBuf::from);
     if let Some(d) = &dump {
+        assert_eq!(layout(), HeadLayout::Bhtd, "RUMBLE_ATTN_DUMP writes bhtd files: unset RUMBLE_ATTN_LAYOUT");
         std::fs::create_dir_all(d).expect("dump dir");
         let _ = std::fs::remove_file(d.join("manifest.jsonl"));
     }
@@ -226,7 +241,10 @@ fn main() {
         sweep(&dev, &chosen, iters);
         return;
     }
-    println!("attention fwd+bwd, B=1, causal (ms; TFLOP/s counts causal matmul flops, bwd = 2.5 x fwd)");
+    println!(
+        "attention fwd+bwd, B=1, causal, layout {} (ms; TFLOP/s counts causal matmul flops, bwd = 2.5 x fwd)",
+        layout().name()
+    );
     println!(
         "{:<22} {:<5} {:>3}/{:<3} {:>5} {:>4} {:>9} {:>9} {:>9} {:>8}  kernels",
         "shape", "dtype", "hq", "kv", "seq", "d", "fwd", "bwd", "total", "TFLOP/s"

@@ -19,12 +19,18 @@
 //! dQ (each block owns a block of queries); or, where the configuration computes delta inside
 //! the dQ kernel (each dQ block owns its rows' delta), two: dQ, then dK/dV.
 //!
+//! Both operand layouts of `HeadLayout` run on the same kernels: the `Dims` blob carries the
+//! element strides between heads and between positions of q/o/dO/dQ and of k/v/dK/dV
+//! ([`dims_blob`]); rows of D stay contiguous, so the 16-byte loads stay valid (the row stride
+//! is a multiple of D, and the kernels take the vectorised path only when D is a multiple of 8
+//! for bf16/f16 or of 4 for f32, which keeps every row 16-byte aligned in either layout).
+//!
 //! Causal grids are paired ([`grid_columns`]): a CTA runs query (or key) block `i` and then
 //! `n - 1 - i`, so every CTA does about the same work; unpaired, the longest blocks left a
 //! third of the device idle at the end of the dK/dV kernel (ncu, H200, d128 x seq 4096).
 
 use cudarc::driver::{result as drv, sys};
-use rumble_core::ir::{DType, Op, TensorType};
+use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 
 use crate::compile::Options;
 use crate::device::Device;
@@ -334,18 +340,17 @@ fn smem_limit(dev: &Device) -> Result<usize> {
 /// [`choose`] (or the device's shared memory, or the grid's limits) leaves it to the
 /// per-row kernels.
 pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe>> {
-    let (scale, causal, backward) = match op {
-        Op::Attention { scale, causal } => (*scale, *causal, false),
-        Op::AttentionBackward { scale, causal } => (*scale, *causal, true),
+    let (scale, causal, layout, backward) = match op {
+        Op::Attention { scale, causal, layout } => (*scale, *causal, *layout, false),
+        Op::AttentionBackward { scale, causal, layout } => (*scale, *causal, *layout, true),
         _ => return None,
     };
-    let (q, k) = (at[0].dims(), at[1].dims());
-    let variant = choose(dev.capability, at[0].dtype, q[3])?;
+    let ([b, hq, t, d], [_, hkv, s, _]) = (layout.bhtd(at[0].dims()), layout.bhtd(at[1].dims()));
+    let variant = choose(dev.capability, at[0].dtype, d)?;
     if let (Variant::Mma { .. }, Err(e)) = (variant, Cfg::from_env()) {
         return Some(Err(e));
     }
     let sh = variant.shape();
-    let (b, hq, hkv, t, s, d) = (q[0], q[1], k[1], q[2], k[2], q[3]);
     if b * hq > 65535 || b * hkv > 65535 {
         return None;
     }
@@ -355,7 +360,16 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
         Ok(_) => {}
         Err(e) => return Some(Err(e)),
     }
-    Some(build(dev, variant, sh, backward, scale, causal, [b, hq, hkv, t, s, d]))
+    Some(build(dev, variant, sh, backward, (scale, causal, layout), [b, hq, hkv, t, s, d]))
+}
+
+/// The `Dims` blob of every attention kernel (flash and per-row): `b, hq, hkv, t, s, d`, then
+/// the element strides between heads and between positions of q, o, dO, dQ and of k, v, dK, dV
+/// in `layout` (`HeadLayout::strides`).
+pub fn dims_blob(layout: HeadLayout, [b, hq, hkv, t, s, d]: [usize; 6]) -> Arg {
+    let (qhs, qrs) = layout.strides(hq, t, d);
+    let (khs, krs) = layout.strides(hkv, s, d);
+    Arg::Blob([b, hq, hkv, t, s, d, qhs, qrs, khs, krs].iter().map(|&x| x as u64).collect())
 }
 
 fn build(
@@ -363,8 +377,7 @@ fn build(
     variant: Variant,
     sh: Shape,
     backward: bool,
-    scale: f64,
-    causal: bool,
+    (scale, causal, layout): (f64, bool, HeadLayout),
     [b, hq, hkv, t, s, d]: [usize; 6],
 ) -> Result<Recipe> {
     let name = variant.name();
@@ -388,7 +401,7 @@ fn build(
     };
     let sms = dev.multiprocessors.max(1);
     let cols = |n: usize, rows: usize| grid_columns(causal, n, rows, sms);
-    let dims = Arg::Blob([b, hq, hkv, t, s, d].iter().map(|&x| x as u64).collect());
+    let dims = dims_blob(layout, [b, hq, hkv, t, s, d]);
     let (sc, ca) = (Arg::F64(scale), Arg::I32(causal as i32));
     let mut steps = Vec::new();
     let rows = b * hq * t;
@@ -403,7 +416,7 @@ fn build(
     // dQ kernel, which then runs first.
     if rows > 0 && !sh.fused_delta {
         let blocks = rows.div_ceil(variant.threads() as usize / 32).clamp(1, dev.multiprocessors.max(1) * 16);
-        let args = vec![Arg::In(3), Arg::In(5), Arg::Scratch(0), Arg::I64(rows as i64), Arg::I64(d as i64)];
+        let args = vec![Arg::In(3), Arg::In(5), Arg::Scratch(0), dims.clone()];
         steps.push(kernel("flash_bwd_delta", (blocks, 1), 0, args)?);
     }
     let mut dq_step = None;

@@ -2,7 +2,7 @@
 //! Every op of `rumble_core::ir::Op` has an arm here; kernel names derive from op names and
 //! dtypes (`rms_norm_bf16`).
 
-use rumble_core::ir::{DType, Op, ReduceOp, TensorType};
+use rumble_core::ir::{DType, HeadLayout, Op, ReduceOp, TensorType};
 
 use crate::compile::Options;
 use crate::device::Device;
@@ -319,9 +319,13 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                 vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd],
             )?;
         }
-        Op::Rope { theta, inverse } => {
-            let dims = at[0].dims();
-            let (t, d) = (dims[2], dims[3]);
+        Op::Rope { theta, inverse, layout } => {
+            let [_, h, t, d] = layout.bhtd(at[0].dims());
+            // Rows of D between consecutive positions: 1 in [B, H, T, D], H in [B, T, H, D].
+            let per_pos = match layout {
+                HeadLayout::Bhtd => 1,
+                HeadLayout::Bthd => h,
+            };
             let rows = at[0].numel() / d.max(1);
             let half = d / 2;
             if rows * half > 0 {
@@ -339,6 +343,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                     Arg::I64(rows as i64),
                     Arg::I64(t as i64),
                     Arg::I64(d as i64),
+                    Arg::I64(per_pos as i64),
                 ];
                 b.k("rows", format!("rope_{}", sfx(dt)), grid_for(dev, rows * half, 256), 256, 0, args)?;
             }
@@ -412,24 +417,25 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
             ];
             b.k("rows", name, rows_grid(dev, rows), 256, 0, args)?;
         }
-        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
+        Op::Attention { scale, causal, layout } | Op::AttentionBackward { scale, causal, layout } => {
             // The tiled kernels where `flash::choose` takes them; the per-row kernels below otherwise.
             if let Some(r) = crate::flash::recipe(dev, op, at) {
                 return r;
             }
-            let (q, k) = (at[0].dims(), at[1].dims());
-            let d = q[3];
+            let ([qb, hq, t, d], [_, hkv, s, _]) = (layout.bhtd(at[0].dims()), layout.bhtd(at[1].dims()));
             if d > ATTN_MAX_HEAD {
                 return Err(unsupported(format!("head size {d} (at most {ATTN_MAX_HEAD})")));
             }
-            let dims: Vec<u64> = [q[0], q[1], k[1], q[2], k[2], d].iter().map(|&x| x as u64).collect();
+            let q = [qb, hq, t, d];
+            let k = [qb, hkv, s, d];
+            let dims = crate::flash::dims_blob(*layout, [qb, hq, hkv, t, s, d]);
             let acc = if dt == DType::F64 { 8 } else { 4 };
             let smem = ((2 * d + 2 * ATTN_THREADS as usize) * acc) as u32;
             let (sc, ca) = (Arg::F64(*scale), Arg::I32(*causal as i32));
             let s = sfx(dt);
             let q_rows = q[0] * q[1] * q[2];
             if matches!(op, Op::Attention { .. }) {
-                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), Arg::Blob(dims), sc, ca];
+                let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), dims, sc, ca];
                 b.k("attention", format!("attention_{s}"), rows_grid(dev, q_rows), ATTN_THREADS, smem, args)?;
             } else {
                 let delta = b.scratch(q_rows * 8);
@@ -442,7 +448,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                     Arg::In(5),
                     Arg::Out(0),
                     Arg::Scratch(delta),
-                    Arg::Blob(dims.clone()),
+                    dims.clone(),
                     sc.clone(),
                     ca.clone(),
                 ];
@@ -464,7 +470,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                     Arg::Scratch(delta),
                     Arg::Out(1),
                     Arg::Out(2),
-                    Arg::Blob(dims),
+                    dims,
                     sc,
                     ca,
                 ];

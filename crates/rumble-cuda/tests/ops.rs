@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::{away_from_zero, compare, device, positive, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, Op, ReduceOp, TensorType, UnaryOp};
+use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, HeadLayout, Op, ReduceOp, TensorType, UnaryOp};
 use rumble_core::plan::plan_naive;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
@@ -244,10 +244,12 @@ fn matmul_and_composite_ops_match_cpu() {
         let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
         cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
         cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
-        for inverse in [false, true] {
+        for (inverse, layout) in [false, true].into_iter().flat_map(|i| HeadLayout::ALL.map(|l| (i, l))) {
+            // [B, H, T, D] or [B, T, H, D]: 3 heads, 37 positions.
+            let dims = if layout == HeadLayout::Bhtd { [2, 3, 37, 64] } else { [2, 37, 3, 64] };
             let c = Case {
-                op: Op::Rope { theta: 10000.0, inverse },
-                inputs: vec![randn(t(d, &[2, 3, 37, 64]), r)],
+                op: Op::Rope { theta: 10000.0, inverse, layout },
+                inputs: vec![randn(t(d, &dims), r)],
                 tol_floor: 2e-6,
             };
             cases.push(c);
@@ -316,18 +318,21 @@ fn attention_matches_cpu() {
         (2, 3, 3, 64, 64, 128, false),
         (1, 2, 1, 200, 200, 16, true),
     ];
-    for d in FLOATS {
+    for (d, layout) in FLOATS.into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
         for &(b, hq, hkv, tq, s, hd, causal) in &shapes {
             let scale = 1.0 / (hd as f64).sqrt();
-            let (q, k) = (t(d, &[b, hq, tq, hd]), t(d, &[b, hkv, s, hd]));
-            let fwd = Op::Attention { scale, causal };
+            let (q, k) = match layout {
+                HeadLayout::Bhtd => (t(d, &[b, hq, tq, hd]), t(d, &[b, hkv, s, hd])),
+                HeadLayout::Bthd => (t(d, &[b, tq, hq, hd]), t(d, &[b, s, hkv, hd])),
+            };
+            let fwd = Op::Attention { scale, causal, layout };
             let ins = vec![randn(q.clone(), r), randn(k.clone(), r), randn(k.clone(), r)];
             let outs = cpu::eval(&one_node(fwd.clone(), &[q.clone(), k.clone(), k.clone()]), &ins).unwrap();
             let tol = if d == DType::F64 { 1e-9 } else { 0.0 };
             cases.push(Case { op: fwd, inputs: ins.clone(), tol_floor: tol });
             let mut bw = ins;
             bw.extend([outs[0].clone(), outs[1].clone(), randn(q, r)]);
-            cases.push(Case { op: Op::AttentionBackward { scale, causal }, inputs: bw, tol_floor: tol });
+            cases.push(Case { op: Op::AttentionBackward { scale, causal, layout }, inputs: bw, tol_floor: tol });
         }
     }
     check_all(&dev, cases);

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use rumble_core::{DType, Graph, Tensor, TensorType};
+use rumble_core::{DType, Graph, HeadLayout, Tensor, TensorType};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
@@ -117,25 +117,28 @@ fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tenso
     Ok(y.add(&b)?)
 }
 
-/// Rotary embedding of `x (B, H, T, D)`; returns the rotated tensor and the factor by which its
-/// dot products grow relative to transformers' (see below).
+/// Rotary embedding of `x (B, T, H, D)` (sequence-major, the `bthd` layout); returns the
+/// rotated tensor and the factor by which its dot products grow relative to transformers' (see
+/// below).
 ///
 /// For even `D` this is the `rope` op. For `D == 1` transformers still builds `cos`/`sin` of
 /// width 2 (`cat(freqs, freqs)` with one frequency, 1.0) and broadcasting makes q and k two
 /// identical columns `x * (cos t - sin t)` (since `rotate_half(x) == -x`), so q.k doubles. We
 /// keep one column and let the caller double the attention scale: same result, half the bytes.
-/// `cos t - sin t` is column 0 of `rope(ones (1, 1, T, 2))`.
+/// `cos t - sin t` is column 0 of `rope(ones (1, T, 1, 2))`.
 fn rotary(x: &Tensor, theta: f64) -> Result<(Tensor, f64)> {
-    let (b, h, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
+    let (b, t, h, d) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
     if d != 1 {
-        return Ok((x.rope(theta)?, 1.0)); // (B, H, T, D)
+        return Ok((x.rope_in(HeadLayout::Bthd, theta)?, 1.0)); // (B, T, H, D)
     }
-    let ones = x.graph().full(1.0, x.dtype(), &[1, 1, t, 2]); // (1, 1, T, 2)
-    let factor = ones.rope(theta)?.slice(3, 0, 1)?; // (1, 1, T, 1): cos t - sin t
-    Ok((x.mul(&factor.broadcast_to(&[b, h, t, 1])?)?, 2.0)) // (B, H, T, 1)
+    let ones = x.graph().full(1.0, x.dtype(), &[1, t, 1, 2]); // (1, T, 1, 2)
+    let factor = ones.rope_in(HeadLayout::Bthd, theta)?.slice(3, 0, 1)?; // (1, T, 1, 1): cos t - sin t
+    Ok((x.mul(&factor.broadcast_to(&[b, t, h, 1])?)?, 2.0)) // (B, T, H, 1)
 }
 
-/// One decoder layer on `x (B*T, C)`.
+/// One decoder layer on `x (B*T, C)`. Attention works on the projections as they come out of
+/// the linear layers, `(B*T, H*D)` read as `(B, T, H, D)` (the `bthd` layout): no copies to
+/// and from the head-major `(B, H, T, D)`.
 fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize) -> Result<Tensor> {
     let (hq, hkv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let eps = cfg.rms_norm_eps;
@@ -144,16 +147,16 @@ fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize
     // Attention.
     let h = x.rms_norm(params.get(&p("input_layernorm.weight"))?, eps)?; // (B*T, C)
     let heads = |y: Tensor, n: usize| -> Result<Tensor> {
-        Ok(y.reshape(&[b, t, n, d])?.permute(&[0, 2, 1, 3])?) // (B, n, T, D)
+        Ok(y.reshape(&[b, t, n, d])?) // (B, T, n, D)
     };
-    let q = heads(linear(&h, params, &p("self_attn.q_proj"), cfg.qkv_bias)?, hq)?; // (B, Hq, T, D)
-    let k = heads(linear(&h, params, &p("self_attn.k_proj"), cfg.qkv_bias)?, hkv)?; // (B, Hkv, T, D)
-    let v = heads(linear(&h, params, &p("self_attn.v_proj"), cfg.qkv_bias)?, hkv)?; // (B, Hkv, T, D)
-    let (q, grow) = rotary(&q, cfg.rope_theta)?; // (B, Hq, T, D)
-    let (k, _) = rotary(&k, cfg.rope_theta)?; // (B, Hkv, T, D)
+    let q = heads(linear(&h, params, &p("self_attn.q_proj"), cfg.qkv_bias)?, hq)?; // (B, T, Hq, D)
+    let k = heads(linear(&h, params, &p("self_attn.k_proj"), cfg.qkv_bias)?, hkv)?; // (B, T, Hkv, D)
+    let v = heads(linear(&h, params, &p("self_attn.v_proj"), cfg.qkv_bias)?, hkv)?; // (B, T, Hkv, D)
+    let (q, grow) = rotary(&q, cfg.rope_theta)?; // (B, T, Hq, D)
+    let (k, _) = rotary(&k, cfg.rope_theta)?; // (B, T, Hkv, D)
     let scale = grow / (d as f64).sqrt();
-    let (o, _lse) = Tensor::attention(&q, &k, &v, scale, true)?; // (B, Hq, T, D), lse (B, Hq, T)
-    let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b * t, hq * d])?; // (B*T, Hq*D)
+    let (o, _lse) = Tensor::attention_in(HeadLayout::Bthd, &q, &k, &v, scale, true)?; // (B, T, Hq, D), lse (B, Hq, T)
+    let o = o.reshape(&[b * t, hq * d])?; // (B*T, Hq*D)
     let x = x.add(&linear(&o, params, &p("self_attn.o_proj"), false)?)?; // (B*T, C)
 
     // MLP.

@@ -199,8 +199,9 @@ pub fn vjp(
             let dw = r.pop();
             vec![r.pop(), dw]
         }
-        Op::Rope { theta, inverse } => {
-            vec![Some(args[0].graph().apply(Op::Rope { theta: *theta, inverse: !inverse }, &[&ct])?.remove(0))]
+        Op::Rope { theta, inverse, layout } => {
+            let op = Op::Rope { theta: *theta, inverse: !inverse, layout: *layout };
+            vec![Some(args[0].graph().apply(op, &[&ct])?.remove(0))]
         }
         Op::Softmax => vec![Some(y.graph().apply(Op::SoftmaxBackward, &[y, &ct])?.remove(0))],
         Op::LogSoftmax => vec![Some(y.graph().apply(Op::LogSoftmaxBackward, &[y, &ct])?.remove(0))],
@@ -222,16 +223,16 @@ pub fn vjp(
             vec![r.pop(), du]
         }
         Op::SwigluPacked => vec![Some(args[0].graph().apply(Op::SwigluPackedBackward, &[&args[0], &ct])?.remove(0))],
-        Op::Attention { scale, causal } => {
+        Op::Attention { scale, causal, layout } => {
             if cts[1].is_some() {
                 return Err(Error::Autodiff(
                     "attention: a gradient through the log-sum-exp output is not supported".into(),
                 ));
             }
             let (q, k, v) = (&args[0], &args[1], &args[2]);
-            let r = q
-                .graph()
-                .apply(Op::AttentionBackward { scale: *scale, causal: *causal }, &[q, k, v, y, &outs[1], &ct])?;
+            // dq, dk, dv in the layout of q, k, v.
+            let op = Op::AttentionBackward { scale: *scale, causal: *causal, layout: *layout };
+            let r = q.graph().apply(op, &[q, k, v, y, &outs[1], &ct])?;
             r.into_iter().map(Some).collect()
         }
         Op::Fused(_) => {

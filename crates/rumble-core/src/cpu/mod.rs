@@ -153,7 +153,9 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let (dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);
             Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
         }
-        Op::Rope { theta, inverse } => one(out(&composite::rope::<A>(at[0].dims(), &f(0), *theta, *inverse))),
+        Op::Rope { theta, inverse, layout } => {
+            one(out(&composite::rope::<A>(at[0].dims(), &f(0), *theta, *inverse, *layout)))
+        }
         Op::Softmax => one(out(&composite::softmax::<A>(at[0].shape.last(), &f(0), false))),
         Op::LogSoftmax => one(out(&composite::softmax::<A>(at[0].shape.last(), &f(0), true))),
         Op::SoftmaxBackward => one(out(&composite::softmax_backward::<A>(at[0].shape.last(), &f(0), &f(1), false))),
@@ -193,12 +195,13 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let (dg, du) = composite::swiglu_backward::<A>(&f(0), &f(1), &f(2));
             Ok(vec![out(&dg), out(&du)])
         }
-        Op::Attention { scale, causal } => {
-            let (o, lse) = attention::forward::<A>(at[0].dims(), at[1].dims(), &f(0), &f(1), &f(2), *scale, *causal);
+        Op::Attention { scale, causal, layout } => {
+            let shape = attention::Dims::new(*layout, at[0].dims(), at[1].dims());
+            let (o, lse) = attention::forward::<A>(&shape, &f(0), &f(1), &f(2), *scale, *causal);
             Ok(vec![out(&o), write_float(ot[1].dtype, &lse)])
         }
         Op::Fused(body) => run_fused(body, args),
-        Op::AttentionBackward { scale, causal } => {
+        Op::AttentionBackward { scale, causal, layout } => {
             let g = attention::Grads::<A> {
                 q: f(0),
                 k: f(1),
@@ -207,7 +210,8 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
                 lse: read_float(at[4].dtype, args[4]),
                 dout: f(5),
             };
-            let (dq, dk, dv) = attention::backward(at[0].dims(), at[1].dims(), &g, *scale, *causal);
+            let shape = attention::Dims::new(*layout, at[0].dims(), at[1].dims());
+            let (dq, dk, dv) = attention::backward(&shape, &g, *scale, *causal);
             Ok(vec![out(&dq), out(&dk), out(&dv)])
         }
     }

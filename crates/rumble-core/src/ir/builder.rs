@@ -16,7 +16,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::dtype::{DType, Shape, TensorType};
-use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 
@@ -319,8 +319,13 @@ impl Tensor {
     pub fn rms_norm(&self, w: &Tensor, eps: f64) -> Result<Tensor> {
         self.graph.apply1(Op::RmsNorm { eps }, &[self, w])
     }
+    /// RoPE of `self [B, H, T, D]`.
     pub fn rope(&self, theta: f64) -> Result<Tensor> {
-        self.graph.apply1(Op::Rope { theta, inverse: false }, &[self])
+        self.rope_in(HeadLayout::Bhtd, theta)
+    }
+    /// RoPE of `self` in `layout` (`[B, T, H, D]` for `Bthd`: positions along axis 1).
+    pub fn rope_in(&self, layout: HeadLayout, theta: f64) -> Result<Tensor> {
+        self.graph.apply1(Op::Rope { theta, inverse: false, layout }, &[self])
     }
     pub fn softmax(&self) -> Result<Tensor> {
         self.graph.apply1(Op::Softmax, &[self])
@@ -343,9 +348,22 @@ impl Tensor {
     ) -> Result<Tensor> {
         self.graph.apply1(Op::LinearCrossEntropy { ignore_index, chunk }, &[self, w, targets])
     }
-    /// Causal or full attention; returns the output and the log-sum-exp per query.
+    /// Causal or full attention on `[B, H, T, D]` operands; returns the output and the
+    /// log-sum-exp per query.
     pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<(Tensor, Tensor)> {
-        let mut outs = q.graph.apply(Op::Attention { scale, causal }, &[q, k, v])?;
+        Tensor::attention_in(HeadLayout::Bhtd, q, k, v, scale, causal)
+    }
+    /// Attention with operands in `layout` (`Bthd`: q `[B, T, Hq, D]`, k and v `[B, S, Hkv, D]`,
+    /// the output like q); the log-sum-exp is `[B, Hq, T]` in either layout.
+    pub fn attention_in(
+        layout: HeadLayout,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        causal: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut outs = q.graph.apply(Op::Attention { scale, causal, layout }, &[q, k, v])?;
         let lse = outs.pop().expect("attention has two outputs");
         Ok((outs.pop().expect("attention has two outputs"), lse))
     }

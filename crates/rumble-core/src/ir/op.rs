@@ -57,6 +57,68 @@ pub enum ReduceOp {
     Mean,
 }
 
+/// Where the sequence axis sits in the rank-4 operands of attention and RoPE: `[B, H, T, D]`
+/// (`Bhtd`, head-major, the default) or `[B, T, H, D]` (`Bthd`, sequence-major: what a linear
+/// layer's `(B*T, H*D)` output is after a reshape, so no permute copy is needed). Either way a
+/// head's row of D elements is contiguous; the log-sum-exp of attention is `[B, H, T]` in both.
+/// The text form writes `layout=bthd`; `layout=bhtd` is implied when absent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HeadLayout {
+    /// `[B, H, T, D]`.
+    #[default]
+    Bhtd,
+    /// `[B, T, H, D]`.
+    Bthd,
+}
+
+impl HeadLayout {
+    pub const ALL: [HeadLayout; 2] = [HeadLayout::Bhtd, HeadLayout::Bthd];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadLayout::Bhtd => "bhtd",
+            HeadLayout::Bthd => "bthd",
+        }
+    }
+
+    /// The axis of the sequence (T): 2 in `Bhtd`, 1 in `Bthd`.
+    pub fn seq_axis(self) -> usize {
+        match self {
+            HeadLayout::Bhtd => 2,
+            HeadLayout::Bthd => 1,
+        }
+    }
+
+    /// The axis of the heads (H): 1 in `Bhtd`, 2 in `Bthd`.
+    pub fn head_axis(self) -> usize {
+        3 - self.seq_axis()
+    }
+
+    /// `(B, H, T, D)` of a rank-4 shape in this layout.
+    pub fn bhtd(self, dims: &[usize]) -> [usize; 4] {
+        [dims[0], dims[self.head_axis()], dims[self.seq_axis()], dims[3]]
+    }
+
+    /// The shape as written in this layout, e.g. `[B, T, H, D]`, with `h` and `t` the names of
+    /// the head and sequence dims (for error messages).
+    pub fn pattern(self, h: &str, t: &str) -> String {
+        match self {
+            HeadLayout::Bhtd => format!("[B, {h}, {t}, D]"),
+            HeadLayout::Bthd => format!("[B, {t}, {h}, D]"),
+        }
+    }
+
+    /// Element strides `(between heads, between positions)` of a contiguous tensor of `h`
+    /// heads, `t` positions and head size `d` in this layout (the batch stride is `h * t * d`
+    /// in both). Backends index with these so one kernel serves both layouts.
+    pub fn strides(self, h: usize, t: usize, d: usize) -> (usize, usize) {
+        match self {
+            HeadLayout::Bhtd => (t * d, d),
+            HeadLayout::Bthd => (d, h * d),
+        }
+    }
+}
+
 /// One operation of a trace. Attributes are part of the op; operands are value ids held by the
 /// node (see `trace::Node`).
 #[derive(Clone, Debug, PartialEq)]
@@ -103,9 +165,10 @@ pub enum Op {
     RmsNorm { eps: f64 },
     /// `(x, w, dy) -> (dx, dw)`.
     RmsNormBackward { eps: f64 },
-    /// Rotary position embedding of `x [B, H, T, D]` at positions `0..T`, rotate-half form
-    /// (Hugging Face LLaMA, litgpt). `inverse` rotates by minus the angle (its VJP).
-    Rope { theta: f64, inverse: bool },
+    /// Rotary position embedding of `x [B, H, T, D]` (`[B, T, H, D]` in layout `bthd`) at
+    /// positions `0..T` along the layout's sequence axis, rotate-half form (Hugging Face LLaMA,
+    /// litgpt). `inverse` rotates by minus the angle (its VJP).
+    Rope { theta: f64, inverse: bool, layout: HeadLayout },
     /// Softmax along the last axis.
     Softmax,
     /// `(y, dy) -> dx` for `y = softmax(x)`.
@@ -139,13 +202,14 @@ pub enum Op {
     /// the second).
     SwigluPackedBackward,
     /// Scaled dot-product attention with grouped-query heads:
-    /// `(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> (o [B, Hq, T, D], lse [B, Hq, T])`,
-    /// `lse` in f32 (f64 for f64 operands).
+    /// `(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> (o [B, Hq, T, D], lse [B, Hq, T])`
+    /// in layout `bhtd`; in layout `bthd` q, k, v and o are `[B, T, Hq, D]`, `[B, S, Hkv, D]`
+    /// and `[B, T, Hq, D]`, and lse is still `[B, Hq, T]`. `lse` in f32 (f64 for f64 operands).
     /// Query head `h` reads key/value head `h / (Hq / Hkv)`. `causal` needs `T == S`.
     /// Only `o` and the log-sum-exp `lse` are kept for the backward (flash style).
-    Attention { scale: f64, causal: bool },
-    /// `(q, k, v, o, lse, do) -> (dq, dk, dv)`.
-    AttentionBackward { scale: f64, causal: bool },
+    Attention { scale: f64, causal: bool, layout: HeadLayout },
+    /// `(q, k, v, o, lse, do) -> (dq, dk, dv)`, all but `lse` in the layout of the forward.
+    AttentionBackward { scale: f64, causal: bool, layout: HeadLayout },
     /// A chain of elementwise ops run as one kernel (made by the fusion pass; see
     /// `ir::fused`).
     Fused(Box<FusedBody>),
@@ -532,11 +596,16 @@ impl Op {
                 same_type(x, dy)?;
                 Ok(vec![x.clone(), w.clone()])
             }
-            Op::Rope { .. } => {
+            Op::Rope { layout, .. } => {
                 let x = args[0];
                 float(x)?;
                 if x.rank() != 4 || !x.dims()[3].is_multiple_of(2) {
-                    return Err(format!("needs [B, H, T, D] with D even, got {}", x.shape));
+                    return Err(format!(
+                        "layout {} needs {} with D even, got {}",
+                        layout.name(),
+                        layout.pattern("H", "T"),
+                        x.shape
+                    ));
                 }
                 one(x.clone())
             }
@@ -599,20 +668,19 @@ impl Op {
                 }
                 Ok(vec![args[0].clone(), args[1].clone()])
             }
-            Op::Attention { causal, .. } => {
-                attention_operands(args[0], args[1], args[2], *causal)?;
-                let d = args[0].dims();
-                Ok(vec![args[0].clone(), TensorType::new(stat_dtype(args[0].dtype), [d[0], d[1], d[2]])])
+            Op::Attention { causal, layout, .. } => {
+                let lse = attention_operands(args[0], args[1], args[2], *causal, *layout)?;
+                Ok(vec![args[0].clone(), lse])
             }
-            Op::AttentionBackward { causal, .. } => {
+            Op::AttentionBackward { causal, layout, .. } => {
                 let (q, k, v, o, lse, dout) = (args[0], args[1], args[2], args[3], args[4], args[5]);
-                attention_operands(q, k, v, *causal)?;
-                same_type(q, o)?;
-                same_type(q, dout)?;
-                let d = q.dims();
-                let want = TensorType::new(stat_dtype(q.dtype), [d[0], d[1], d[2]]);
+                let want = attention_operands(q, k, v, *causal, *layout)?;
+                let (o_ok, do_ok) = (same_type(q, o), same_type(q, dout));
+                if o_ok.is_err() || do_ok.is_err() {
+                    return Err(format!("o {o} and do {dout} must both have q's type {q} (layout {})", layout.name()));
+                }
                 if *lse != want {
-                    return Err(format!("lse must be {want}, got {lse}"));
+                    return Err(format!("lse must be {want} ([B, Hq, T]), got {lse} (layout {})", layout.name()));
                 }
                 Ok(vec![q.clone(), k.clone(), v.clone()])
             }
@@ -666,26 +734,54 @@ fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usi
     Ok(())
 }
 
-fn attention_operands(q: &TensorType, k: &TensorType, v: &TensorType, causal: bool) -> Result<(), String> {
+/// Checks attention's q, k, v in `layout`; returns the type of the log-sum-exp `[B, Hq, T]`.
+/// Messages name the layout and the shapes it expects.
+fn attention_operands(
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+    causal: bool,
+    layout: HeadLayout,
+) -> Result<TensorType, String> {
     float(q)?;
+    let l = layout.name();
     if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
-        return Err("q, k, v must be [B, H, T, D]".into());
+        return Err(format!(
+            "layout {l} needs q {}, k and v {}; got q {}, k {}, v {}",
+            layout.pattern("Hq", "T"),
+            layout.pattern("Hkv", "S"),
+            q.shape,
+            k.shape,
+            v.shape
+        ));
     }
     if q.dtype != k.dtype || q.dtype != v.dtype {
-        return Err("q, k, v dtypes differ".into());
+        return Err(format!("q, k, v dtypes differ: {}, {}, {}", q.dtype, k.dtype, v.dtype));
     }
-    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
-    if kd != vd {
+    if k.dims() != v.dims() {
         return Err(format!("k {} and v {} differ", k.shape, v.shape));
     }
-    if qd[0] != kd[0] || qd[3] != kd[3] {
-        return Err(format!("batch or head size differ: q {} vs k {}", q.shape, k.shape));
+    let ([b, hq, t, d], [kb, hkv, s, kd]) = (layout.bhtd(q.dims()), layout.bhtd(k.dims()));
+    if b != kb || d != kd {
+        return Err(format!(
+            "batch or head size differ: q {} vs k {} (layout {l}: q {}, k {})",
+            q.shape,
+            k.shape,
+            layout.pattern("Hq", "T"),
+            layout.pattern("Hkv", "S")
+        ));
     }
-    if kd[1] == 0 || !qd[1].is_multiple_of(kd[1]) {
-        return Err(format!("{} query heads are not a multiple of {} key/value heads", qd[1], kd[1]));
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(format!(
+            "{hq} query heads are not a multiple of {hkv} key/value heads (q {}, k {}, layout {l})",
+            q.shape, k.shape
+        ));
     }
-    if causal && qd[2] != kd[2] {
-        return Err(format!("causal attention needs equal lengths, got {} and {}", qd[2], kd[2]));
+    if causal && t != s {
+        return Err(format!(
+            "causal attention needs equal lengths, got {t} and {s} (q {}, k {}, layout {l})",
+            q.shape, k.shape
+        ));
     }
-    Ok(())
+    Ok(TensorType::new(stat_dtype(q.dtype), [b, hq, t]))
 }

@@ -20,7 +20,7 @@ use std::fmt::{self, Write as _};
 
 use super::dtype::{DType, Shape, TensorType};
 use super::fused::{FusedBody, FusedInstr};
-use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 
@@ -43,15 +43,21 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::ScatterAdd { rows } => vec![("rows", rows.to_string())],
         Op::Matmul { ta, tb } => vec![("ta", ta.to_string()), ("tb", tb.to_string())],
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps } => vec![("eps", f(*eps))],
-        Op::Rope { theta, inverse } => vec![("theta", f(*theta)), ("inverse", inverse.to_string())],
+        Op::Rope { theta, inverse, layout } => {
+            let mut a = vec![("theta", f(*theta)), ("inverse", inverse.to_string())];
+            a.extend(layout_attr(*layout));
+            a
+        }
         Op::CrossEntropy { ignore_index } | Op::CrossEntropyBackward { ignore_index } => {
             vec![("ignore_index", ignore_index.to_string())]
         }
         Op::LinearCrossEntropy { ignore_index, chunk } | Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
             vec![("ignore_index", ignore_index.to_string()), ("chunk", chunk.to_string())]
         }
-        Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => {
-            vec![("scale", f(*scale)), ("causal", causal.to_string())]
+        Op::Attention { scale, causal, layout } | Op::AttentionBackward { scale, causal, layout } => {
+            let mut a = vec![("scale", f(*scale)), ("causal", causal.to_string())];
+            a.extend(layout_attr(*layout));
+            a
         }
         Op::Fused(body) => vec![("shape", body.shape.to_string())],
         Op::Unary(_)
@@ -68,6 +74,12 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         | Op::SwigluPacked
         | Op::SwigluPackedBackward => vec![],
     }
+}
+
+/// `layout=bthd`, or nothing for the default `bhtd` (so traces written before the attribute
+/// existed print and parse unchanged).
+fn layout_attr(layout: HeadLayout) -> Option<(&'static str, String)> {
+    (layout != HeadLayout::default()).then(|| ("layout", layout.name().to_string()))
 }
 
 /// The attributes of one parsed line, read on demand by key and type.
@@ -98,6 +110,16 @@ impl<'a> Attrs<'a> {
     }
     fn ty(&self, key: &str) -> Result<TensorType, String> {
         self.get(key)?.parse()
+    }
+    /// `layout`, `bhtd` when absent.
+    fn layout(&self) -> Result<HeadLayout, String> {
+        let Some(v) = self.map.get("layout") else {
+            return Ok(HeadLayout::default());
+        };
+        HeadLayout::ALL.into_iter().find(|l| l.name() == *v).ok_or_else(|| {
+            let names: Vec<_> = HeadLayout::ALL.iter().map(|l| l.name()).collect();
+            format!("bad value `{v}` for attribute `layout` (one of {})", names.join(", "))
+        })
     }
 }
 
@@ -142,7 +164,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "matmul" => Op::Matmul { ta: a.bool("ta")?, tb: a.bool("tb")? },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
         "rms_norm_backward" => Op::RmsNormBackward { eps: a.f64("eps")? },
-        "rope" => Op::Rope { theta: a.f64("theta")?, inverse: a.bool("inverse")? },
+        "rope" => Op::Rope { theta: a.f64("theta")?, inverse: a.bool("inverse")?, layout: a.layout()? },
         "softmax" => Op::Softmax,
         "softmax_backward" => Op::SoftmaxBackward,
         "log_softmax" => Op::LogSoftmax,
@@ -159,8 +181,10 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "swiglu_backward" => Op::SwigluBackward,
         "swiglu_packed" => Op::SwigluPacked,
         "swiglu_packed_backward" => Op::SwigluPackedBackward,
-        "attention" => Op::Attention { scale: a.f64("scale")?, causal: a.bool("causal")? },
-        "attention_backward" => Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")? },
+        "attention" => Op::Attention { scale: a.f64("scale")?, causal: a.bool("causal")?, layout: a.layout()? },
+        "attention_backward" => {
+            Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")?, layout: a.layout()? }
+        }
         // The body follows on the next lines; `Parser` fills it in.
         "fused" => Op::Fused(Box::new(FusedBody {
             shape: Shape::new(a.list("shape")?),

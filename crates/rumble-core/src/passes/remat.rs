@@ -92,9 +92,9 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
             let k = if *ta { a[a.len() - 2] } else { a[a.len() - 1] };
             2 * out * k as u64
         }
-        Op::Attention { causal, .. } | Op::AttentionBackward { causal, .. } => {
-            let (q, k) = (args[0].dims(), args[1].dims());
-            let f = 4 * (q[0] * q[1] * q[2] * k[2] * q[3]) as u64;
+        Op::Attention { causal, layout, .. } | Op::AttentionBackward { causal, layout, .. } => {
+            let ([b, hq, t, d], [_, _, s, _]) = (layout.bhtd(args[0].dims()), layout.bhtd(args[1].dims()));
+            let f = 4 * (b * hq * t * s * d) as u64;
             let f = if *causal { f / 2 } else { f };
             if matches!(op, Op::AttentionBackward { .. }) { 5 * f / 2 } else { f }
         }

@@ -6,7 +6,17 @@
 #define MAXU 8  // head size up to NT * MAXU
 
 #define NW (NT / 32)
-struct AttnDims { i64 b, hq, hkv, t, s, d; };
+// Shapes and the operands' layout as element strides between heads and between positions of
+// q, o, dO, dQ (qhs, qrs) and of k, v, dK, dV (khs, krs): flash.rs `dims_blob`. lse and delta
+// are [B, Hq, T] (indexed by the query row bh * t + i) in either layout.
+struct AttnDims { i64 b, hq, hkv, t, s, d, qhs, qrs, khs, krs; };
+// Offset of row i of query head bh = b * hq + h; of row j of kv head bk = b * hkv + h.
+__device__ __forceinline__ i64 attn_q(const AttnDims& dm, i64 bh, i64 i) {
+  return (bh / dm.hq) * dm.hq * dm.t * dm.d + (bh % dm.hq) * dm.qhs + i * dm.qrs;
+}
+__device__ __forceinline__ i64 attn_k(const AttnDims& dm, i64 bk, i64 j) {
+  return (bk / dm.hkv) * dm.hkv * dm.s * dm.d + (bk % dm.hkv) * dm.khs + j * dm.krs;
+}
 
 // x . row over d elements by one warp: lanes read consecutive elements (coalesced), then a
 // fixed shuffle tree. Every lane gets the result.
@@ -30,11 +40,12 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
   i64 group = dm.hq / dm.hkv, d = dm.d;
   for (i64 row = blockIdx.x; row < dm.b * dm.hq * dm.t; row += gridDim.x) {
     i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
-    const T* kb = k + (b * dm.hkv + h / group) * dm.s * d;
-    const T* vb = v + (b * dm.hkv + h / group) * dm.s * d;
+    const T* kb = k + attn_k(dm, b * dm.hkv + h / group, 0);
+    const T* vb = v + attn_k(dm, b * dm.hkv + h / group, 0);
+    const i64 qo = attn_q(dm, bh, i);
     i64 n = causal ? i + 1 : dm.s;
     __syncthreads();
-    for (i64 c = tid; c < d; c += NT) qs[c] = ldf(q[row * d + c]);
+    for (i64 c = tid; c < d; c += NT) qs[c] = ldf(q[qo + c]);
     __syncthreads();
     A m = (A)(-F64_INF), l = 0;
     A acc[MAXU];
@@ -44,7 +55,7 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
       i64 cnt = n - j0 < NT ? n - j0 : NT;
       for (int jj = tid >> 5; jj < NT; jj += NW) {
         A sc = (A)(-F64_INF);
-        if (jj < cnt) sc = warp_dot(qs, kb + (j0 + jj) * d, d) * scale;
+        if (jj < cnt) sc = warp_dot(qs, kb + (j0 + jj) * dm.krs, d) * scale;
         if ((tid & 31) == 0) ps[jj] = sc;
       }
       __syncthreads();
@@ -60,7 +71,7 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
         i64 c = tid + u * NT;
         if (c < d) {
           A a = acc[u] * alpha;
-          for (i64 jj = 0; jj < cnt; ++jj) a += ps[jj] * ldf(vb[(j0 + jj) * d + c]);
+          for (i64 jj = 0; jj < cnt; ++jj) a += ps[jj] * ldf(vb[(j0 + jj) * dm.krs + c]);
           acc[u] = a;
         }
       }
@@ -70,7 +81,7 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
 #pragma unroll
     for (int u = 0; u < MAXU; ++u) {
       i64 c = tid + u * NT;
-      if (c < d) stf(&o[row * d + c], acc[u] / l);
+      if (c < d) stf(&o[qo + c], acc[u] / l);
     }
     if (tid == 0) lse[row] = m + ln_(l);
   }
@@ -92,15 +103,16 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
   i64 group = dm.hq / dm.hkv, d = dm.d;
   for (i64 row = blockIdx.x; row < dm.b * dm.hq * dm.t; row += gridDim.x) {
     i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
-    const T* kb = k + (b * dm.hkv + h / group) * dm.s * d;
-    const T* vb = v + (b * dm.hkv + h / group) * dm.s * d;
+    const T* kb = k + attn_k(dm, b * dm.hkv + h / group, 0);
+    const T* vb = v + attn_k(dm, b * dm.hkv + h / group, 0);
+    const i64 qo = attn_q(dm, bh, i);
     i64 n = causal ? i + 1 : dm.s;
     __syncthreads();
     A di = 0;
     for (i64 c = tid; c < d; c += NT) {
-      qs[c] = ldf(q[row * d + c]);
-      gs[c] = ldf(dout[row * d + c]);
-      di += gs[c] * ldf(o[row * d + c]);
+      qs[c] = ldf(q[qo + c]);
+      gs[c] = ldf(dout[qo + c]);
+      di += gs[c] * ldf(o[qo + c]);
     }
     di = block_sum(di, buf);
     if (tid == 0) delta[row] = (double)di;
@@ -113,8 +125,8 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
       for (int jj = tid >> 5; jj < NT; jj += NW) {
         A ds = 0;
         if (jj < cnt) {
-          A s = warp_dot(qs, kb + (j0 + jj) * d, d);
-          A dp = warp_dot(gs, vb + (j0 + jj) * d, d);
+          A s = warp_dot(qs, kb + (j0 + jj) * dm.krs, d);
+          A dp = warp_dot(gs, vb + (j0 + jj) * dm.krs, d);
           ds = ex_(s * scale - L) * (dp - di);
         }
         if ((tid & 31) == 0) ps[jj] = ds;
@@ -124,14 +136,14 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
       for (int u = 0; u < MAXU; ++u) {
         i64 c = tid + u * NT;
         if (c < d)
-          for (i64 jj = 0; jj < cnt; ++jj) acc[u] += ps[jj] * ldf(kb[(j0 + jj) * d + c]);
+          for (i64 jj = 0; jj < cnt; ++jj) acc[u] += ps[jj] * ldf(kb[(j0 + jj) * dm.krs + c]);
       }
       __syncthreads();
     }
 #pragma unroll
     for (int u = 0; u < MAXU; ++u) {
       i64 c = tid + u * NT;
-      if (c < d) stf(&dq[row * d + c], acc[u] * scale);
+      if (c < d) stf(&dq[qo + c], acc[u] * scale);
     }
   }
 }
@@ -152,10 +164,11 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
   i64 group = dm.hq / dm.hkv, d = dm.d;
   for (i64 row = blockIdx.x; row < dm.b * dm.hkv * dm.s; row += gridDim.x) {
     i64 j = row % dm.s, bk = row / dm.s, kh = bk % dm.hkv, b = bk / dm.hkv;
+    const i64 ko = attn_k(dm, bk, j);
     __syncthreads();
     for (i64 c = tid; c < d; c += NT) {
-      ks[c] = ldf(k[row * d + c]);
-      vs[c] = ldf(v[row * d + c]);
+      ks[c] = ldf(k[ko + c]);
+      vs[c] = ldf(v[ko + c]);
     }
     __syncthreads();
     A gk[MAXU], gv[MAXU];
@@ -163,8 +176,8 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
     for (int u = 0; u < MAXU; ++u) gk[u] = gv[u] = 0;
     for (i64 g = 0; g < group; ++g) {
       i64 bh = b * dm.hq + kh * group + g;
-      const T* qb = q + bh * dm.t * d;
-      const T* gb = dout + bh * dm.t * d;
+      const T* qb = q + attn_q(dm, bh, 0);
+      const T* gb = dout + attn_q(dm, bh, 0);
       i64 first = causal ? j : 0;
       for (i64 i0 = first; i0 < dm.t; i0 += NT) {
         i64 cnt = dm.t - i0 < NT ? dm.t - i0 : NT;
@@ -172,8 +185,8 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
           A p = 0, ds = 0;
           if (ii < cnt) {
             i64 i = i0 + ii;
-            A s = warp_dot(ks, qb + i * d, d);
-            A dp = warp_dot(vs, gb + i * d, d);
+            A s = warp_dot(ks, qb + i * dm.qrs, d);
+            A dp = warp_dot(vs, gb + i * dm.qrs, d);
             p = ex_(s * scale - (A)lse[bh * dm.t + i]);
             ds = p * (dp - (A)delta[bh * dm.t + i]);
           }
@@ -188,8 +201,8 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
           i64 c = tid + u * NT;
           if (c < d)
             for (i64 ii = 0; ii < cnt; ++ii) {
-              gv[u] += ps[ii] * ldf(gb[(i0 + ii) * d + c]);
-              gk[u] += dss[ii] * ldf(qb[(i0 + ii) * d + c]);
+              gv[u] += ps[ii] * ldf(gb[(i0 + ii) * dm.qrs + c]);
+              gk[u] += dss[ii] * ldf(qb[(i0 + ii) * dm.qrs + c]);
             }
         }
         __syncthreads();
@@ -199,8 +212,8 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
     for (int u = 0; u < MAXU; ++u) {
       i64 c = tid + u * NT;
       if (c < d) {
-        stf(&dk[row * d + c], gk[u] * scale);
-        stf(&dv[row * d + c], gv[u]);
+        stf(&dk[ko + c], gk[u] * scale);
+        stf(&dv[ko + c], gv[u]);
       }
     }
   }

@@ -79,7 +79,11 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 
 namespace fa {
 typedef FT T;
-struct Dims { i64 b, hq, hkv, t, s, d; };  // the blob every attention kernel takes
+// The blob every attention kernel takes: shapes, and the operands' layout as element strides
+// (src/flash.rs, HeadLayout::strides) between heads and between positions of q, o, dO, dQ (qhs,
+// qrs) and of k, v, dK, dV (khs, krs): [B, H, T, D] has (T d, d), [B, T, H, D] (d, H d); the
+// batch stride is H T d in both. lse and delta are [B, Hq, T] either way.
+struct Dims { i64 b, hq, hkv, t, s, d, qhs, qrs, khs, krs; };
 constexpr int DP = FDP;                      // padded head size
 constexpr int LD = DP + 8;                   // smem row stride (elements): ldmatrix rows hit distinct banks
 
@@ -147,19 +151,24 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+// Offset of position 0 of query head h of batch b (in q, o, dO, dQ), of kv head h of batch b (in
+// k, v, dK, dV). (From b and h, which the kernels have: no 64-bit divisions here.)
+__device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
+__device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
 
 
-// Rows [row0, row0 + ROWS) of a row-major [*, d] matrix into a [ROWS][LD] shared tile by NTH
-// threads; rows at or past `valid` and columns at or past d are zeros. `vec`: 16-byte cp.async
-// (d % 8 == 0 and aligned pointers), else element by element (synchronous).
+// Rows [row0, row0 + ROWS) of rows of d elements, rs apart, into a [ROWS][LD] shared tile by
+// NTH threads; rows at or past `valid` and columns at or past d are zeros. `vec`: 16-byte
+// cp.async (d % 8 == 0, so rs, a multiple of d, too, and aligned pointers), else element by
+// element (synchronous).
 template <int NTH, int ROWS>
-__device__ __forceinline__ void load_tile(T* sm, const T* g, i64 row0, i64 valid, i64 d, bool vec) {
+__device__ __forceinline__ void load_tile(T* sm, const T* g, i64 row0, i64 valid, i64 d, i64 rs, bool vec) {
   if (vec) {
     constexpr int CH = DP / 8;
     for (int c = threadIdx.x; c < ROWS * CH; c += NTH) {
       int r = c / CH, cc = c % CH;
       bool ok = r < valid && cc * 8 < d;
-      const T* src = ok ? g + (row0 + r) * d + cc * 8 : g;
+      const T* src = ok ? g + (row0 + r) * rs + cc * 8 : g;
       cp_async16(sm + r * LD + cc * 8, src, ok ? 16 : 0);
     }
   } else {
@@ -167,7 +176,7 @@ __device__ __forceinline__ void load_tile(T* sm, const T* g, i64 row0, i64 valid
       int r = e / DP, c = e % DP;
       T x;
       x.x = 0;
-      if (r < valid && c < d) x = g[(row0 + r) * d + c];
+      if (r < valid && c < d) x = g[(row0 + r) * rs + c];
       sm[r * LD + c] = x;
     }
   }
@@ -294,10 +303,10 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const i64 nqb = (T_ + BR - 1) / BR;
   const i64 q0 = (nqb - 1 - blk) * BR;  // block 0: the longest causal rows
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const T* qh = q + bh * T_ * d;
-  const T* kh = k + kvh * S * d;
-  const T* vh = v + kvh * S * d;
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const T* qh = q + q_at(dm, b, h);
+  const T* kh = k + k_at(dm, b, kvh);
+  const T* vh = v + k_at(dm, b, kvh);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
@@ -307,10 +316,10 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   const i64 wrow = q0 + w * 16 * MT;                // the warp's first row
   const i64 wlast = wrow + 16 * MT - 1;             // and its last
 
-  load_tile<NTH, BR>(sq, qh, q0, T_ - q0, d, vec);
+  load_tile<NTH, BR>(sq, qh, q0, T_ - q0, d, dm.qrs, vec);
   if (ntiles > 0) {
-    load_tile<NTH, BC>(sk, kh, 0, S, d, vec);
-    load_tile<NTH, BC>(sv, vh, 0, S, d, vec);
+    load_tile<NTH, BC>(sk, kh, 0, S, d, dm.krs, vec);
+    load_tile<NTH, BC>(sv, vh, 0, S, d, dm.krs, vec);
   }
   cp_commit();
   float acc[MT][DP / 8][4];
@@ -326,8 +335,8 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
     const i64 j0 = (i64)it * BC;
     if (it + 1 < ntiles) {
       const int st = (it + 1) & 1;
-      load_tile<NTH, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, vec);
-      load_tile<NTH, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, vec);
+      load_tile<NTH, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
+      load_tile<NTH, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -422,18 +431,21 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const i64 c = n * 8 + 2 * tq + e;
-            if (c < d) st(&o[(bh * T_ + r) * d + c], acc[mt][n][2 * i + e] * inv);
+            if (c < d) st(&o[q_at(dm, b, h) + r * dm.qrs + c], acc[mt][n][2 * i + e] * inv);
           }
       }
     }
 }
 
-// ---- backward, without FDELTA 1/3: delta = rowsum(dO * O) in f32, one warp per row ----
-__device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta, i64 rows, i64 d) {
+// ---- backward, without FDELTA 1/3: delta = rowsum(dO * O) in f32, one warp per row (row r =
+// bh * T + i) ----
+__device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta, Dims dm) {
   const int lane = threadIdx.x & 31;
+  const i64 rows = dm.b * dm.hq * dm.t, d = dm.d;
   for (i64 r = (i64)blockIdx.x * (NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (NT / 32)) {
+    const i64 bh = r / dm.t, at = q_at(dm, bh / dm.hq, bh % dm.hq) + (r % dm.t) * dm.qrs;
     float a = 0.f;
-    for (i64 c = lane; c < d; c += 32) a += ld(o[r * d + c]) * ld(dout[r * d + c]);
+    for (i64 c = lane; c < d; c += 32) a += ld(o[at + c]) * ld(dout[at + c]);
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) a += shfl_xor(a, x);
     if (lane == 0) delta[r] = a;
@@ -466,14 +478,14 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   const int total = (int)group * nqt;
   const i64 kw = k0 + w * 16 * MT;  // the warp's first key
 
-  load_tile<NT, BK>(sk, k + bk * S * d, k0, S - k0, d, vec);
-  load_tile<NT, BK>(sv, v + bk * S * d, k0, S - k0, d, vec);
+  load_tile<NT, BK>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
+  load_tile<NT, BK>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   // Tile `it`: query head b*hq + kvh*group + it / nqt, queries from qstart + (it % nqt) * BQ.
   auto load_q = [&](int it, int st) {
-    const i64 bh = b * dm.hq + kvh * group + it / nqt;
+    const i64 hh = kvh * group + it / nqt, bh = b * dm.hq + hh;
     const i64 i0 = qstart + (i64)(it % nqt) * BQ;
-    load_tile<NT, BQ>(sq + st * BQ * LD, q + bh * T_ * d, i0, T_ - i0, d, vec);
-    load_tile<NT, BQ>(sdo + st * BQ * LD, dout + bh * T_ * d, i0, T_ - i0, d, vec);
+    load_tile<NT, BQ>(sq + st * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
+    load_tile<NT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
     for (int e = threadIdx.x; e < BQ; e += NT) {
       const bool ok = i0 + e < T_;
       sl[st * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
@@ -552,8 +564,8 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
           for (int e = 0; e < 2; ++e) {
             const i64 c = c0 + n * 8 + 2 * tq + e;
             if (c < d) {
-              st(&dk[(bk * S + r) * d + c], gk[mt][n][2 * i + e] * sc);
-              st(&dv[(bk * S + r) * d + c], gv[mt][n][2 * i + e]);
+              st(&dk[k_at(dm, b, kvh) + r * dm.krs + c], gk[mt][n][2 * i + e] * sc);
+              st(&dv[k_at(dm, b, kvh) + r * dm.krs + c], gv[mt][n][2 * i + e]);
             }
           }
       }
@@ -583,7 +595,9 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
 // __launch_bounds__(256, 2) asks for (two blocks of 8 warps, 16 warps per SM; pair's dK/dV has
 // 242-255 registers x 4 warps, two blocks, 8 warps per SM). Measured (resources.py, NVRTC 13,
 // sm_90): 121-128 registers and no spills for d16..d96 and d128; d112 128 with 20 bytes of
-// spill stores/loads (stack 16). (Fully unrolled, unbounded, ptxas takes 194 at d64, 211 at
+// spill stores/loads (stack 16). Since load_q addresses q and dO by strides (either head
+// layout), the same tool gives d64 8/4, d112 128/448 and d128 60/120 bytes of spill
+// stores/loads: to look at when fa2 is timed. (Fully unrolled, unbounded, ptxas takes 194 at d64, 211 at
 // d128; the 64-bit tile arithmetic of load_tile in the loop, or a second masked copy of the
 // softmax, cost ~20-30 registers each and spilled at d112/d128: hence load_rows and one
 // masking path in 32-bit tile-relative indices.) Shared memory: (2 x 64 + 4 x Q2) x (DP + 8)
@@ -613,10 +627,11 @@ __device__ __forceinline__ void mma_sb(float (*acc)[4], const T* a, const T* b, 
   }
 }
 
-// load_tile for a tile of at most 64 rows given by its first row's pointer: 32-bit offsets
-// inside the tile (load_tile's 64-bit row arithmetic in fa2's loop cost ~30 registers at d112).
+// load_tile for a tile of at most 64 rows, rs apart, given by its first row's pointer: 32-bit
+// offsets inside the tile (load_tile's 64-bit row arithmetic in fa2's loop cost ~30 registers
+// at d112).
 template <int NTH, int ROWS>
-__device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, bool vec) {
+__device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, int rs, bool vec) {
   if (vec) {
     constexpr int CH = DP / 8;
 #pragma unroll
@@ -624,7 +639,7 @@ __device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, b
       const int c = threadIdx.x + i * NTH, r = c / CH, cc = c % CH;
       if ((ROWS * CH) % NTH == 0 || c < ROWS * CH) {
         const bool ok = r < valid && cc * 8 < d;
-        cp_async16(sm + r * LD + cc * 8, ok ? g + r * d + cc * 8 : g, ok ? 16 : 0);
+        cp_async16(sm + r * LD + cc * 8, ok ? g + r * rs + cc * 8 : g, ok ? 16 : 0);
       }
     }
   } else {
@@ -632,7 +647,7 @@ __device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, b
       const int r = e / DP, c = e % DP;
       T x;
       x.x = 0;
-      if (r < valid && c < d) x = g[r * d + c];
+      if (r < valid && c < d) x = g[r * rs + c];
       sm[r * LD + c] = x;
     }
   }
@@ -666,13 +681,14 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   const int kr = causal ? 16 * kg : 0;      // the warp's first key relative to qstart (causal)
   const int qo = h * QW2;                   // phase 1: the warp's first query in the tile
 
-  load_tile<NT2, K2>(sk, k + bk * S * d, k0, S - k0, d, vec);
-  load_tile<NT2, K2>(sv, v + bk * S * d, k0, S - k0, d, vec);
+  load_tile<NT2, K2>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
+  load_tile<NT2, K2>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   auto load_q = [&](int hh, int qt, int st) {
-    const i64 row = (bh0 + hh) * T_ + qstart + (i64)qt * Q2;  // the tile's first row of q, dout
+    const i64 row = (bh0 + hh) * T_ + qstart + (i64)qt * Q2;  // the tile's first row of lse, delta
+    const i64 at = q_at(dm, b, kvh * group + hh) + (qstart + (i64)qt * Q2) * dm.qrs;  // and of q, dout
     const int valid = qlen - qt * Q2;
-    load_rows<NT2, Q2>(sq + st * Q2 * LD, q + row * d, valid, (int)d, vec);
-    load_rows<NT2, Q2>(sdo + st * Q2 * LD, dout + row * d, valid, (int)d, vec);
+    load_rows<NT2, Q2>(sq + st * Q2 * LD, q + at, valid, (int)d, (int)dm.qrs, vec);
+    load_rows<NT2, Q2>(sdo + st * Q2 * LD, dout + at, valid, (int)d, (int)dm.qrs, vec);
     for (int e = threadIdx.x; e < Q2; e += NT2) {
       const bool ok = e < valid;
       sl[st * Q2 + e] = ok ? lse[row + e] * LOG2E : 0.f;
@@ -762,8 +778,8 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
             for (int e = 0; e < 2; ++e) {
               const i64 c = cb * 16 + nn * 8 + 2 * tq + e;
               if (c < d) {
-                st(&dk[(bk * S + r) * d + c], gk[2 * j + nn][2 * i + e] * sc);
-                st(&dv[(bk * S + r) * d + c], gv[2 * j + nn][2 * i + e]);
+                st(&dk[k_at(dm, b, kvh) + r * dm.krs + c], gk[2 * j + nn][2 * i + e] * sc);
+                st(&dv[k_at(dm, b, kvh) + r * dm.krs + c], gv[2 * j + nn][2 * i + e]);
               }
             }
       }
@@ -789,20 +805,20 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
   const i64 nqb = (T_ + BR - 1) / BR;
   const i64 q0 = (nqb - 1 - blk) * BR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const T* kh = k + kvh * S * d;
-  const T* vh = v + kvh * S * d;
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const T* kh = k + k_at(dm, b, kvh);
+  const T* vh = v + k_at(dm, b, kvh);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const i64 kend = causal ? min64(S, q0 + BR) : S;
   const int ntiles = (int)((kend + BC - 1) / BC);
   const float sl2 = (float)(scale * 1.4426950408889634);
   const i64 wrow = q0 + w * 16 * MT, wlast = wrow + 16 * MT - 1;
 
-  load_tile<NT, BR>(sq, q + bh * T_ * d, q0, T_ - q0, d, vec);
-  load_tile<NT, BR>(sdo, dout + bh * T_ * d, q0, T_ - q0, d, vec);
+  load_tile<NT, BR>(sq, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs, vec);
+  load_tile<NT, BR>(sdo, dout + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs, vec);
   if (ntiles > 0) {
-    load_tile<NT, BC>(sk, kh, 0, S, d, vec);
-    load_tile<NT, BC>(sv, vh, 0, S, d, vec);
+    load_tile<NT, BC>(sk, kh, 0, S, d, dm.krs, vec);
+    load_tile<NT, BC>(sv, vh, 0, S, d, dm.krs, vec);
   }
   cp_commit();
   if (FDELTA) {
@@ -811,7 +827,10 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
       const i64 row = wrow + r;
       float a = 0.f;
       if (row < T_)
-        for (i64 c = lane; c < d; c += 32) a += ld(o[(bh * T_ + row) * d + c]) * ld(dout[(bh * T_ + row) * d + c]);
+        for (i64 c = lane; c < d; c += 32) {
+          const i64 at = q_at(dm, b, h) + row * dm.qrs + c;
+          a += ld(o[at]) * ld(dout[at]);
+        }
 #pragma unroll
       for (int x = 16; x > 0; x >>= 1) a += shfl_xor(a, x);
       if (lane == 0) {
@@ -838,8 +857,8 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
     const i64 j0 = (i64)it * BC;
     if (it + 1 < ntiles) {
       const int st = (it + 1) & 1;
-      load_tile<NT, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, vec);
-      load_tile<NT, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, vec);
+      load_tile<NT, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
+      load_tile<NT, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -896,7 +915,7 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const i64 c = n * 8 + 2 * tq + e;
-            if (c < d) st(&dq[(bh * T_ + r) * d + c], acc[mt][n][2 * i + e] * sc);
+            if (c < d) st(&dq[q_at(dm, b, h) + r * dm.qrs + c], acc[mt][n][2 * i + e] * sc);
           }
       }
     }
@@ -933,8 +952,8 @@ extern "C" __global__ void __launch_bounds__(fa::FNT) flash_fwd(const fa::T* q, 
   }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T* o, const fa::T* dout, float* delta,
-                                                                     i64 rows, i64 d) {
-  fa::bwd_delta(o, dout, delta, rows, d);
+                                                                     fa::Dims dm) {
+  fa::bwd_delta(o, dout, delta, dm);
 }
 // fa2's dK/dV (8 warps) asks for two blocks per multiprocessor: at most 128 registers a thread.
 #if FCFG == 5 && FDP <= 128

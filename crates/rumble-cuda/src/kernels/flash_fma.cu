@@ -49,7 +49,11 @@ __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sy
 
 namespace fa {
 typedef float T;
-struct Dims { i64 b, hq, hkv, t, s, d; };
+// Shapes, and the operands' layout as element strides (src/flash.rs, HeadLayout::strides):
+// between heads and between positions of q, o, dO, dQ (qhs, qrs) and of k, v, dK, dV (khs,
+// krs); [B, H, T, D] has (T d, d), [B, T, H, D] (d, H d); the batch stride is H T d in both.
+// lse and delta are [B, Hq, T] either way.
+struct Dims { i64 b, hq, hkv, t, s, d, qhs, qrs, khs, krs; };
 constexpr int NT = 256;
 constexpr int DP = FDPF;  // head size rounded up to 32
 constexpr int LD = DP + 4;  // row stride of every head-dim tile in shared memory
@@ -83,25 +87,29 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+// Offset of position 0 of query head h of batch b (in q, o, dO, dQ), of kv head h of batch b (in
+// k, v, dK, dV). (From b and h, which the kernels have: no 64-bit divisions here.)
+__device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
+__device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
 __device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
 __device__ __forceinline__ float comp(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// Rows [row0, row0 + ROWS) of a row-major [*, d] matrix into sm[r * LD + c] (c < DP); rows at
-// or past `valid` and columns at or past d are zeros. Asynchronous (cp.async) when d % 4 == 0:
-// the caller commits and waits.
+// Rows [row0, row0 + ROWS) of rows of d elements, rs apart, into sm[r * LD + c] (c < DP); rows
+// at or past `valid` and columns at or past d are zeros. Asynchronous (cp.async) when d % 4 == 0
+// (rs, a multiple of d, keeps the rows 16-byte aligned): the caller commits and waits.
 template <int ROWS>
-__device__ __forceinline__ void load_tile(float* sm, const float* g, i64 row0, i64 valid, i64 d) {
+__device__ __forceinline__ void load_tile(float* sm, const float* g, i64 row0, i64 valid, i64 d, i64 rs) {
   if ((d & 3) == 0) {
     constexpr int C4 = DP / 4;
     for (int e = threadIdx.x; e < ROWS * C4; e += NT) {
       const int r = e / C4, c = (e % C4) * 4;
       const bool ok = r < valid && c < d;
-      cp_async16(sm + r * LD + c, ok ? g + (row0 + r) * d + c : g, ok ? 16 : 0);
+      cp_async16(sm + r * LD + c, ok ? g + (row0 + r) * rs + c : g, ok ? 16 : 0);
     }
   } else {
     for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
       const int r = e / DP, c = e % DP;
-      sm[r * LD + c] = (r < valid && c < d) ? g[(row0 + r) * d + c] : 0.f;
+      sm[r * LD + c] = (r < valid && c < d) ? g[(row0 + r) * rs + c] : 0.f;
     }
   }
 }
@@ -185,16 +193,16 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
   const i64 nqb = (T_ + FBR - 1) / FBR;
   const i64 q0 = (nqb - 1 - blk) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const float* kh = k + kvh * S * d;
-  const float* vh = v + kvh * S * d;
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const float* kh = k + k_at(dm, b, kvh);
+  const float* vh = v + k_at(dm, b, kvh);
   const i64 kend = causal ? min64(S, q0 + FBR) : S;
   const i64 nt = (kend + FBC - 1) / FBC;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  load_tile<FBR>(qs, q + bh * T_ * d, q0, T_ - q0, d);
+  load_tile<FBR>(qs, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
   if (FNB == 2 && nt > 0) {
-    load_tile<FBC>(ks, kh, 0, S, d);
-    load_tile<FBC>(vs, vh, 0, S, d);
+    load_tile<FBC>(ks, kh, 0, S, d, dm.krs);
+    load_tile<FBC>(vs, vh, 0, S, d, dm.krs);
   }
   cp_commit();
   float acc[RQ][4 * U];
@@ -210,13 +218,13 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
     const i64 j0 = it * FBC;
     const int cur = FNB == 2 ? (int)(it & 1) : 0;
     if (FNB == 1) {
-      load_tile<FBC>(ks, kh, j0, S - j0, d);
-      load_tile<FBC>(vs, vh, j0, S - j0, d);
+      load_tile<FBC>(ks, kh, j0, S - j0, d, dm.krs);
+      load_tile<FBC>(vs, vh, j0, S - j0, d, dm.krs);
       cp_commit();
       cp_wait<0>();
     } else if (it + 1 < nt) {
-      load_tile<FBC>(ks + (cur ^ 1) * FBC * LD, kh, j0 + FBC, S - j0 - FBC, d);
-      load_tile<FBC>(vs + (cur ^ 1) * FBC * LD, vh, j0 + FBC, S - j0 - FBC, d);
+      load_tile<FBC>(ks + (cur ^ 1) * FBC * LD, kh, j0 + FBC, S - j0 - FBC, d, dm.krs);
+      load_tile<FBC>(vs + (cur ^ 1) * FBC * LD, vh, j0 + FBC, S - j0 - FBC, d, dm.krs);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -277,19 +285,21 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const i64 col = (tx + FTX * u) * 4 + e;
-          if (col < d) o[(bh * T_ + i) * d + col] = acc[r][4 * u + e] * inv;
+          if (col < d) o[q_at(dm, b, h) + i * dm.qrs + col] = acc[r][4 * u + e] * inv;
         }
     }
   }
 }
 
-// ---- backward 1/3: delta = rowsum(dO * O), one warp per row ----
+// ---- backward 1/3: delta = rowsum(dO * O), one warp per row (row r = bh * T + i) ----
 __device__ void bwd_delta(const float* __restrict__ o, const float* __restrict__ dout, float* __restrict__ delta,
-                          i64 rows, i64 d) {
+                          Dims dm) {
   const int lane = threadIdx.x & 31;
+  const i64 rows = dm.b * dm.hq * dm.t, d = dm.d;
   for (i64 r = (i64)blockIdx.x * (NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (NT / 32)) {
+    const i64 bh = r / dm.t, at = q_at(dm, bh / dm.hq, bh % dm.hq) + (r % dm.t) * dm.qrs;
     float a = 0.f;
-    for (i64 c = lane; c < d; c += 32) a += o[r * d + c] * dout[r * d + c];
+    for (i64 c = lane; c < d; c += 32) a += o[at + c] * dout[at + c];
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) a += shfl_xor(a, x);
     if (lane == 0) delta[r] = a;
@@ -325,17 +335,17 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
   const int ulim = NCH == 1 ? UK : (rem <= 0 ? 0 : (rem + 4 * KTX - 1) / (4 * KTX) < UK ? (rem + 4 * KTX - 1) / (4 * KTX) : UK);
   // Tile `t`: queries [i0, i0 + BQ) of query head `bh` into buffer `buf`.
   auto load_q = [&](i64 t, int buf) {
-    const i64 bh = b * dm.hq + kvh * group + t / ntq, i0 = qstart + (t % ntq) * BQ;
-    load_tile<BQ>(qs + buf * BQ * LD, q + bh * T_ * d, i0, T_ - i0, d);
-    load_tile<BQ>(dos + buf * BQ * LD, dout + bh * T_ * d, i0, T_ - i0, d);
+    const i64 hh = kvh * group + t / ntq, bh = b * dm.hq + hh, i0 = qstart + (t % ntq) * BQ;
+    load_tile<BQ>(qs + buf * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs);
+    load_tile<BQ>(dos + buf * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs);
     for (int e = tid; e < BQ; e += NT) {
       const bool ok = i0 + e < T_;
       sl[buf * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
       sd[buf * BQ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
     }
   };
-  load_tile<BK>(ks, k + bk * S * d, k0, S - k0, d);
-  load_tile<BK>(vs, v + bk * S * d, k0, S - k0, d);
+  load_tile<BK>(ks, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs);
+  load_tile<BK>(vs, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs);
   if (KNB == 2 && nt > 0) load_q(0, 0);
   cp_commit();
   float gk[RK][4 * UK], gv[RK][4 * UK];
@@ -403,8 +413,8 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
         for (int e = 0; e < 4; ++e) {
           const i64 col = c0 + (tx + KTX * u) * 4 + e;
           if (col < d) {
-            dk[(bk * S + j) * d + col] = gk[r][4 * u + e] * sc;
-            dv[(bk * S + j) * d + col] = gv[r][4 * u + e];
+            dk[k_at(dm, b, kvh) + j * dm.krs + col] = gk[r][4 * u + e] * sc;
+            dv[k_at(dm, b, kvh) + j * dm.krs + col] = gv[r][4 * u + e];
           }
         }
     }
@@ -428,17 +438,17 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
   const i64 nqb = (T_ + FBR - 1) / FBR;
   const i64 q0 = (nqb - 1 - blk) * FBR;
   const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = b * dm.hkv + h / (dm.hq / dm.hkv);
-  const float* kh = k + kvh * S * d;
-  const float* vh = v + kvh * S * d;
+  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
+  const float* kh = k + k_at(dm, b, kvh);
+  const float* vh = v + k_at(dm, b, kvh);
   const i64 kend = causal ? min64(S, q0 + FBR) : S;
   const i64 nt = (kend + QBC - 1) / QBC;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  load_tile<FBR>(qs, q + bh * T_ * d, q0, T_ - q0, d);
-  load_tile<FBR>(dos, dout + bh * T_ * d, q0, T_ - q0, d);
+  load_tile<FBR>(qs, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
+  load_tile<FBR>(dos, dout + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
   if (QNB == 2 && nt > 0) {
-    load_tile<QBC>(ks, kh, 0, S, d);
-    load_tile<QBC>(vs, vh, 0, S, d);
+    load_tile<QBC>(ks, kh, 0, S, d, dm.krs);
+    load_tile<QBC>(vs, vh, 0, S, d, dm.krs);
   }
   cp_commit();
   float L[RQ], D[RQ];
@@ -459,13 +469,13 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
     const i64 j0 = it * QBC;
     const int cur = QNB == 2 ? (int)(it & 1) : 0;
     if (QNB == 1) {
-      load_tile<QBC>(ks, kh, j0, S - j0, d);
-      load_tile<QBC>(vs, vh, j0, S - j0, d);
+      load_tile<QBC>(ks, kh, j0, S - j0, d, dm.krs);
+      load_tile<QBC>(vs, vh, j0, S - j0, d, dm.krs);
       cp_commit();
       cp_wait<0>();
     } else if (it + 1 < nt) {
-      load_tile<QBC>(ks + (cur ^ 1) * QBC * LD, kh, j0 + QBC, S - j0 - QBC, d);
-      load_tile<QBC>(vs + (cur ^ 1) * QBC * LD, vh, j0 + QBC, S - j0 - QBC, d);
+      load_tile<QBC>(ks + (cur ^ 1) * QBC * LD, kh, j0 + QBC, S - j0 - QBC, d, dm.krs);
+      load_tile<QBC>(vs + (cur ^ 1) * QBC * LD, vh, j0 + QBC, S - j0 - QBC, d, dm.krs);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -511,7 +521,7 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const i64 col = (tx + FTX * u) * 4 + e;
-          if (col < d) dq[(bh * T_ + i) * d + col] = acc[r][4 * u + e] * sc;
+          if (col < d) dq[q_at(dm, b, h) + i * dm.qrs + col] = acc[r][4 * u + e] * sc;
         }
     }
   }
@@ -551,8 +561,8 @@ extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, c
   }
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta,
-                                                                     i64 rows, i64 d) {
-  fa::bwd_delta(o, dout, delta, rows, d);
+                                                                     fa::Dims dm) {
+  fa::bwd_delta(o, dout, delta, dm);
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float* k, const float* v,
                                                                     const float* lse, const float* dout,

@@ -88,14 +88,16 @@ __device__ void rope_table(typename Acc<T>::t* __restrict__ tab, i64 t_len, i64 
   }
 }
 
+// Rows of d; row r is at position (r / per_pos) % t_len: per_pos = 1 for [B, H, T, D], H for
+// [B, T, H, D].
 template <typename T>
 __device__ void rope(const T* __restrict__ x, T* __restrict__ y, const typename Acc<T>::t* __restrict__ tab, i64 rows,
-                     i64 t_len, i64 d) {
+                     i64 t_len, i64 d, i64 per_pos) {
   typedef typename Acc<T>::t A;
   i64 half = d / 2, total = rows * half;
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 row = e / half, j = e % half;
-    i64 k = (row % t_len) * half + j;
+    i64 k = ((row / per_pos) % t_len) * half + j;
     A c = tab[2 * k], s = tab[2 * k + 1];
     A a = ldf(x[row * d + j]), b = ldf(x[row * d + j + half]);
     stf(&y[row * d + j], a * c - b * s);
@@ -352,8 +354,9 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
   extern "C" __global__ void rope_table_##SUF(typename Acc<T>::t* tab, i64 t_len, i64 d, double theta, double sign) { \
     rope_table<T>(tab, t_len, d, theta, sign);                                                                      \
   }                                                                                                                 \
-  extern "C" __global__ void rope_##SUF(const T* x, T* y, const typename Acc<T>::t* tab, i64 rows, i64 t_len, i64 d) { \
-    rope<T>(x, y, tab, rows, t_len, d);                                                                             \
+  extern "C" __global__ void rope_##SUF(const T* x, T* y, const typename Acc<T>::t* tab, i64 rows, i64 t_len, i64 d, \
+                                        i64 per_pos) {                                                          \
+    rope<T>(x, y, tab, rows, t_len, d, per_pos);                                                                    \
   }                                                                                                             \
   extern "C" __global__ void softmax_##SUF(const T* x, T* y, i64 rows, i64 d, int log_) {                      \
     softmax<T>(x, y, rows, d, log_);                                                                            \

@@ -1,7 +1,10 @@
 // Runs the flash-attention kernels of one module (flash_attn.cu for FT = bf16/f16, or
 // flash_fma.cu for f32) under the CPU emulator (emu.h) on random inputs and compares o, lse,
 // dq, dk and dv with attention computed exactly in double, as rumble_core's CPU reference does.
-//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL]    prints one line; exits 1 over tolerance
+//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT]]   prints one line; exits 1 over tolerance
+// LAYOUT: bhtd (default; q [B, HQ, T, D]) or bthd (q [B, T, HQ, D], k and v [B, S, HKV, D]): the
+// kernels then read and write the sequence-major copies, and their results are compared after
+// permuting back.
 #include "emu.h"
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -85,6 +88,20 @@ static Ref reference(int B, int HQ, int HKV, int Tn, int S, int D, bool causal, 
   return r;
 }
 
+// [B, H, N, D] <-> [B, N, H, D] (`to_bthd`; the inverse with `back`).
+template <class X>
+static std::vector<X> relayout(const X* x, int B, int H, int N, int D, bool back) {
+  std::vector<X> y((size_t)B * H * N * D);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int n = 0; n < N; ++n)
+        for (int c = 0; c < D; ++c) {
+          size_t hm = (((size_t)b * H + h) * N + n) * D + c, sm = (((size_t)b * N + n) * H + h) * D + c;
+          if (back) y[hm] = x[sm]; else y[sm] = x[hm];
+        }
+  return y;
+}
+
 static double rel_err(const std::vector<T>& got, const std::vector<double>& want, double* maxabs) {
   double num = 0, den = 0;
   *maxabs = 0;
@@ -108,13 +125,16 @@ static double rel_err_f(const std::vector<float>& got, const std::vector<double>
 }
 
 int main(int argc, char** argv) {
-  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL]\n"); return 2; }
+  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT]]\n"); return 2; }
   int B = atoi(argv[1]), HQ = atoi(argv[2]), HKV = atoi(argv[3]), Tn = atoi(argv[4]), S = atoi(argv[5]), D = atoi(argv[6]);
   bool causal = atoi(argv[7]);
   std::mt19937_64 rng(atoi(argv[8]));
   std::normal_distribution<float> nd(0.f, 1.f);
   // An optional 9th argument multiplies the usual scale (e.g. -1: the negative-scale path).
   double scale = (argc > 9 ? atof(argv[9]) : 1.0) / std::sqrt((double)D);
+  const std::string layout = argc > 10 ? argv[10] : "bhtd";
+  if (layout != "bhtd" && layout != "bthd") { fprintf(stderr, "unknown layout %s\n", layout.c_str()); return 2; }
+  const bool bthd = layout == "bthd";
   if (D > fa::DP || (D <= fa::DP - (FLASH_FMA ? 32 : 16))) {
     fprintf(stderr, "head size %d does not belong to the module of DP %d\n", D, fa::DP);
     return 2;
@@ -127,26 +147,36 @@ int main(int argc, char** argv) {
   std::vector<T> q, k, v, dout;
   std::vector<float> qf, kf, vf, df;
   rnd(nq, q, qf); rnd(nk, k, kf); rnd(nk, v, vf); rnd(nq, dout, df);
+  // What the kernels read: the same values, in the layout under test (the reference is bhtd).
+  auto dev_q = [&](const std::vector<T>& x) { return bthd ? relayout(x.data(), B, HQ, Tn, D, false) : x; };
+  auto dev_k = [&](const std::vector<T>& x) { return bthd ? relayout(x.data(), B, HKV, S, D, false) : x; };
+  auto host_q = [&](const T* x) { return bthd ? relayout(x, B, HQ, Tn, D, true) : std::vector<T>(x, x + nq); };
+  auto host_k = [&](const T* x) { return bthd ? relayout(x, B, HKV, S, D, true) : std::vector<T>(x, x + nk); };
+  const std::vector<T> qd = dev_q(q), kd = dev_k(k), vd = dev_k(v), dod = dev_q(dout);
   // Device buffers: 256-byte aligned like the planner's slots.
   auto alloc = [](size_t bytes) { return (unsigned char*)std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256); };
   T* o = (T*)alloc(nq * sizeof(T));
   float* lse = (float*)alloc(rows * 4);
   std::fill((unsigned char*)o, (unsigned char*)o + nq * sizeof(T), 0xff);
   std::fill((unsigned char*)lse, (unsigned char*)lse + rows * 4, 0xff);
-  fa::Dims dm{B, HQ, HKV, Tn, S, D};
+  // Strides between heads and between positions (HeadLayout::strides in rumble-core).
+  const i64 qhs = bthd ? D : (i64)Tn * D, qrs = bthd ? (i64)HQ * D : D;
+  const i64 khs = bthd ? D : (i64)S * D, krs = bthd ? (i64)HKV * D : D;
+  fa::Dims dm{B, HQ, HKV, Tn, S, D, qhs, qrs, khs, krs};
   // Causal grids pair block i with block n - 1 - i in one CTA (src/flash.rs grid_columns, here
   // whatever the size, so both passes run).
   auto cols = [&](int n) { return (unsigned)(causal && n >= 2 ? (n + 1) / 2 : n); };
   emu::launch({cols((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, FWD_THREADS, fa::SMEM_FWD,
-              [&] { flash_fwd(q.data(), k.data(), v.data(), o, lse, dm, scale, causal); });
+              [&] { flash_fwd(qd.data(), kd.data(), vd.data(), o, lse, dm, scale, causal); });
   Ref r0 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, nullptr, nullptr);
-  double mo, e_o = rel_err(std::vector<T>(o, o + nq), r0.o, &mo);
+  double mo, e_o = rel_err(host_q(o), r0.o, &mo);
   double e_l = rel_err_f(std::vector<float>(lse, lse + rows), r0.lse);
   // The backward gets the reference's o (rounded) and lse (f32), as the Rust tests feed the CPU's.
   std::vector<T> oref(nq);
   std::vector<float> oreff(nq), lsef(rows);
   for (size_t i = 0; i < nq; ++i) { oref[i] = mk((float)r0.o[i]); oreff[i] = val(oref[i]); }
   for (size_t i = 0; i < rows; ++i) lsef[i] = (float)r0.lse[i];
+  const std::vector<T> orefd = dev_q(oref);
   Ref r1 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, &oreff, &lsef);
   float* delta = (float*)alloc(rows * 4);
   T* dq = (T*)alloc(nq * sizeof(T));
@@ -159,14 +189,14 @@ int main(int argc, char** argv) {
   auto dkdv = [&] {
     emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV), 1}, DKDV_THREADS,
                 fa::SMEM_DKDV,
-                [&] { flash_bwd_dkdv(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dk, dv, dm, scale, causal); });
+                [&] { flash_bwd_dkdv(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dk, dv, dm, scale, causal); });
   };
   auto dq_ = [&] {
     emu::launch({cols((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ, [&] {
 #if FLASH_FMA
-      flash_bwd_dq(q.data(), k.data(), v.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal);
+      flash_bwd_dq(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dq, dm, scale, causal);
 #else
-      flash_bwd_dq(q.data(), k.data(), v.data(), oref.data(), lsef.data(), dout.data(), delta, dq, dm, scale, causal);
+      flash_bwd_dq(qd.data(), kd.data(), vd.data(), orefd.data(), lsef.data(), dod.data(), delta, dq, dm, scale, causal);
 #endif
     });
   };
@@ -175,17 +205,18 @@ int main(int argc, char** argv) {
     dkdv();
   } else {
     emu::launch({(unsigned)std::min<size_t>((rows + 3) / 4, 64), 1, 1}, fa::NT, 0,
-                [&] { flash_bwd_delta(oref.data(), dout.data(), delta, rows, D); });
+                [&] { flash_bwd_delta(orefd.data(), dod.data(), delta, dm); });
     dkdv();
     dq_();
   }
   double m1, m2, m3;
-  double e_dq = rel_err(std::vector<T>(dq, dq + nq), r1.dq, &m1);
-  double e_dk = rel_err(std::vector<T>(dk, dk + nk), r1.dk, &m2);
-  double e_dv = rel_err(std::vector<T>(dv, dv + nk), r1.dv, &m3);
+  double e_dq = rel_err(host_q(dq), r1.dq, &m1);
+  double e_dk = rel_err(host_k(dk), r1.dk, &m2);
+  double e_dv = rel_err(host_k(dv), r1.dv, &m3);
   double tol = sizeof(T) == 4 ? 2e-5 : 1e-2;
   bool ok = e_o <= tol && e_l <= tol && e_dq <= tol && e_dk <= tol && e_dv <= tol;
-  printf("%s DP%d%s B%d HQ%d HKV%d T%d S%d D%d causal%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
-         ok ? "ok  " : "FAIL", fa::DP, CFG_NAME, B, HQ, HKV, Tn, S, D, (int)causal, e_o, e_l, e_dq, e_dk, e_dv, tol);
+  printf("%s DP%d%s %s B%d HQ%d HKV%d T%d S%d D%d causal%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
+         ok ? "ok  " : "FAIL", fa::DP, CFG_NAME, layout.c_str(), B, HQ, HKV, Tn, S, D, (int)causal, e_o, e_l, e_dq, e_dk,
+         e_dv, tol);
   return ok ? 0 : 1;
 }

@@ -3,7 +3,8 @@
 # against exact double attention on the issue-6 matrix: head sizes 1..256 (vectorised and
 # element-wise loads), sequences that are and are not multiples of the tiles, GQA 1 and 7,
 # causal and not, bf16 / f16 (tensor-core kernels, every tiling configuration FCFG) and f32
-# (FMA kernels). No GPU needed.
+# (FMA kernels), in both operand layouts ([B, H, T, D] and the sequence-major [B, T, H, D]:
+# `bthd` cases). No GPU needed.
 #   tests/flash_emu/run.sh [quick|full]   (BUILD=dir keeps the binaries; default: a temp dir, removed)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +22,7 @@ bin() { # name defines...
   [ -x "$build/$name" ] || g++ -std=c++20 -O1 -pthread "$@" -o "$build/$name" "$here/emu_main.cpp"
   echo "$build/$name"
 }
-run() { # binary B HQ HKV T S D CAUSAL SEED [SCALE_MUL]
+run() { # binary B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT]]
   local b=$1
   shift
   "$b" "$@" || fail=1
@@ -58,12 +59,33 @@ mma_cases() { # cfg all|some
   b=$(bin f16_64_c$c -DFT=f16 -DFDP=64 -DFLASH_F16=1 -DFCFG=$c)
   run "$b" 1 7 1 100 100 64 1 14
 }
+# The sequence-major layout [B, T, H, D] (strided rows) for one tiling configuration: GQA 7,
+# head sizes 1, 64, 100 (element-wise loads) and 128, sequences that are not multiples of the
+# tiles, causal and not.
+mma_bthd() { # cfg all|some
+  local c=$1 b
+  b=$(bin bf16_64_c$c -DFT=bf16 -DFDP=64 -DFCFG=$c)
+  run "$b" 2 7 1 77 77 64 1 32 1 bthd
+  [ "$2" = all ] || return 0
+  run "$b" 1 7 7 45 19 64 0 33 -1 bthd
+  b=$(bin bf16_16_c$c -DFT=bf16 -DFDP=16 -DFCFG=$c)
+  run "$b" 1 7 1 77 77 1 1 31 1 bthd
+  b=$(bin bf16_112_c$c -DFT=bf16 -DFDP=112 -DFCFG=$c)
+  run "$b" 1 7 1 70 70 100 1 34 1 bthd
+  b=$(bin bf16_128_c$c -DFT=bf16 -DFDP=128 -DFCFG=$c)
+  run "$b" 1 7 1 100 100 128 1 35 1 bthd
+}
 mode=${1:-full}
 # quick: `pair` (FCFG 4) and the default configuration `fa2` (FCFG 5; DEFAULT_CFG in src/flash.rs,
 # its own dK/dV kernel) on the quick matrix, the others on a few shapes; full: every
 # configuration on the whole matrix.
 for c in 0 1 2 3 4 5; do
   if [ "$mode" = quick ] && [ $c != 4 ] && [ $c != 5 ]; then mma_cases $c some; else mma_cases $c all; fi
+done
+# bthd: the default (pair, separate delta kernel) and fa2 (its own dK/dV loads) on all its
+# shapes, the others on one (1, wide, computes delta inside the dQ kernel); full: all on all.
+for c in 0 1 2 3 4 5; do
+  if [ "$mode" = quick ] && [ $c != 4 ] && [ $c != 5 ]; then mma_bthd $c some; else mma_bthd $c all; fi
 done
 # f32: the default tiling (FLASH_FMA_CFG 1, `b`; fma_big in src/flash.rs)
 b=$(bin f32_32b -DFLASH_FMA=1 -DFDPF=32 -DFLASH_FMA_CFG=1)
@@ -74,16 +96,27 @@ run "$b" 1 7 1 130 130 64 1 17
 b=$(bin f32_128b -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=1)
 run "$b" 1 2 2 100 100 100 1 18
 run "$b" 1 2 1 70 45 128 0 19
+# f32 in the sequence-major layout [B, T, H, D]
+b=$(bin f32_32b -DFLASH_FMA=1 -DFDPF=32 -DFLASH_FMA_CFG=1)
+run "$b" 1 7 1 100 100 1 1 36 1 bthd
+b=$(bin f32_64b -DFLASH_FMA=1 -DFDPF=64 -DFLASH_FMA_CFG=1)
+run "$b" 2 7 1 77 77 64 1 37 1 bthd
+run "$b" 1 7 7 45 19 64 0 38 -1 bthd
+b=$(bin f32_128b -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=1)
+run "$b" 1 7 1 100 100 100 1 39 1 bthd
+run "$b" 1 7 1 70 45 128 0 40 1 bthd
 if [ "$mode" != quick ]; then
   b=$(bin f32_160b -DFLASH_FMA=1 -DFDPF=160 -DFLASH_FMA_CFG=1)
   run "$b" 1 2 1 70 70 130 1 20
   b=$(bin f32_256b -DFLASH_FMA=1 -DFDPF=256 -DFLASH_FMA_CFG=1)
   run "$b" 1 2 2 65 65 256 1 21
   run "$b" 1 2 1 70 70 250 1 24
+  run "$b" 1 7 1 65 65 250 1 42 1 bthd
   # the first FMA tiling (RUMBLE_FLASH_FMA_CFG=a)
   b=$(bin f32_128a -DFLASH_FMA=1 -DFDPF=128 -DFLASH_FMA_CFG=0)
   run "$b" 1 2 2 150 150 100 1 22
   run "$b" 1 7 1 70 45 128 0 23
+  run "$b" 1 7 1 100 100 100 1 41 1 bthd
   b=$(bin f32_256a -DFLASH_FMA=1 -DFDPF=256 -DFLASH_FMA_CFG=0)
   run "$b" 1 2 1 70 70 250 1 25
 fi
