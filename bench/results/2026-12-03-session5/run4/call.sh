@@ -1,6 +1,6 @@
 # Session 5, device call 4 (same build as run 3, commit ac84dec): attention fa2 vs pair in the
 # model's layout (bthd) in one process each, fa2 in bhtd against SDPA on the same inputs, then
-# small and seed-qwen2 side by side with the references (a time guard stops before 420 s).
+# the transformers cross-check on CPU and CUDA, small and seed-qwen2 side by side with the references (a time guard stops before 420 s).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} RUMBLE_CUDA_CACHE=$PWD/.gpu/kcache PYTHONUNBUFFERED=1
@@ -13,6 +13,8 @@ done
 RUMBLE_ATTN_DUMP=/tmp/attn timeout 40 .gpu/bin/attention-bench > $OUT/attention-bhtd-fa2.log 2>&1
 timeout 60 python3 bench/reference/attention_ref.py /tmp/attn >> $OUT/attention-bhtd-fa2.log 2>&1
 echo "attention done at ${SECONDS}s" >> $S
+timeout 120 .gpu/bin/reference --test-threads=1 > $OUT/test-reference.log 2>&1
+echo "test reference (transformers cross-check, CPU and CUDA) rc=$? $(grep -E '^test result' $OUT/test-reference.log | tail -1)" >> $S
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 res=$OUT/bench.jsonl
 for pr in small:rumble small:torch-eager small:torch-compile-ro small:thunder seed-qwen2:rumble seed-qwen2:thunder seed-qwen2:torch-compile-ro seed-qwen2:torch-eager; do
