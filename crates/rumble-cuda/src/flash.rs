@@ -66,6 +66,9 @@ pub const CFG_NAMES: [&str; 6] = ["base", "wide", "deep", "w8", "pair", "fa2"];
 /// multiprocessor); above 128 it is `pair` exactly. On the H200 (2026-12-03,
 /// bench/results/2026-12-03-session5) it was never slower than `pair` and 15% faster on
 /// seed-qwen2's head size 1 (1.49 vs 1.75 ms fwd+bwd; dK/dV 0.84 vs 1.09 ms).
+/// Since the kernels read strided heads ([B, T, H, D]), fa2's dK/dV spills at d128 and is 3-5%
+/// slower than `pair` there (run 4 of that session), still 12% faster at head size 1 and even
+/// at d64; a per-head-size choice is the next step.
 ///
 /// `pair` (4) came from the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep):
 /// per kernel the fastest tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms;
