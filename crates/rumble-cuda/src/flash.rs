@@ -19,6 +19,13 @@
 //! dQ (each block owns a block of queries); or, where the configuration computes delta inside
 //! the dQ kernel (each dQ block owns its rows' delta), two: dQ, then dK/dV.
 //!
+//! Grouped-query heads: a dK/dV block owns a block of keys of one kv head and sums over the
+//! query heads of its group. Where that leaves the device short of blocks (seq 2048, 8 kv
+//! heads: 256 blocks of very unequal causal work), [`dkdv_split`] splits each group over
+//! several block rows, which write f32 partial sums into the recipe's scratch; a last kernel
+//! (`flash_bwd_dkdv_sum`) adds them in split order, so the result stays deterministic (though
+//! it may differ in the last bits between split counts). `RUMBLE_FLASH_SPLIT=n` forces n.
+//!
 //! Both operand layouts of `HeadLayout` run on the same kernels: the `Dims` blob carries the
 //! element strides between heads and between positions of q/o/dO/dQ and of k/v/dK/dV
 //! ([`dims_blob`]); rows of D stay contiguous, so the 16-byte loads stay valid (the row stride
@@ -354,7 +361,9 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
         return Some(Err(e));
     }
     let sh = variant.shape();
-    if b * hq > 65535 || b * hkv > 65535 {
+    // The kernels' tile loads offset rows within a tile (at most 256 rows) in 32 bits.
+    let rs = layout.strides(hq, t, d).1.max(layout.strides(hkv, s, d).1);
+    if b * hq > 65535 || b * hkv > 65535 || rs.saturating_mul(256) > i32::MAX as usize {
         return None;
     }
     let need = if backward { sh.smem_dq.max(sh.smem_dkdv) } else { sh.smem_fwd };
@@ -435,29 +444,61 @@ fn build(
     if sh.fused_delta {
         steps.extend(dq_step.take());
     }
+    // Scratch: delta, then (the tensor-core kernels with their group's heads split) the f32
+    // partial sums of dK and dV.
+    let delta_bytes = (rows * 4).div_ceil(256) * 256;
+    let mut scratch = delta_bytes;
     if b * hkv * s > 0 {
-        let args = vec![
-            Arg::In(0),
-            Arg::In(1),
-            Arg::In(2),
-            Arg::In(4),
-            Arg::In(5),
-            Arg::Scratch(0),
-            Arg::Out(1),
-            Arg::Out(2),
-            dims,
-            sc,
-            ca,
-        ];
-        steps.push(kernel(
-            "flash_bwd_dkdv",
-            (cols(s.div_ceil(sh.dkdv_keys), b * hkv) * sh.nchunk, b * hkv),
-            sh.smem_dkdv,
-            args,
-        )?);
+        let kblocks = s.div_ceil(sh.dkdv_keys);
+        let plane = b * hkv * s * d;
+        let nsplit = if mma { dkdv_split(hq / hkv, kblocks * b * hkv, plane, sms, causal)? } else { 1 };
+        let mut args =
+            vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(4), Arg::In(5), Arg::Scratch(0), Arg::Out(1), Arg::Out(2)];
+        if mma {
+            args.extend([Arg::Scratch(delta_bytes), Arg::I32(nsplit as i32)]);
+        }
+        args.extend([dims.clone(), sc, ca]);
+        let y = b * hkv * nsplit;
+        if y > 65535 {
+            return Err(CudaError::usage(format!("attention backward: {y} dK/dV block rows (limit 65535)")));
+        }
+        steps.push(kernel("flash_bwd_dkdv", (cols(kblocks, y) * sh.nchunk, y), sh.smem_dkdv, args)?);
+        if nsplit > 1 {
+            scratch += 2 * nsplit * plane * 4;
+            let blocks = plane.div_ceil(THREADS as usize).clamp(1, sms * 8);
+            let args = vec![Arg::Scratch(delta_bytes), Arg::Out(1), Arg::Out(2), dims, Arg::I32(nsplit as i32)];
+            steps.push(kernel("flash_bwd_dkdv_sum", (blocks, 1), 0, args)?);
+        }
     }
     steps.extend(dq_step);
-    Ok(Recipe { op: "attention_backward", steps, scratch: (rows * 4).div_ceil(256) * 256, node_scratch: 0 })
+    Ok(Recipe { op: "attention_backward", steps, scratch, node_scratch: 0 })
+}
+
+/// The most bytes of f32 partial sums the dK/dV split may take (a cap; it halves the split
+/// until under it).
+const SPLIT_MAX_BYTES: usize = 256 << 20;
+
+/// Into how many block rows the tensor-core dK/dV kernel splits each kv head's group of
+/// `group` query heads: `RUMBLE_FLASH_SPLIT` if set (clamped to 1..=group), else the smallest
+/// divisor of the group that gives the device at least four blocks of keys per multiprocessor
+/// (so the causal grid pairs and about two CTAs of 8 warps run per multiprocessor), with
+/// the partial sums (`2 x split x plane` f32) under [`SPLIT_MAX_BYTES`]. `blocks`: blocks of
+/// keys without a split (key blocks x batch x kv heads); `plane`: elements of dK.
+pub fn dkdv_split(group: usize, blocks: usize, plane: usize, sms: usize, causal: bool) -> Result<usize> {
+    let fits = |n: usize| n == 1 || 2 * n * plane * 4 <= SPLIT_MAX_BYTES;
+    if let Ok(v) = std::env::var("RUMBLE_FLASH_SPLIT") {
+        if !v.is_empty() {
+            let n: usize = v
+                .parse()
+                .map_err(|_| CudaError::usage(format!("RUMBLE_FLASH_SPLIT={v:?}: not a whole number of splits")))?;
+            return Ok(n.clamp(1, group.max(1)));
+        }
+    }
+    // Without a causal mask the blocks are equal: enough of them for every multiprocessor
+    // (two CTAs each) is enough.
+    let want = if causal { 4 * sms } else { 2 * sms };
+    let n = (1..=group.max(1)).find(|&n| group.is_multiple_of(n) && blocks * n >= want).unwrap_or(group.max(1));
+    Ok((1..=n).rev().find(|&m| group.is_multiple_of(m) && fits(m)).unwrap_or(1))
 }
 
 /// Grid columns for `n` blocks of causal work per row of the grid (`rows` rows): block `i`
@@ -511,6 +552,28 @@ mod tests {
         assert_eq!(grid_columns(false, 32, 32, 132), 32);
         assert_eq!(grid_columns(true, 8, 4, 132), 8);
         assert_eq!(grid_columns(true, 1, 1000, 132), 1);
+    }
+
+    #[test]
+    fn the_dkdv_split_fills_the_device_within_its_memory_cap() {
+        if std::env::var("RUMBLE_FLASH_SPLIT").is_ok() {
+            println!("skipped: RUMBLE_FLASH_SPLIT is set");
+            return;
+        }
+        // GQA 4, 8 kv heads, seq 2048 (32 blocks of 64 keys): 256 blocks, 4 x 132 wanted.
+        let plane = 8 * 2048 * 128;
+        assert_eq!(dkdv_split(4, 256, plane, 132, true).unwrap(), 4);
+        // seq 4096: 512 blocks; half of the 4 heads per block row is enough.
+        assert_eq!(dkdv_split(4, 512, 2 * plane, 132, true).unwrap(), 2);
+        // Without a mask, two CTAs per multiprocessor are enough.
+        assert_eq!(dkdv_split(4, 512, 2 * plane, 132, false).unwrap(), 1);
+        // Only divisors of the group: 7 heads split 7 ways (qwen2, head size 1), or not at all.
+        assert_eq!(dkdv_split(7, 256, 4 * 4096, 132, true).unwrap(), 7);
+        assert_eq!(dkdv_split(1, 16, plane, 132, true).unwrap(), 1);
+        // The partial sums stay under the cap: 2 x 4 x 64 Mi elements x 4 bytes is too much.
+        assert_eq!(dkdv_split(4, 256, 64 << 20, 132, true).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 256, 8 << 20, 132, true).unwrap(), 4);
+        assert_eq!(dkdv_split(4, 256, 16 << 20, 132, true).unwrap(), 2);
     }
 
     #[test]

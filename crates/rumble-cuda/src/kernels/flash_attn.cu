@@ -20,7 +20,9 @@
 // Deterministic: no atomics. The backward runs three kernels, delta = rowsum(dO * O), then dK/dV
 // with each block owning a block of keys (looping over the query heads of its group and their
 // queries in a fixed order), then dQ with each block owning a block of queries; or, with FDELTA,
-// two: dQ (which computes its rows' delta first and stores it), then dK/dV.
+// two: dQ (which computes its rows' delta first and stores it), then dK/dV. Where a kv head's
+// group of query heads is split over several dK/dV blocks (Split, below), one more kernel adds
+// their f32 partial sums in a fixed order.
 
 #ifndef FLASH_EMU
 typedef unsigned u32;
@@ -157,29 +159,41 @@ __device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * d
 __device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
 
 
-// Rows [row0, row0 + ROWS) of rows of d elements, rs apart, into a [ROWS][LD] shared tile by
-// NTH threads; rows at or past `valid` and columns at or past d are zeros. `vec`: 16-byte
-// cp.async (d % 8 == 0, so rs, a multiple of d, too, and aligned pointers), else element by
-// element (synchronous).
+// Rows [0, ROWS) of rows of d elements, rs apart from `g` (the tile's first row), into a
+// [ROWS][LD] shared tile by NTH threads; rows at or past `valid` and columns at or past d are
+// zeros. `vec`: 16-byte cp.async (d % 8 == 0, so rs, a multiple of d, too, and aligned
+// pointers), else element by element (synchronous). The vector path is unrolled with 32-bit
+// offsets inside the tile (src/flash.rs keeps ROWS x rs under 2^31): a thread's chunks are
+// fixed columns of rows NTH / CH apart, a few instructions each (the generic 64-bit loop it
+// replaced took ~30 per 16 bytes, a quarter of the forward's instructions at d128).
 template <int NTH, int ROWS>
-__device__ __forceinline__ void load_tile(T* sm, const T* g, i64 row0, i64 valid, i64 d, i64 rs, bool vec) {
+__device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, int rs, bool vec) {
   if (vec) {
     constexpr int CH = DP / 8;
-    for (int c = threadIdx.x; c < ROWS * CH; c += NTH) {
-      int r = c / CH, cc = c % CH;
-      bool ok = r < valid && cc * 8 < d;
-      const T* src = ok ? g + (row0 + r) * rs + cc * 8 : g;
-      cp_async16(sm + r * LD + cc * 8, src, ok ? 16 : 0);
+#pragma unroll
+    for (int i = 0; i < (ROWS * CH + NTH - 1) / NTH; ++i) {
+      const int c = threadIdx.x + i * NTH, r = c / CH, cc = c % CH;
+      if ((ROWS * CH) % NTH == 0 || c < ROWS * CH) {
+        const bool ok = r < valid && cc * 8 < d;
+        cp_async16(sm + r * LD + cc * 8, ok ? g + r * rs + cc * 8 : g, ok ? 16 : 0);
+      }
     }
   } else {
     for (int e = threadIdx.x; e < ROWS * DP; e += NTH) {
-      int r = e / DP, c = e % DP;
+      const int r = e / DP, c = e % DP;
       T x;
       x.x = 0;
-      if (r < valid && c < d) x = g[(row0 + r) * rs + c];
+      if (r < valid && c < d) x = g[r * rs + c];
       sm[r * LD + c] = x;
     }
   }
+}
+// Rows [row0, row0 + ROWS) of rows rs apart from `g`, `valid` of them from row0 on (any sign
+// or size): load_rows from the tile's first row.
+template <int NTH, int ROWS>
+__device__ __forceinline__ void load_tile(T* sm, const T* g, i64 row0, i64 valid, i64 d, i64 rs, bool vec) {
+  const int v = valid < 0 ? 0 : valid > ROWS ? ROWS : (int)valid;
+  load_rows<NTH, ROWS>(sm, v > 0 ? g + row0 * rs : g, v, (int)d, (int)rs, vec);
 }
 
 // Lane offsets (in elements, into a [*][LD] tile) of ldmatrix x4 fetches:
@@ -452,11 +466,45 @@ __device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, f
   }
 }
 
+// ---- backward, dK/dV: the split of a group's query heads. Grid row y = (b hkv + kvh) nsplit +
+// sp: block row sp of its kv head's nsplit sums the group's query heads [h0, h1) (ceil(group /
+// nsplit) each, the last ones possibly fewer or none). With nsplit = 1 it writes dK and dV
+// itself; otherwise f32 partial sums into `part` ([2][nsplit][b hkv][s][d]: dK's (scaled) then
+// dV's), which flash_bwd_dkdv_sum adds in split order (deterministic) into dK and dV. More
+// blocks on the same keys: at seq 2048 the one-block-per-kv-head grid had 256 blocks of very
+// unequal causal work for 132 multiprocessors. ----
+struct Split { i64 bk, b, kvh, h0, h1; int sp; };
+__device__ __forceinline__ Split split_of(const Dims& dm, int nsplit) {
+  Split x;
+  const i64 y = blockIdx.y, group = dm.hq / dm.hkv, per = (group + nsplit - 1) / nsplit;
+  x.bk = y / nsplit;
+  x.sp = (int)(y % nsplit);
+  x.b = x.bk / dm.hkv;
+  x.kvh = x.bk % dm.hkv;
+  x.h0 = min64(group, x.sp * per);
+  x.h1 = min64(group, x.h0 + per);
+  return x;
+}
+// Element (key r, column c) of dK (already scaled) and dV of block row `x`.
+__device__ __forceinline__ void store_dkdv(T* dk, T* dv, float* part, int nsplit, const Dims& dm, const Split& x, i64 r,
+                                           i64 c, float gk, float gv) {
+  if (nsplit == 1) {
+    const i64 at = k_at(dm, x.b, x.kvh) + r * dm.krs + c;
+    st(&dk[at], gk);
+    st(&dv[at], gv);
+  } else {
+    const i64 plane = dm.b * dm.hkv * dm.s * dm.d, at = (x.bk * dm.s + r) * dm.d + c;
+    part[x.sp * plane + at] = gk;
+    part[(nsplit + x.sp) * plane + at] = gv;
+  }
+}
+
 // ---- backward: dK, dV of BK keys of one (batch, kv head), head dims [c0, c0 + DC); each warp
 // KMT x 16 keys, so each Q / dO fragment read from shared memory feeds KMT mma ----
 __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
-                         T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal, i64 blk) {
+                         T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part, int nsplit, Dims dm,
+                         double scale, int causal, i64 blk) {
   constexpr int MT = KMT;
   FLASH_SMEM(smem);
   T* sk = (T*)smem;
@@ -470,19 +518,20 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   constexpr int NCH = (DP + DC - 1) / DC;
   const i64 k0 = (blk / NCH) * BK;
   const int c0 = (int)(blk % NCH) * DC;
-  const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
+  const Split x = split_of(dm, nsplit);
+  const i64 b = x.b, kvh = x.kvh;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const float sl2 = (float)(scale * 1.4426950408889634);
   const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of BQ
   const int nqt = T_ > qstart ? (int)((T_ - qstart + BQ - 1) / BQ) : 0;
-  const int total = (int)group * nqt;
+  const int total = (int)(x.h1 - x.h0) * nqt;
   const i64 kw = k0 + w * 16 * MT;  // the warp's first key
 
   load_tile<NT, BK>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   load_tile<NT, BK>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
-  // Tile `it`: query head b*hq + kvh*group + it / nqt, queries from qstart + (it % nqt) * BQ.
+  // Tile `it`: query head b*hq + kvh*group + h0 + it / nqt, queries from qstart + (it % nqt) * BQ.
   auto load_q = [&](int it, int st) {
-    const i64 hh = kvh * group + it / nqt, bh = b * dm.hq + hh;
+    const i64 hh = kvh * group + x.h0 + it / nqt, bh = b * dm.hq + hh;
     const i64 i0 = qstart + (i64)(it % nqt) * BQ;
     load_tile<NT, BQ>(sq + st * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
     load_tile<NT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
@@ -563,10 +612,7 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const i64 c = c0 + n * 8 + 2 * tq + e;
-            if (c < d) {
-              st(&dk[k_at(dm, b, kvh) + r * dm.krs + c], gk[mt][n][2 * i + e] * sc);
-              st(&dv[k_at(dm, b, kvh) + r * dm.krs + c], gv[mt][n][2 * i + e]);
-            }
+            if (c < d) store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[mt][n][2 * i + e] * sc, gv[mt][n][2 * i + e]);
           }
       }
     }
@@ -627,35 +673,10 @@ __device__ __forceinline__ void mma_sb(float (*acc)[4], const T* a, const T* b, 
   }
 }
 
-// load_tile for a tile of at most 64 rows, rs apart, given by its first row's pointer: 32-bit
-// offsets inside the tile (load_tile's 64-bit row arithmetic in fa2's loop cost ~30 registers
-// at d112).
-template <int NTH, int ROWS>
-__device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, int rs, bool vec) {
-  if (vec) {
-    constexpr int CH = DP / 8;
-#pragma unroll
-    for (int i = 0; i < (ROWS * CH + NTH - 1) / NTH; ++i) {
-      const int c = threadIdx.x + i * NTH, r = c / CH, cc = c % CH;
-      if ((ROWS * CH) % NTH == 0 || c < ROWS * CH) {
-        const bool ok = r < valid && cc * 8 < d;
-        cp_async16(sm + r * LD + cc * 8, ok ? g + r * rs + cc * 8 : g, ok ? 16 : 0);
-      }
-    }
-  } else {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NTH) {
-      const int r = e / DP, c = e % DP;
-      T x;
-      x.x = 0;
-      if (r < valid && c < d) x = g[r * rs + c];
-      sm[r * LD + c] = x;
-    }
-  }
-}
-
 __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
-                          T* __restrict__ dk, T* __restrict__ dv, Dims dm, double scale, int causal, i64 blk) {
+                          T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part, int nsplit, Dims dm,
+                          double scale, int causal, i64 blk) {
   FLASH_SMEM(smem);
   T* sk = (T*)smem;
   T* sv = sk + K2 * LD;
@@ -669,7 +690,8 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   const int kg = w & 3, h = w >> 2;  // the warp's 16 keys; its half (phase 1 queries, phase 2 columns)
   const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
   const i64 k0 = blk * K2;
-  const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
+  const Split x = split_of(dm, nsplit);
+  const i64 b = x.b, kvh = x.kvh;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
   const float sl2 = (float)(scale * 1.4426950408889634);
   // Query tiles, by head of the group (hh) then tile (qt): queries qstart + qt Q2 + [0, Q2).
@@ -677,7 +699,7 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of Q2
   const int qlen = T_ > qstart ? (int)(T_ - qstart) : 0;
   const int nqt = (qlen + Q2 - 1) / Q2;
-  const i64 bh0 = b * dm.hq + kvh * group;  // the group's first query head
+  const i64 bh0 = b * dm.hq + kvh * group + x.h0;  // the block's first query head
   const int kr = causal ? 16 * kg : 0;      // the warp's first key relative to qstart (causal)
   const int qo = h * QW2;                   // phase 1: the warp's first query in the tile
 
@@ -685,7 +707,7 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
   load_tile<NT2, K2>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   auto load_q = [&](int hh, int qt, int st) {
     const i64 row = (bh0 + hh) * T_ + qstart + (i64)qt * Q2;  // the tile's first row of lse, delta
-    const i64 at = q_at(dm, b, kvh * group + hh) + (qstart + (i64)qt * Q2) * dm.qrs;  // and of q, dout
+    const i64 at = q_at(dm, b, kvh * group + x.h0 + hh) + (qstart + (i64)qt * Q2) * dm.qrs;  // and of q, dout
     const int valid = qlen - qt * Q2;
     load_rows<NT2, Q2>(sq + st * Q2 * LD, q + at, valid, (int)d, (int)dm.qrs, vec);
     load_rows<NT2, Q2>(sdo + st * Q2 * LD, dout + at, valid, (int)d, (int)dm.qrs, vec);
@@ -695,14 +717,14 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
       sd[st * Q2 + e] = ok ? delta[row + e] : 0.f;
     }
   };
-  if (nqt > 0) load_q(0, 0, 0);
+  if (nqt > 0 && x.h1 > x.h0) load_q(0, 0, 0);
   cp_commit();
 
   float gk[2 * NJ2][4], gv[2 * NJ2][4];
   zero<1, 2 * NJ2>(&gk);
   zero<1, 2 * NJ2>(&gv);
 
-  const int ng = (int)group;
+  const int ng = (int)(x.h1 - x.h0);
   int hh = 0, qt = 0;  // the current tile
   for (int it = 0; nqt > 0 && hh < ng; ++it) {
     cp_wait<0>();
@@ -777,10 +799,7 @@ __device__ void bwd_dkdv2(const T* __restrict__ q, const T* __restrict__ k, cons
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const i64 c = cb * 16 + nn * 8 + 2 * tq + e;
-              if (c < d) {
-                st(&dk[k_at(dm, b, kvh) + r * dm.krs + c], gk[2 * j + nn][2 * i + e] * sc);
-                st(&dv[k_at(dm, b, kvh) + r * dm.krs + c], gv[2 * j + nn][2 * i + e]);
-              }
+              if (c < d) store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[2 * j + nn][2 * i + e] * sc, gv[2 * j + nn][2 * i + e]);
             }
       }
     }
@@ -963,17 +982,33 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T
 #endif
 extern "C" __global__ void FLASH_DKDV_BOUNDS flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v,
                                                             const float* lse, const fa::T* dout, const float* delta,
-                                                            fa::T* dk, fa::T* dv, fa::Dims dm, double scale,
-                                                            int causal) {
+                                                            fa::T* dk, fa::T* dv, float* part, int nsplit, fa::Dims dm,
+                                                            double scale, int causal) {
   const i64 n = (dm.s + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS;
   const int np = fa::passes(n, fa::NCHUNK);
 #pragma unroll 1
   for (int p = 0; p < np; ++p) {
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
     if constexpr (fa::FA2)
-      fa::bwd_dkdv2(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+      fa::bwd_dkdv2(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
     else
-      fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+      fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
+  }
+}
+// dK and dV from flash_bwd_dkdv's nsplit partial sums (split order, so deterministic).
+extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv_sum(const float* part, fa::T* dk, fa::T* dv,
+                                                                        fa::Dims dm, int nsplit) {
+  const i64 d = dm.d, plane = dm.b * dm.hkv * dm.s * d;
+  for (i64 e = (i64)blockIdx.x * fa::NT + threadIdx.x; e < plane; e += (i64)gridDim.x * fa::NT) {
+    float a = 0.f, c = 0.f;
+    for (int j = 0; j < nsplit; ++j) {
+      a += part[j * plane + e];
+      c += part[(nsplit + j) * plane + e];
+    }
+    const i64 col = e % d, r = (e / d) % dm.s, bk = e / (d * dm.s);
+    const i64 at = fa::k_at(dm, bk / dm.hkv, bk % dm.hkv) + r * dm.krs + col;
+    st(&dk[at], a);
+    st(&dv[at], c);
   }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,

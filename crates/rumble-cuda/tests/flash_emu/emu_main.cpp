@@ -186,11 +186,29 @@ int main(int argc, char** argv) {
   std::fill((unsigned char*)dk, (unsigned char*)dk + nk * sizeof(T), 0xff);
   std::fill((unsigned char*)dv, (unsigned char*)dv + nk * sizeof(T), 0xff);
   std::fill((unsigned char*)delta, (unsigned char*)delta + rows * 4, 0xff);
+#if FLASH_FMA
+  const int nsplit = 1;
   auto dkdv = [&] {
     emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV), 1}, DKDV_THREADS,
                 fa::SMEM_DKDV,
                 [&] { flash_bwd_dkdv(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dk, dv, dm, scale, causal); });
   };
+#else
+  // FLASH_SPLIT=n: the group's query heads split over n block rows per kv head, partial sums
+  // added by flash_bwd_dkdv_sum (src/flash.rs dkdv_split); 1 (the default): dK/dV written directly.
+  const int nsplit = getenv("FLASH_SPLIT") ? atoi(getenv("FLASH_SPLIT")) : 1;
+  float* part = nsplit > 1 ? (float*)alloc((size_t)2 * nsplit * nk * 4) : nullptr;
+  if (part) std::fill((unsigned char*)part, (unsigned char*)part + (size_t)2 * nsplit * nk * 4, 0xff);
+  auto dkdv = [&] {
+    emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV * nsplit), 1},
+                DKDV_THREADS, fa::SMEM_DKDV, [&] {
+                  flash_bwd_dkdv(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dk, dv, part, nsplit,
+                                 dm, scale, causal);
+                });
+    if (nsplit > 1)
+      emu::launch({3, 1, 1}, fa::NT, 0, [&] { flash_bwd_dkdv_sum(part, dk, dv, dm, nsplit); });
+  };
+#endif
   auto dq_ = [&] {
     emu::launch({cols((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ, [&] {
 #if FLASH_FMA
@@ -215,8 +233,8 @@ int main(int argc, char** argv) {
   double e_dv = rel_err(host_k(dv), r1.dv, &m3);
   double tol = sizeof(T) == 4 ? 2e-5 : 1e-2;
   bool ok = e_o <= tol && e_l <= tol && e_dq <= tol && e_dk <= tol && e_dv <= tol;
-  printf("%s DP%d%s %s B%d HQ%d HKV%d T%d S%d D%d causal%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
-         ok ? "ok  " : "FAIL", fa::DP, CFG_NAME, layout.c_str(), B, HQ, HKV, Tn, S, D, (int)causal, e_o, e_l, e_dq, e_dk,
-         e_dv, tol);
+  printf("%s DP%d%s %s B%d HQ%d HKV%d T%d S%d D%d causal%d split%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
+         ok ? "ok  " : "FAIL", fa::DP, CFG_NAME, layout.c_str(), B, HQ, HKV, Tn, S, D, (int)causal, nsplit, e_o, e_l, e_dq,
+         e_dk, e_dv, tol);
   return ok ? 0 : 1;
 }

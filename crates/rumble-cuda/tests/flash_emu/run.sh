@@ -87,6 +87,22 @@ done
 for c in 0 1 2 3 4 5; do
   if [ "$mode" = quick ] && [ $c != 4 ] && [ $c != 5 ]; then mma_bthd $c some; else mma_bthd $c all; fi
 done
+# dK/dV with a group's query heads split over several block rows (FLASH_SPLIT, src/flash.rs
+# dkdv_split): even and uneven splits of GQA 7 and 2, a split with empty block rows (5 of a
+# group of 4), both layouts; fa2 (its own dK/dV kernel) and pair (d > 128 in fa2).
+split_cases() { # cfg
+  local c=$1 b
+  b=$(bin bf16_64_c$c -DFT=bf16 -DFDP=64 -DFCFG=$c)
+  FLASH_SPLIT=3 run "$b" 2 7 1 130 130 64 1 51
+  FLASH_SPLIT=7 run "$b" 1 7 1 77 77 64 1 52 1 bthd
+  b=$(bin bf16_128_c$c -DFT=bf16 -DFDP=128 -DFCFG=$c)
+  FLASH_SPLIT=2 run "$b" 1 4 2 100 100 128 1 53 1 bthd
+  FLASH_SPLIT=5 run "$b" 1 4 1 70 45 120 0 54
+  b=$(bin bf16_16_c$c -DFT=bf16 -DFDP=16 -DFCFG=$c)
+  FLASH_SPLIT=4 run "$b" 1 7 1 77 77 1 1 55 1 bthd
+}
+split_cases 4
+split_cases 5
 # f32: the default tiling (FLASH_FMA_CFG 1, `b`; fma_big in src/flash.rs)
 b=$(bin f32_32b -DFLASH_FMA=1 -DFDPF=32 -DFLASH_FMA_CFG=1)
 run "$b" 1 7 1 100 100 1 1 15
