@@ -486,13 +486,13 @@ const SPLIT_MAX_BYTES: usize = 256 << 20;
 /// keys without a split (key blocks x batch x kv heads); `plane`: elements of dK.
 pub fn dkdv_split(group: usize, blocks: usize, plane: usize, sms: usize, causal: bool) -> Result<usize> {
     let fits = |n: usize| n == 1 || 2 * n * plane * 4 <= SPLIT_MAX_BYTES;
-    if let Ok(v) = std::env::var("RUMBLE_FLASH_SPLIT") {
-        if !v.is_empty() {
-            let n: usize = v
-                .parse()
-                .map_err(|_| CudaError::usage(format!("RUMBLE_FLASH_SPLIT={v:?}: not a whole number of splits")))?;
-            return Ok(n.clamp(1, group.max(1)));
-        }
+    if let Ok(v) = std::env::var("RUMBLE_FLASH_SPLIT")
+        && !v.is_empty()
+    {
+        let n: usize = v
+            .parse()
+            .map_err(|_| CudaError::usage(format!("RUMBLE_FLASH_SPLIT={v:?}: not a whole number of splits")))?;
+        return Ok(n.clamp(1, group.max(1)));
     }
     // Without a causal mask the blocks are equal: enough of them for every multiprocessor
     // (two CTAs each) is enough.
