@@ -67,21 +67,20 @@ pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
 pub const CFG_NAMES: [&str; 6] = ["base", "wide", "deep", "w8", "pair", "fa2"];
-/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `fa2` (5), `pair` with an
-/// 8-warp dK/dV kernel for head sizes up to 128 (P and dS through shared memory, warps
-/// splitting the head dims: half the accumulator registers a warp, two blocks of 8 warps per
-/// multiprocessor); above 128 it is `pair` exactly. On the H200 (2026-12-03,
-/// bench/results/2026-12-03-session5) it was never slower than `pair` and 15% faster on
-/// seed-qwen2's head size 1 (1.49 vs 1.75 ms fwd+bwd; dK/dV 0.84 vs 1.09 ms).
-/// Since the kernels read strided heads ([B, T, H, D]), fa2's dK/dV spills at d128 and is 3-5%
-/// slower than `pair` there (run 4 of that session), still 12% faster at head size 1 and even
-/// at d64; a per-head-size choice is the next step.
+/// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (4). Once the tile
+/// loads became cheap (unrolled, 32-bit, predicated cp.async) and dK/dV split a group's heads
+/// ([`dkdv_split`]), `pair` was faster than `fa2` (5, an 8-warp dK/dV kernel that passes P and
+/// dS through shared memory, capped at 128 registers and spilling at d128) on every shape of
+/// the attention bench on the H200, 2026-12-03 (bench/results/2026-12-03-session6/run1, bthd):
+/// fwd+bwd 0.439 vs 0.454 ms (d64 x 2048), 0.747 vs 0.786 (d128 x 2048), 1.402 vs 1.456 (d64 x
+/// 4096), 2.538 vs 2.681 (d128 x 4096), 1.178 vs 1.182 (head size 1, GQA 7). (Before those
+/// two changes fa2 had been the faster one at head size 1 and d64.)
 ///
 /// `pair` (4) came from the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep):
 /// per kernel the fastest tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms;
 /// wide's dQ at d = 16 and d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and
 /// dP interleaved in the backward (2.86 vs 2.91 ms at d128 x seq 4096 with base's tiles).
-pub const DEFAULT_CFG: Cfg = Cfg(5);
+pub const DEFAULT_CFG: Cfg = Cfg(4);
 /// The padded head sizes at which every configuration is compiled ahead ([`Variant::all`]),
 /// tested on the GPU and timed by the attention bench (others compile on first use).
 pub const SWEEP_DP: [usize; 3] = [16, 64, 128];
@@ -481,7 +480,7 @@ const SPLIT_MAX_BYTES: usize = 256 << 20;
 /// Into how many block rows the tensor-core dK/dV kernel splits each kv head's group of
 /// `group` query heads: `RUMBLE_FLASH_SPLIT` if set (clamped to 1..=group), else the smallest
 /// divisor of the group that gives the device at least four blocks of keys per multiprocessor
-/// (so the causal grid pairs and about two CTAs of 8 warps run per multiprocessor), with
+/// (so the causal grid pairs, two blocks a CTA) where it has fewer than three, with
 /// the partial sums (`2 x split x plane` f32) under [`SPLIT_MAX_BYTES`]. `blocks`: blocks of
 /// keys without a split (key blocks x batch x kv heads); `plane`: elements of dK.
 pub fn dkdv_split(group: usize, blocks: usize, plane: usize, sms: usize, causal: bool) -> Result<usize> {
@@ -494,9 +493,16 @@ pub fn dkdv_split(group: usize, blocks: usize, plane: usize, sms: usize, causal:
             .map_err(|_| CudaError::usage(format!("RUMBLE_FLASH_SPLIT={v:?}: not a whole number of splits")))?;
         return Ok(n.clamp(1, group.max(1)));
     }
-    // Without a causal mask the blocks are equal: enough of them for every multiprocessor
-    // (two CTAs each) is enough.
-    let want = if causal { 4 * sms } else { 2 * sms };
+    // Causal blocks differ in work (paired, two per CTA): with three blocks per multiprocessor
+    // already there (seq 4096, 8 kv heads: 512 blocks) the split did not pay for its partial
+    // sums on the H200 (d64: 1.425 ms fwd+bwd unsplit against 1.456 split in two; 2026-12-03,
+    // bench/results/2026-12-03-session6/run1); with 256 blocks a split of 4 took dK/dV from
+    // 0.65 to 0.38 ms at d128 x 2048. Without a mask the blocks are equal: one CTA per
+    // multiprocessor's worth is enough.
+    let (enough, want) = if causal { (3 * sms, 4 * sms) } else { (sms, 2 * sms) };
+    if blocks >= enough {
+        return Ok(1);
+    }
     let n = (1..=group.max(1)).find(|&n| group.is_multiple_of(n) && blocks * n >= want).unwrap_or(group.max(1));
     Ok((1..=n).rev().find(|&m| group.is_multiple_of(m) && fits(m)).unwrap_or(1))
 }
@@ -563,10 +569,12 @@ mod tests {
         // GQA 4, 8 kv heads, seq 2048 (32 blocks of 64 keys): 256 blocks, 4 x 132 wanted.
         let plane = 8 * 2048 * 128;
         assert_eq!(dkdv_split(4, 256, plane, 132, true).unwrap(), 4);
-        // seq 4096: 512 blocks; half of the 4 heads per block row is enough.
-        assert_eq!(dkdv_split(4, 512, 2 * plane, 132, true).unwrap(), 2);
-        // Without a mask, two CTAs per multiprocessor are enough.
-        assert_eq!(dkdv_split(4, 512, 2 * plane, 132, false).unwrap(), 1);
+        // seq 4096: 512 blocks, enough without a split; 300 blocks: split in two.
+        assert_eq!(dkdv_split(4, 512, 2 * plane, 132, true).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 300, 2 * plane, 132, true).unwrap(), 2);
+        // Without a mask, one CTA per multiprocessor is enough.
+        assert_eq!(dkdv_split(4, 132, 2 * plane, 132, false).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 100, 2 * plane, 132, false).unwrap(), 4);
         // Only divisors of the group: 7 heads split 7 ways (qwen2, head size 1), or not at all.
         assert_eq!(dkdv_split(7, 256, 4 * 4096, 132, true).unwrap(), 7);
         assert_eq!(dkdv_split(1, 16, plane, 132, true).unwrap(), 1);

@@ -40,6 +40,14 @@ __device__ __forceinline__ void ldsm_x4_t(u32* r, const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
 }
+// The same with a predicate: `ok` false writes 16 zeros and reads nothing (so `src` need not
+// point anywhere valid): no select of a safe address.
+__device__ __forceinline__ void cp_async16_if(void* dst, const void* src, bool ok) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.eq.u32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"((u32)ok));
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 __device__ __forceinline__ float ex2(float x) {
@@ -168,8 +176,21 @@ __device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * d
 // replaced took ~30 per 16 bytes, a quarter of the forward's instructions at d128).
 template <int NTH, int ROWS>
 __device__ __forceinline__ void load_rows(T* sm, const T* g, int valid, int d, int rs, bool vec) {
-  if (vec) {
-    constexpr int CH = DP / 8;
+  constexpr int CH = DP / 8;
+  if (vec && NTH % CH == 0) {
+    // A thread's chunks: column cc of rows r0, r0 + RS, ... : one pointer, advanced by RS rows.
+    constexpr int RS = NTH / CH;
+    const int r0 = threadIdx.x / CH, cc = threadIdx.x % CH;
+    const bool colok = cc * 8 < d;
+    const T* p = g + (unsigned)(r0 * rs + cc * 8);
+    const long long step = (long long)RS * rs;
+    T* q = sm + r0 * LD + cc * 8;
+#pragma unroll
+    for (int i = 0; i < (ROWS + RS - 1) / RS; ++i) {
+      if (ROWS % RS == 0 || r0 + i * RS < ROWS) cp_async16_if(q + i * RS * LD, p, colok && r0 + i * RS < valid);
+      p += step;
+    }
+  } else if (vec) {
 #pragma unroll
     for (int i = 0; i < (ROWS * CH + NTH - 1) / NTH; ++i) {
       const int c = threadIdx.x + i * NTH, r = c / CH, cc = c % CH;
@@ -529,10 +550,11 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
 
   load_tile<NT, BK>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   load_tile<NT, BK>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
-  // Tile `it`: query head b*hq + kvh*group + h0 + it / nqt, queries from qstart + (it % nqt) * BQ.
-  auto load_q = [&](int it, int st) {
-    const i64 hh = kvh * group + x.h0 + it / nqt, bh = b * dm.hq + hh;
-    const i64 i0 = qstart + (i64)(it % nqt) * BQ;
+  // Tile (hh, qt): query head b*hq + kvh*group + h0 + hh, queries from qstart + qt * BQ (the
+  // loop steps hh and qt as counters: no division in the loop).
+  auto load_q = [&](int hq_, int qt_, int st) {
+    const i64 hh = kvh * group + x.h0 + hq_, bh = b * dm.hq + hh;
+    const i64 i0 = qstart + (i64)qt_ * BQ;
     load_tile<NT, BQ>(sq + st * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
     load_tile<NT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
     for (int e = threadIdx.x; e < BQ; e += NT) {
@@ -541,16 +563,18 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
       sd[st * BQ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
     }
   };
-  if (total > 0) load_q(0, 0);
+  if (total > 0) load_q(0, 0, 0);
   cp_commit();
 
   float gk[MT][DC / 8][4], gv[MT][DC / 8][4];
   zero<MT, DC / 8>(gk);
   zero<MT, DC / 8>(gv);
 
+  int hc = 0, qc = 0;  // the current tile
   for (int it = 0; it < total; ++it) {
+    const int nh = qc + 1 < nqt ? hc : hc + 1, nq = qc + 1 < nqt ? qc + 1 : 0;  // the next tile
     if (it + 1 < total) {
-      load_q(it + 1, (it + 1) & 1);
+      load_q(nh, nq, (it + 1) & 1);
       cp_commit();
       cp_wait<1>();
     } else {
@@ -560,7 +584,9 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
     const int st = it & 1;
     const T* qs = sq + st * BQ * LD;
     const T* dos = sdo + st * BQ * LD;
-    const i64 i0 = qstart + (i64)(it % nqt) * BQ;
+    const i64 i0 = qstart + (i64)qc * BQ;
+    hc = nh;
+    qc = nq;
     // Causal: a tile whose queries all come before the warp's first key adds nothing.
     if (!(causal && i0 + BQ - 1 < kw)) {
       float s[MT][BQ / 8][4], dp[MT][BQ / 8][4];
@@ -995,20 +1021,31 @@ extern "C" __global__ void FLASH_DKDV_BOUNDS flash_bwd_dkdv(const fa::T* q, cons
       fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
   }
 }
-// dK and dV from flash_bwd_dkdv's nsplit partial sums (split order, so deterministic).
+// dK and dV from flash_bwd_dkdv's nsplit partial sums (split order, so deterministic); four
+// elements a thread where d % 4 == 0 (16-byte loads of the partials: the scratch is 256-byte
+// aligned and each plane a multiple of 4 elements).
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv_sum(const float* part, fa::T* dk, fa::T* dv,
                                                                         fa::Dims dm, int nsplit) {
   const i64 d = dm.d, plane = dm.b * dm.hkv * dm.s * d;
-  for (i64 e = (i64)blockIdx.x * fa::NT + threadIdx.x; e < plane; e += (i64)gridDim.x * fa::NT) {
-    float a = 0.f, c = 0.f;
+  const int W = d % 4 == 0 ? 4 : 1;
+  for (i64 e = ((i64)blockIdx.x * fa::NT + threadIdx.x) * W; e < plane; e += (i64)gridDim.x * fa::NT * W) {
+    float a[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < nsplit; ++j) {
-      a += part[j * plane + e];
-      c += part[(nsplit + j) * plane + e];
+      if (W == 4) {
+        const float4 x = *(const float4*)&part[j * plane + e], y = *(const float4*)&part[(nsplit + j) * plane + e];
+        a[0] += x.x, a[1] += x.y, a[2] += x.z, a[3] += x.w;
+        c[0] += y.x, c[1] += y.y, c[2] += y.z, c[3] += y.w;
+      } else {
+        a[0] += part[j * plane + e];
+        c[0] += part[(nsplit + j) * plane + e];
+      }
     }
     const i64 col = e % d, r = (e / d) % dm.s, bk = e / (d * dm.s);
     const i64 at = fa::k_at(dm, bk / dm.hkv, bk % dm.hkv) + r * dm.krs + col;
-    st(&dk[at], a);
-    st(&dv[at], c);
+    for (int i = 0; i < W; ++i) {
+      st(&dk[at + i], a[i]);
+      st(&dv[at + i], c[i]);
+    }
   }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,

@@ -147,6 +147,12 @@ inline void cp_async16(void* dst, const void* src, int src_bytes) {
   std::memset(dst, 0, 16);
   std::memcpy(dst, src, src_bytes);
 }
+// Predicated: `ok` false writes zeros and does not touch `src` (which may be out of bounds).
+inline void cp_async16_if(void* dst, const void* src, bool ok) {
+  if (((uintptr_t)dst & 15) || (ok && ((uintptr_t)src & 15))) { fprintf(stderr, "cp.async misaligned\n"); abort(); }
+  std::memset(dst, 0, 16);
+  if (ok) std::memcpy(dst, src, 16);
+}
 inline void cp_commit() {}
 template <int N> inline void cp_wait() {}
 

@@ -76,7 +76,7 @@ mma_bthd() { # cfg all|some
   run "$b" 1 7 1 100 100 128 1 35 1 bthd
 }
 mode=${1:-full}
-# quick: `pair` (FCFG 4) and the default configuration `fa2` (FCFG 5; DEFAULT_CFG in src/flash.rs,
+# quick: the default configuration `pair` (FCFG 4; DEFAULT_CFG in src/flash.rs) and `fa2` (FCFG 5,
 # its own dK/dV kernel) on the quick matrix, the others on a few shapes; full: every
 # configuration on the whole matrix.
 for c in 0 1 2 3 4 5; do
