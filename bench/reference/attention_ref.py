@@ -32,17 +32,23 @@ def load(name, part, dtype, shape):
     return torch.frombuffer(data, dtype=dtype).reshape(shape).to(dev)
 
 
-def timed(fn, iters):
-    for _ in range(3):
+def timed(fn, iters, repeats=5):
+    """Mean ms per call over `iters` calls, the median of `repeats` such runs (after a warm-up):
+    one run of 20 calls at a fraction of a millisecond each was now and then twice as slow
+    (host-side stalls), which a single measurement reports as PyTorch's time."""
+    for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+    runs = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        runs.append(a.elapsed_time(b) / iters)
+    return sorted(runs)[len(runs) // 2]
 
 
 def rel(got, want):

@@ -53,18 +53,25 @@ fn shapes() -> Vec<Shape> {
     ]
 }
 
-/// Milliseconds per run of `r` (mean over `iters`, after 3 warm-up runs).
+/// Milliseconds per run of `r`: the median of 5 means over `iters` runs each, after 5 warm-up
+/// runs (as bench/reference/attention_ref.py times PyTorch).
 fn time(dev: &Device, r: &Recipe, b: &Buffers, iters: usize) -> f64 {
-    for _ in 0..3 {
+    for _ in 0..5 {
         unsafe { r.launch(dev, 1, b) }.expect("launch");
     }
     dev.synchronize().expect("sync");
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        unsafe { r.launch(dev, 1, b) }.expect("launch");
-    }
-    dev.synchronize().expect("sync");
-    t0.elapsed().as_secs_f64() * 1e3 / iters as f64
+    let mut runs: Vec<f64> = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                unsafe { r.launch(dev, 1, b) }.expect("launch");
+            }
+            dev.synchronize().expect("sync");
+            t0.elapsed().as_secs_f64() * 1e3 / iters as f64
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    runs[runs.len() / 2]
 }
 
 /// Mean device milliseconds of each step of `r` over `iters` runs (CUDA events around every

@@ -66,7 +66,7 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 6] = ["base", "wide", "deep", "w8", "pair", "fa2"];
+pub const CFG_NAMES: [&str; 7] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8"];
 /// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (4). Once the tile
 /// loads became cheap (unrolled, 32-bit, predicated cp.async) and dK/dV split a group's heads
 /// ([`dkdv_split`]), `pair` was faster than `fa2` (5, an 8-warp dK/dV kernel that passes P and
@@ -167,6 +167,8 @@ pub struct Shape {
     pub fused_delta: bool,
     /// Threads per block of the dK/dV kernel.
     pub dkdv_threads: usize,
+    /// dK/dV blocks that run at once on a multiprocessor (registers and shared memory).
+    pub dkdv_per_sm: usize,
 }
 
 impl Variant {
@@ -234,16 +236,20 @@ impl Variant {
                 // tiles at d = 16 and d in (64, 128]. `fa2` (5): pair, but for d <= 128 the
                 // 8-warp dK/dV kernel: 64 keys, query tiles of 64 (d <= 64) / 32, double-buffered
                 // Q and dO, and [64][q2 + 8] tiles of P^T and dS^T.
-                let pair = cfg.0 == 4 || cfg.0 == 5;
+                let pair = cfg.0 >= 4;
+                // pair8 (6): pair with 8 warps (128 keys) in dK/dV.
+                let dknw = if cfg.0 == 6 { 8 } else { 4 };
                 let fa2 = cfg.0 == 5 && dp <= 128;
                 let q2 = if dp <= 64 { 64 } else { 32 };
                 let (c, ld) = (if pair { 0 } else { cfg.0 }, dp + 8);
                 let fnw = if c == 3 { 8 } else { 4 };
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
-                let fbc = match (c, dp) {
+                // pair8 takes wide's forward tiles.
+                let fw = c != 0 || cfg.0 == 6;
+                let fbc = match (fw, dp) {
                     _ if pair && dp <= 64 => 128,
-                    (0, ..=64) => 64,
-                    (0, _) => 32,
+                    (false, ..=64) => 64,
+                    (false, _) => 32,
                     (_, ..=64) => 128,
                     (_, ..=128) => 64,
                     _ => 32,
@@ -274,7 +280,7 @@ impl Variant {
                     _ => 32,
                 };
                 let fused_delta = c != 0;
-                let (fbr, br, bk, dc) = (fnw * 16 * fmt, 64 * qmt, 64 * kmt, dp.min(128));
+                let (fbr, br, bk, dc) = (fnw * 16 * fmt, 64 * qmt, dknw * 16 * kmt, dp.min(128));
                 Shape {
                     fwd_rows: fbr,
                     dq_rows: br,
@@ -289,7 +295,8 @@ impl Variant {
                     },
                     fwd_threads: 32 * fnw,
                     fused_delta,
-                    dkdv_threads: if fa2 { FA2_THREADS } else { THREADS as usize },
+                    dkdv_threads: if fa2 { FA2_THREADS } else { 32 * dknw },
+                    dkdv_per_sm: if dknw == 8 && !fa2 { 1 } else { 2 },
                 }
             }
             Variant::Fma { dp, big } => {
@@ -314,6 +321,7 @@ impl Variant {
                     fwd_threads: FMA_THREADS as usize,
                     fused_delta: false,
                     dkdv_threads: FMA_THREADS as usize,
+                    dkdv_per_sm: 1,
                 }
             }
         }
@@ -450,7 +458,8 @@ fn build(
     if b * hkv * s > 0 {
         let kblocks = s.div_ceil(sh.dkdv_keys);
         let plane = b * hkv * s * d;
-        let nsplit = if mma { dkdv_split(hq / hkv, kblocks * b * hkv, plane, sms, causal)? } else { 1 };
+        let nsplit =
+            if mma { dkdv_split(hq / hkv, kblocks * b * hkv, plane, sms * sh.dkdv_per_sm, causal)? } else { 1 };
         let mut args =
             vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(4), Arg::In(5), Arg::Scratch(0), Arg::Out(1), Arg::Out(2)];
         if mma {
@@ -479,11 +488,12 @@ const SPLIT_MAX_BYTES: usize = 256 << 20;
 
 /// Into how many block rows the tensor-core dK/dV kernel splits each kv head's group of
 /// `group` query heads: `RUMBLE_FLASH_SPLIT` if set (clamped to 1..=group), else the smallest
-/// divisor of the group that gives the device at least four blocks of keys per multiprocessor
-/// (so the causal grid pairs, two blocks a CTA) where it has fewer than three, with
+/// divisor of the group that gives at least two blocks of keys per CTA slot (`slots`: blocks
+/// that run at once on the whole device; the causal grid then pairs, two blocks a CTA) where
+/// there are fewer than one and a half, with
 /// the partial sums (`2 x split x plane` f32) under [`SPLIT_MAX_BYTES`]. `blocks`: blocks of
 /// keys without a split (key blocks x batch x kv heads); `plane`: elements of dK.
-pub fn dkdv_split(group: usize, blocks: usize, plane: usize, sms: usize, causal: bool) -> Result<usize> {
+pub fn dkdv_split(group: usize, blocks: usize, plane: usize, slots: usize, causal: bool) -> Result<usize> {
     let fits = |n: usize| n == 1 || 2 * n * plane * 4 <= SPLIT_MAX_BYTES;
     if let Ok(v) = std::env::var("RUMBLE_FLASH_SPLIT")
         && !v.is_empty()
@@ -494,12 +504,12 @@ pub fn dkdv_split(group: usize, blocks: usize, plane: usize, sms: usize, causal:
         return Ok(n.clamp(1, group.max(1)));
     }
     // Causal blocks differ in work (paired, two per CTA): with three blocks per multiprocessor
-    // already there (seq 4096, 8 kv heads: 512 blocks) the split did not pay for its partial
+    // (two CTA slots each) already there (seq 4096, 8 kv heads: 512 blocks) the split did not pay for its partial
     // sums on the H200 (d64: 1.425 ms fwd+bwd unsplit against 1.456 split in two; 2026-12-03,
     // bench/results/2026-12-03-session6/run1); with 256 blocks a split of 4 took dK/dV from
     // 0.65 to 0.38 ms at d128 x 2048. Without a mask the blocks are equal: one CTA per
     // multiprocessor's worth is enough.
-    let (enough, want) = if causal { (3 * sms, 4 * sms) } else { (sms, 2 * sms) };
+    let (enough, want) = if causal { (3 * slots / 2, 2 * slots) } else { (slots / 2, slots) };
     if blocks >= enough {
         return Ok(1);
     }
@@ -568,20 +578,24 @@ mod tests {
         }
         // GQA 4, 8 kv heads, seq 2048 (32 blocks of 64 keys): 256 blocks, 4 x 132 wanted.
         let plane = 8 * 2048 * 128;
-        assert_eq!(dkdv_split(4, 256, plane, 132, true).unwrap(), 4);
+        assert_eq!(dkdv_split(4, 256, plane, 264, true).unwrap(), 4);
         // seq 4096: 512 blocks, enough without a split; 300 blocks: split in two.
-        assert_eq!(dkdv_split(4, 512, 2 * plane, 132, true).unwrap(), 1);
-        assert_eq!(dkdv_split(4, 300, 2 * plane, 132, true).unwrap(), 2);
+        assert_eq!(dkdv_split(4, 512, 2 * plane, 264, true).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 300, 2 * plane, 264, true).unwrap(), 2);
         // Without a mask, one CTA per multiprocessor is enough.
-        assert_eq!(dkdv_split(4, 132, 2 * plane, 132, false).unwrap(), 1);
-        assert_eq!(dkdv_split(4, 100, 2 * plane, 132, false).unwrap(), 4);
+        assert_eq!(dkdv_split(4, 132, 2 * plane, 264, false).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 100, 2 * plane, 264, false).unwrap(), 4);
         // Only divisors of the group: 7 heads split 7 ways (qwen2, head size 1), or not at all.
-        assert_eq!(dkdv_split(7, 256, 4 * 4096, 132, true).unwrap(), 7);
-        assert_eq!(dkdv_split(1, 16, plane, 132, true).unwrap(), 1);
+        assert_eq!(dkdv_split(7, 256, 4 * 4096, 264, true).unwrap(), 7);
+        assert_eq!(dkdv_split(1, 16, plane, 264, true).unwrap(), 1);
+        // One 8-warp block per multiprocessor (pair8, 128 keys): 256 blocks at seq 4096 are
+        // enough; 128 at seq 2048 split four ways.
+        assert_eq!(dkdv_split(4, 256, plane, 132, true).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 128, plane, 132, true).unwrap(), 4);
         // The partial sums stay under the cap: 2 x 4 x 64 Mi elements x 4 bytes is too much.
-        assert_eq!(dkdv_split(4, 256, 64 << 20, 132, true).unwrap(), 1);
-        assert_eq!(dkdv_split(4, 256, 8 << 20, 132, true).unwrap(), 4);
-        assert_eq!(dkdv_split(4, 256, 16 << 20, 132, true).unwrap(), 2);
+        assert_eq!(dkdv_split(4, 256, 64 << 20, 264, true).unwrap(), 1);
+        assert_eq!(dkdv_split(4, 256, 8 << 20, 264, true).unwrap(), 4);
+        assert_eq!(dkdv_split(4, 256, 16 << 20, 264, true).unwrap(), 2);
     }
 
     #[test]
@@ -620,6 +634,13 @@ mod tests {
         assert_eq!((s.dkdv_threads, s.dkdv_keys, s.nchunk, s.smem_dkdv), (256, 64, 1, 80384));
         assert_eq!((mma(64, 5).smem_dkdv, mma(64, 5).dkdv_threads), (74752, 256));
         assert_eq!(mma(144, 5), mma(144, 4));
+        // pair8: pair with 8 warps (128 keys) in dK/dV: (2 x 128 + 4 x 32) x 136 x 2 + 4 x 32 x 4
+        // at d128; 64-query tiles at d64.
+        let s = mma(128, 6);
+        assert_eq!((s.dkdv_keys, s.dkdv_threads, s.smem_dkdv, s.nchunk), (128, 256, 104960, 1));
+        assert_eq!((s.fwd_rows, s.dq_rows, s.smem_dq), (p.fwd_rows, p.dq_rows, p.smem_dq));
+        assert_eq!((s.smem_fwd, mma(128, 1).smem_fwd), (104448, 104448)); // wide's forward: 64-key stages
+        assert_eq!(mma(64, 6).smem_dkdv, 74752);
         assert_eq!(mma(256, 5), mma(256, 4));
         assert_eq!(p.dkdv_threads, 128);
         // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.

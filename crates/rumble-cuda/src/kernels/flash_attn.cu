@@ -114,15 +114,19 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //   5 fa2:  pair, but for d <= 128 the 8-warp dK/dV kernel bwd_dkdv2 (64 keys per block, P and
 //           dS through shared memory, warps splitting the head dims for dK += dS^T Q and
 //           dV += P^T dO); pair's dK/dV above 128. Opt-in (RUMBLE_FLASH_CFG=fa2).
-static_assert(FCFG >= 0 && FCFG <= 5, "unknown flash configuration");
-constexpr bool PAIR2 = FCFG == 4 || FCFG == 5;  // S and dP in one interleaved loop
+//   6 pair8: pair with an 8-warp dK/dV block (128 keys: each Q / dO tile loaded into shared
+//           memory feeds twice the keys; one block of 8 warps per multiprocessor), and wide's
+//           forward (64-key stages for d in (64, 128]).
+static_assert(FCFG >= 0 && FCFG <= 6, "unknown flash configuration");
+constexpr bool PAIR2 = FCFG == 4 || FCFG == 5 || FCFG == 6;  // S and dP in one interleaved loop
 constexpr int C = PAIR2 ? 0 : FCFG;      // pair (and fa2) start from base's tiles
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
 constexpr bool PQ2 = PAIR2 && D128 && (DP <= 16 || !D64);                      // pair: wide's dQ tiles
 constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
 constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
-constexpr int FBC = PAIR2 && D64 ? 128 : C == 0 ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
-constexpr int FSUB = PAIR2 && D64 ? 64 : C == 0 ? FBC : D64 ? 64 : 32;          // forward keys per softmax step
+constexpr bool FW = C != 0 || FCFG == 6;                                        // wide's forward tiles
+constexpr int FBC = PAIR2 && D64 ? 128 : !FW ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
+constexpr int FSUB = PAIR2 && D64 ? 64 : !FW ? FBC : D64 ? 64 : 32;             // forward keys per softmax step
 constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
 constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
 constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
@@ -133,7 +137,9 @@ constexpr int NT = 128;                      // backward threads per block (4 wa
 constexpr int FNT = 32 * FNW;                // forward threads per block
 constexpr int FBR = FNW * 16 * FMT;          // forward: queries per block
 constexpr int BR = 4 * 16 * QMT;             // dq: queries per block
-constexpr int BK = 4 * 16 * KMT;             // dk/dv: keys per block
+constexpr int DKNW = FCFG == 6 ? 8 : 4;      // dk/dv warps (bwd_dkdv)
+constexpr int DKNT = 32 * DKNW;              // and threads
+constexpr int BK = DKNW * 16 * KMT;          // dk/dv: keys per block
 constexpr int DC = DP <= 128 ? DP : 128;     // dk/dv: head dims accumulated per block
 // fa2's dK/dV (bwd_dkdv2, d <= 128; see the note above it): 8 warps, 64 keys per block,
 // query tiles of 64 (d <= 64) / 32, P^T and dS^T tiles of [64][Q2 + 8] in shared memory.
@@ -143,7 +149,7 @@ constexpr int NB2 = DP / 16, NJ2 = (NB2 + 1) / 2;  // 16-column blocks of the he
 constexpr int NT2 = 256;
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
 constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = FA2 ? K2 : BK, NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
-constexpr int DKDV_NT = FA2 ? NT2 : NT;      // dk/dv threads per block
+constexpr int DKDV_NT = FA2 ? NT2 : DKNT;    // dk/dv threads per block
 constexpr int SMEM_FWD = (FBR + 4 * FBC) * LD * 2;
 constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
 constexpr int SMEM_DKDV = FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
@@ -548,16 +554,16 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   const int total = (int)(x.h1 - x.h0) * nqt;
   const i64 kw = k0 + w * 16 * MT;  // the warp's first key
 
-  load_tile<NT, BK>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
-  load_tile<NT, BK>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
+  load_tile<DKNT, BK>(sk, k + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
+  load_tile<DKNT, BK>(sv, v + k_at(dm, b, kvh), k0, S - k0, d, dm.krs, vec);
   // Tile (hh, qt): query head b*hq + kvh*group + h0 + hh, queries from qstart + qt * BQ (the
   // loop steps hh and qt as counters: no division in the loop).
   auto load_q = [&](int hq_, int qt_, int st) {
     const i64 hh = kvh * group + x.h0 + hq_, bh = b * dm.hq + hh;
     const i64 i0 = qstart + (i64)qt_ * BQ;
-    load_tile<NT, BQ>(sq + st * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
-    load_tile<NT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
-    for (int e = threadIdx.x; e < BQ; e += NT) {
+    load_tile<DKNT, BQ>(sq + st * BQ * LD, q + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
+    load_tile<DKNT, BQ>(sdo + st * BQ * LD, dout + q_at(dm, b, hh), i0, T_ - i0, d, dm.qrs, vec);
+    for (int e = threadIdx.x; e < BQ; e += DKNT) {
       const bool ok = i0 + e < T_;
       sl[st * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
       sd[st * BQ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
