@@ -131,7 +131,9 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //           forward (64-key stages for d in (64, 128]).
 //   7 atom:  pair, with dQ computed in the dK/dV kernel (ATOMQ, see bwd_dq_atomic) and no dQ
 //           kernel. Not deterministic in dQ's last bits. Opt-in.
-//   8 atom8: pair8, with dQ as atom.
+//   8 atom8: pair8, with dQ as atom, and for d in (64, 128] the forward's softmax in steps of
+//           64 keys (whole stages: fewer Q fragment loads per mma, more registers: ptxas spills
+//           36 / 68 bytes at d128 where 32-key steps spill 16 / 56).
 static_assert(FCFG >= 0 && FCFG <= 8, "unknown flash configuration");
 constexpr bool PAIR2 = FCFG >= 4;           // S and dP in one interleaved loop
 constexpr bool ATOMQ = FCFG == 7 || FCFG == 8;  // dQ inside dK/dV, added into f32 by atomics
@@ -142,7 +144,8 @@ constexpr int FNW = C == 3 ? 8 : 4;                                             
 constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
 constexpr bool FW = C != 0 || FCFG == 6 || FCFG == 8;                                      // wide's forward tiles
 constexpr int FBC = PAIR2 && D64 ? 128 : !FW ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
-constexpr int FSUB = PAIR2 && D64 ? 64 : !FW ? FBC : D64 ? 64 : 32;             // forward keys per softmax step
+constexpr int FSUB = FCFG == 8 && !D64 && D128 ? 64                           // forward keys per softmax step
+                   : PAIR2 && D64 ? 64 : !FW ? FBC : D64 ? 64 : 32;
 constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
 constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
 constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
