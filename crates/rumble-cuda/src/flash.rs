@@ -66,7 +66,7 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 9] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8", "atom", "atom8"];
+pub const CFG_NAMES: [&str; 8] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8", "pairq"];
 /// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (4). Once the tile
 /// loads became cheap (unrolled, 32-bit, predicated cp.async) and dK/dV split a group's heads
 /// ([`dkdv_split`]), `pair` was faster than `fa2` (5, an 8-warp dK/dV kernel that passes P and
@@ -167,10 +167,6 @@ pub struct Shape {
     pub fused_delta: bool,
     /// Threads per block of the dK/dV kernel.
     pub dkdv_threads: usize,
-    /// dQ is computed inside the dK/dV kernel and added into an f32 dQ in the recipe's scratch
-    /// by atomics (`atom`, `atom8`): no dQ kernel; the delta kernel zeroes it and
-    /// `flash_bwd_dq_cast` rounds it into dQ.
-    pub atomic_dq: bool,
     /// dK/dV blocks that run at once on a multiprocessor (registers and shared memory).
     pub dkdv_per_sm: usize,
 }
@@ -216,7 +212,6 @@ impl Variant {
                     ("FWD_THREADS", s.fwd_threads),
                     ("FUSED_DELTA", s.fused_delta as usize),
                     ("DKDV_THREADS", s.dkdv_threads),
-                    ("ATOMIC_DQ", s.atomic_dq as usize),
                 ]
                 .iter()
                 .map(|(k, v)| format!("#define FEXPECT_{k} {v}\n"))
@@ -242,18 +237,19 @@ impl Variant {
                 // 8-warp dK/dV kernel: 64 keys, query tiles of 64 (d <= 64) / 32, double-buffered
                 // Q and dO, and [64][q2 + 8] tiles of P^T and dS^T.
                 let pair = cfg.0 >= 4;
-                // pair8 (6): pair with 8 warps (128 keys) in dK/dV. atom (7) / atom8 (8): pair /
-                // pair8 with dQ inside dK/dV (and its [bk][bq + 8] tile of dS^T).
-                let atomic = cfg.0 == 7 || cfg.0 == 8;
-                let dknw = if cfg.0 == 6 || cfg.0 == 8 { 8 } else { 4 };
+                // pair8 (6): pair with 8 warps (128 keys) in dK/dV.
+                let dknw = if cfg.0 == 6 { 8 } else { 4 };
                 let fa2 = cfg.0 == 5 && dp <= 128;
                 let q2 = if dp <= 64 { 64 } else { 32 };
                 let (c, ld) = (if pair { 0 } else { cfg.0 }, dp + 8);
                 let fnw = if c == 3 { 8 } else { 4 };
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
                 // pair8 takes wide's forward tiles.
-                let fw = c != 0 || cfg.0 == 6 || cfg.0 == 8;
+                let fw = c != 0 || cfg.0 == 6;
+                // pair (and fa2, pairq) at d in (64, 128] but 112: 64-key forward stages in one step.
+                let pf = pair && cfg.0 != 6 && dp > 64 && dp <= 128 && dp != 112;
                 let fbc = match (fw, dp) {
+                    _ if pf => 64,
                     _ if pair && dp <= 64 => 128,
                     (false, ..=64) => 64,
                     (false, _) => 32,
@@ -265,7 +261,7 @@ impl Variant {
                 let pq2 = pair && d128 && (dp <= 16 || !d64);
                 let kmt = if c != 0 && d64 { 2 } else { 1 };
                 let bq = match c {
-                    0 if d64 => 64,
+                    0 if d64 || (cfg.0 == 7 && d128) => 64,
                     2 if d64 => 16,
                     _ => 32,
                 };
@@ -298,13 +294,12 @@ impl Variant {
                     smem_dkdv: if fa2 {
                         (2 * 64 + 4 * q2) * ld * 2 + 2 * 64 * (q2 + 8) * 2 + 4 * q2 * 4
                     } else {
-                        (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4 + if atomic { bk * (bq + 8) * 2 } else { 0 }
+                        (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4
                     },
                     fwd_threads: 32 * fnw,
                     fused_delta,
                     dkdv_threads: if fa2 { FA2_THREADS } else { 32 * dknw },
                     dkdv_per_sm: if dknw == 8 && !fa2 { 1 } else { 2 },
-                    atomic_dq: atomic,
                 }
             }
             Variant::Fma { dp, big } => {
@@ -330,7 +325,6 @@ impl Variant {
                     fused_delta: false,
                     dkdv_threads: FMA_THREADS as usize,
                     dkdv_per_sm: 1,
-                    atomic_dq: false,
                 }
             }
         }
@@ -441,28 +435,14 @@ fn build(
         return Ok(Recipe { op: "attention", steps, scratch: 0, node_scratch: 0 });
     }
     // Scratch: delta, one f32 per query row: from its own kernel, or (`fused_delta`) from the
-    // dQ kernel, which then runs first; then (`atomic_dq`) the f32 dQ the dK/dV kernel adds
-    // into, which the delta kernel zeroes; then (the tensor-core kernels with their group's
-    // heads split) the f32 partial sums of dK and dV.
-    let delta_bytes = (rows * 4).div_ceil(256) * 256;
-    let atomic = mma && sh.atomic_dq;
-    let dqa_bytes = if atomic { (rows * d * 4).div_ceil(256) * 256 } else { 0 };
-    // The f32 dQ's address, or null for the kernels that take it without using it.
-    let dqa = if atomic { Arg::Scratch(delta_bytes) } else { Arg::I64(0) };
-    let row_blocks = rows.div_ceil(variant.threads() as usize / 32).clamp(1, dev.multiprocessors.max(1) * 16);
+    // dQ kernel, which then runs first.
     if rows > 0 && !sh.fused_delta {
-        let mut args = vec![Arg::In(3), Arg::In(5), Arg::Scratch(0)];
-        if mma {
-            args.push(dqa.clone());
-        }
-        args.push(dims.clone());
-        steps.push(kernel("flash_bwd_delta", (row_blocks, 1), 0, args)?);
+        let blocks = rows.div_ceil(variant.threads() as usize / 32).clamp(1, dev.multiprocessors.max(1) * 16);
+        let args = vec![Arg::In(3), Arg::In(5), Arg::Scratch(0), dims.clone()];
+        steps.push(kernel("flash_bwd_delta", (blocks, 1), 0, args)?);
     }
     let mut dq_step = None;
-    if rows > 0 && atomic {
-        let args = vec![Arg::Scratch(delta_bytes), Arg::Out(0), dims.clone(), sc.clone()];
-        dq_step = Some(kernel("flash_bwd_dq_cast", (row_blocks, 1), 0, args)?);
-    } else if rows > 0 {
+    if rows > 0 {
         // The tensor-core dQ kernel also takes o (for the fused delta).
         let mut args = vec![Arg::In(0), Arg::In(1), Arg::In(2)];
         if mma {
@@ -474,8 +454,10 @@ fn build(
     if sh.fused_delta {
         steps.extend(dq_step.take());
     }
-    let part_at = delta_bytes + dqa_bytes;
-    let mut scratch = part_at;
+    // Scratch: delta, then (the tensor-core kernels with their group's heads split) the f32
+    // partial sums of dK and dV.
+    let delta_bytes = (rows * 4).div_ceil(256) * 256;
+    let mut scratch = delta_bytes;
     if b * hkv * s > 0 {
         let kblocks = s.div_ceil(sh.dkdv_keys);
         let plane = b * hkv * s * d;
@@ -484,7 +466,7 @@ fn build(
         let mut args =
             vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(4), Arg::In(5), Arg::Scratch(0), Arg::Out(1), Arg::Out(2)];
         if mma {
-            args.extend([Arg::Scratch(part_at), Arg::I32(nsplit as i32), dqa]);
+            args.extend([Arg::Scratch(delta_bytes), Arg::I32(nsplit as i32)]);
         }
         args.extend([dims.clone(), sc, ca]);
         let y = b * hkv * nsplit;
@@ -495,7 +477,7 @@ fn build(
         if nsplit > 1 {
             scratch += 2 * nsplit * plane * 4;
             let blocks = plane.div_ceil(THREADS as usize).clamp(1, sms * 8);
-            let args = vec![Arg::Scratch(part_at), Arg::Out(1), Arg::Out(2), dims, Arg::I32(nsplit as i32)];
+            let args = vec![Arg::Scratch(delta_bytes), Arg::Out(1), Arg::Out(2), dims, Arg::I32(nsplit as i32)];
             steps.push(kernel("flash_bwd_dkdv_sum", (blocks, 1), 0, args)?);
         }
     }
@@ -664,14 +646,12 @@ mod tests {
         assert_eq!(mma(64, 6).smem_dkdv, 74752);
         assert_eq!(mma(256, 5), mma(256, 4));
         assert_eq!(p.dkdv_threads, 128);
-        assert!(!p.atomic_dq && !s.atomic_dq);
-        // atom / atom8: pair / pair8 plus the dS^T tile [keys][queries + 8] of dK/dV:
-        // 70144 + 64 x 40 x 2 at d128 (32-query tiles), 104960 + 128 x 40 x 2 with 8 warps.
-        let (a, a8) = (mma(128, 7), mma(128, 8));
-        assert!(a.atomic_dq && a8.atomic_dq);
-        assert_eq!((a.dkdv_keys, a.dkdv_threads, a.smem_dkdv), (64, 128, 70144 + 5120));
-        assert_eq!((a8.dkdv_keys, a8.dkdv_threads, a8.smem_dkdv, a8.dkdv_per_sm), (128, 256, 104960 + 10240, 1));
-        assert_eq!((a.smem_fwd, a8.smem_fwd), (p.smem_fwd, s.smem_fwd));
+        // pair's forward at d128: 64-key stages, (128 + 4 x 64) x 136 x 2; pairq: 64-query dK/dV
+        // tiles, (2 x 64 + 4 x 64) x 136 x 2 + 4 x 64 x 4.
+        assert_eq!((p.smem_fwd, mma(64, 4).smem_fwd, mma(256, 4).smem_fwd), (104448, 92160, 101376));
+        let q = mma(128, 7);
+        assert_eq!((q.smem_dkdv, q.dkdv_keys, q.smem_fwd, q.smem_dq), (105472, 64, p.smem_fwd, p.smem_dq));
+        assert_eq!(mma(64, 7), mma(64, 4));
         // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.
         let s = Variant::Fma { dp: 128, big: false }.shape();
         assert_eq!((s.fwd_rows, s.dq_rows, s.dkdv_keys, s.nchunk), (128, 128, 64, 1));

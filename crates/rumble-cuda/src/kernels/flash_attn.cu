@@ -17,15 +17,12 @@
 // therefore one A fragment, which is how P (and dS) go from one product to the next without
 // leaving registers.
 //
-// Deterministic but for atom / atom8 (below): no atomics. The backward runs three kernels, delta = rowsum(dO * O), then dK/dV
+// Deterministic: no atomics. The backward runs three kernels, delta = rowsum(dO * O), then dK/dV
 // with each block owning a block of keys (looping over the query heads of its group and their
 // queries in a fixed order), then dQ with each block owning a block of queries; or, with FDELTA,
 // two: dQ (which computes its rows' delta first and stores it), then dK/dV. Where a kv head's
 // group of query heads is split over several dK/dV blocks (Split, below), one more kernel adds
-// their f32 partial sums in a fixed order. atom / atom8 compute dQ inside the dK/dV kernel
-// instead (no dQ kernel: S and dP are not computed twice), adding each block's share into an
-// f32 dQ by atomics (zeroed by the delta kernel, rounded to T by flash_bwd_dq_cast), so dQ's
-// last bits depend on the order in which blocks run.
+// their f32 partial sums in a fixed order.
 
 #ifndef FLASH_EMU
 typedef unsigned u32;
@@ -53,15 +50,6 @@ __device__ __forceinline__ void cp_async16_if(void* dst, const void* src, bool o
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-// p[0] += a, p[1] += b in global memory (atomically, no result; one 8-byte reduction on sm_90).
-__device__ __forceinline__ void red_add2(float* p, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(p, a);
-  atomicAdd(p + 1, b);
-#endif
-}
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -120,34 +108,35 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //           tiles, for d in (64, 128] the base backward tiles; delta inside the dQ kernel.
 //   3 w8:   the backward of wide, with an 8-warp forward (one m-tile per warp for d > 64).
 //   4 pair: the fastest of the others per kernel in the H200 sweep: the forward of wide for
-//           d<=64 and of base above; base's dK/dV; dQ 32 queries per warp (wide's tiles) for
-//           d=16 and d in (64, 128], base's dQ otherwise; a separate delta kernel; and the
-//           backward computes S and dP in one interleaved loop (mma_abt2_m).
+//           d<=64, for d in (64, 128] (but 112) 64-key stages taken in one softmax step (PF: half the
+//           steps, and each Q fragment read from shared memory feeds 16 mma instead of 8;
+//           ptxas spills ~40 bytes, yet 0.50 against 0.57 ms at d128 x seq 4096), base's
+//           above; base's dK/dV; dQ 32 queries per warp (wide's tiles) for d=16 and d in
+//           (64, 128], base's dQ otherwise; a separate delta kernel; and the backward computes
+//           S and dP in one interleaved loop (mma_abt2_m).
 //   5 fa2:  pair, but for d <= 128 the 8-warp dK/dV kernel bwd_dkdv2 (64 keys per block, P and
 //           dS through shared memory, warps splitting the head dims for dK += dS^T Q and
 //           dV += P^T dO); pair's dK/dV above 128. Opt-in (RUMBLE_FLASH_CFG=fa2).
 //   6 pair8: pair with an 8-warp dK/dV block (128 keys: each Q / dO tile loaded into shared
 //           memory feeds twice the keys; one block of 8 warps per multiprocessor), and wide's
-//           forward (64-key stages for d in (64, 128]).
-//   7 atom:  pair, with dQ computed in the dK/dV kernel (ATOMQ, see bwd_dq_atomic) and no dQ
-//           kernel. Not deterministic in dQ's last bits. Opt-in.
-//   8 atom8: pair8, with dQ as atom, and for d in (64, 128] the forward's softmax in steps of
-//           64 keys (whole stages: fewer Q fragment loads per mma, more registers: ptxas spills
-//           36 / 68 bytes at d128 where 32-key steps spill 16 / 56).
-static_assert(FCFG >= 0 && FCFG <= 8, "unknown flash configuration");
-constexpr bool PAIR2 = FCFG >= 4;           // S and dP in one interleaved loop
-constexpr bool ATOMQ = FCFG == 7 || FCFG == 8;  // dQ inside dK/dV, added into f32 by atomics
+//           forward (64-key stages in 32-key steps for d in (64, 128]).
+//   7 pairq: pair with 64-query dK/dV tiles for d in (64, 128] (as pair's at d <= 64): half the
+//           tiles (and barriers), each K / V fragment read from shared memory feeds 8 mma
+//           instead of 4; 255 registers.
+static_assert(FCFG >= 0 && FCFG <= 7, "unknown flash configuration");
+constexpr bool PAIR2 = FCFG >= 4;         // S and dP in one interleaved loop
 constexpr int C = PAIR2 ? 0 : FCFG;      // pair (and fa2) start from base's tiles
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
 constexpr bool PQ2 = PAIR2 && D128 && (DP <= 16 || !D64);                      // pair: wide's dQ tiles
 constexpr int FNW = C == 3 ? 8 : 4;                                             // forward warps
 constexpr int FMT = !D128 || (C == 3 && !D64) ? 1 : 2;                          // forward m-tiles per warp
-constexpr bool FW = C != 0 || FCFG == 6 || FCFG == 8;                                      // wide's forward tiles
-constexpr int FBC = PAIR2 && D64 ? 128 : !FW ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
-constexpr int FSUB = FCFG == 8 && !D64 && D128 ? 64                           // forward keys per softmax step
-                   : PAIR2 && D64 ? 64 : !FW ? FBC : D64 ? 64 : 32;
+constexpr bool FW = C != 0 || FCFG == 6;                                        // wide's forward tiles
+// pair's 64-key forward steps (not at d112, where ptxas spills 84 bytes; 36 at d128, none at 80, 96)
+constexpr bool PF = FCFG != 6 && PAIR2 && !D64 && D128 && DP != 112;
+constexpr int FBC = PF ? 64 : PAIR2 && D64 ? 128 : !FW ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
+constexpr int FSUB = PF ? 64 : PAIR2 && D64 ? 64 : !FW ? FBC : D64 ? 64 : 32;     // forward keys per softmax step
 constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
-constexpr int BQ = C == 0 ? (D64 ? 64 : 32) : C == 2 && D64 ? 16 : 32;          // dk/dv: queries per tile
+constexpr int BQ = C == 0 ? (D64 || (FCFG == 7 && D128) ? 64 : 32) : C == 2 && D64 ? 16 : 32;  // dk/dv: queries per tile
 constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
 constexpr int BC = PQ2 ? (D64 ? 64 : 32) : C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
 constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel
@@ -156,22 +145,10 @@ constexpr int NT = 128;                      // backward threads per block (4 wa
 constexpr int FNT = 32 * FNW;                // forward threads per block
 constexpr int FBR = FNW * 16 * FMT;          // forward: queries per block
 constexpr int BR = 4 * 16 * QMT;             // dq: queries per block
-constexpr int DKNW = FCFG == 6 || FCFG == 8 ? 8 : 4;  // dk/dv warps (bwd_dkdv)
+constexpr int DKNW = FCFG == 6 ? 8 : 4;      // dk/dv warps (bwd_dkdv)
 constexpr int DKNT = 32 * DKNW;              // and threads
 constexpr int BK = DKNW * 16 * KMT;          // dk/dv: keys per block
 constexpr int DC = DP <= 128 ? DP : 128;     // dk/dv: head dims accumulated per block
-// ATOMQ (bwd_dq_atomic): the block's dS^T tile [BK][LDS] in shared memory; its dQ tile (BQ
-// queries x the block's DC head dims) in units of 32 queries x NPU 16-column blocks, one unit
-// per warp at a time.
-constexpr int LDS = BQ + 8, QMP = BQ / 32, NCB = DC / 16;
-__host__ __device__ constexpr int npu_pick(int ncb, int want) {
-  int best = 1;
-  for (int i = 1; i <= ncb; ++i)
-    if (ncb % i == 0 && i <= want) best = i;
-  return best;
-}
-constexpr int NPU = npu_pick(NCB, QMP * NCB / DKNW > 1 ? QMP * NCB / DKNW : 1), NUNIT = QMP * (NCB / NPU);
-static_assert(!ATOMQ || (BQ % 32 == 0 && KMT == 1), "atomic dQ tiles");
 // fa2's dK/dV (bwd_dkdv2, d <= 128; see the note above it): 8 warps, 64 keys per block,
 // query tiles of 64 (d <= 64) / 32, P^T and dS^T tiles of [64][Q2 + 8] in shared memory.
 constexpr bool FA2 = FCFG == 5 && DP <= 128;
@@ -184,13 +161,13 @@ constexpr int DKDV_NT = FA2 ? NT2 : DKNT;    // dk/dv threads per block
 constexpr int SMEM_FWD = (FBR + 4 * FBC) * LD * 2;
 constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
 constexpr int SMEM_DKDV = FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
-                              : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4 + (ATOMQ ? BK * LDS * 2 : 0);
+                              : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
 static_assert(FBC % FSUB == 0 && BK % BQ == 0 && K2 % Q2 == 0, "tile sizes");
 #ifdef FEXPECT
 static_assert(FWD_ROWS == FEXPECT_FWD_ROWS && DQ_ROWS == FEXPECT_DQ_ROWS && DKDV_KEYS == FEXPECT_DKDV_KEYS &&
                   NCHUNK == FEXPECT_NCHUNK && SMEM_FWD == FEXPECT_SMEM_FWD && SMEM_DQ == FEXPECT_SMEM_DQ &&
                   SMEM_DKDV == FEXPECT_SMEM_DKDV && FNT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA &&
-                  DKDV_NT == FEXPECT_DKDV_THREADS && ATOMQ == FEXPECT_ATOMIC_DQ,
+                  DKDV_NT == FEXPECT_DKDV_THREADS,
               "src/flash.rs Variant::shape disagrees with flash_attn.cu");
 #endif
 constexpr float LOG2E = 1.4426950408889634f;
@@ -510,9 +487,8 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 }
 
 // ---- backward, without FDELTA 1/3: delta = rowsum(dO * O) in f32, one warp per row (row r =
-// bh * T + i); with ATOMQ it also zeroes row r of the f32 dQ `dqa` ([B Hq T][d]) ----
-__device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta,
-                          float* __restrict__ dqa, Dims dm) {
+// bh * T + i) ----
+__device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta, Dims dm) {
   const int lane = threadIdx.x & 31;
   const i64 rows = dm.b * dm.hq * dm.t, d = dm.d;
   for (i64 r = (i64)blockIdx.x * (NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (NT / 32)) {
@@ -522,12 +498,6 @@ __device__ void bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, f
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) a += shfl_xor(a, x);
     if (lane == 0) delta[r] = a;
-    if (ATOMQ) {
-      if (d % 4 == 0)  // rows of d floats, 16-byte aligned (the scratch is 256-byte aligned)
-        for (i64 c = 4 * lane; c < d; c += 128) *(float4*)&dqa[r * d + c] = make_float4(0.f, 0.f, 0.f, 0.f);
-      else
-        for (i64 c = lane; c < d; c += 32) dqa[r * d + c] = 0.f;
-    }
   }
 }
 
@@ -564,75 +534,12 @@ __device__ __forceinline__ void store_dkdv(T* dk, T* dv, float* part, int nsplit
   }
 }
 
-// ---- backward, ATOMQ: the dQ share of one dK/dV block and query tile, dQ[i0 + q][c] +=
-// sum over the block's keys j of dS[q][j] K[j][c] for the block's head dims [c0, c0 + DC),
-// added into the f32 dQ `dqa` (row `qrow` = bh T + i0 of the tile's query head) with atomics.
-// dS^T ([BK keys][LDS], rounded to T) is in shared memory (each warp wrote its keys' rows), K
-// is the block's key tile; a warp takes 32 queries x NPU 16-column blocks at a time (A = dS by
-// ldmatrix.trans of dS^T, B = K by ldmatrix.trans, as mma_pb_m). Causal: keys past the unit's
-// last query are skipped (their dS is zero). One red.v2 per accumulator pair, so the traffic is
-// BQ x DC f32 per tile and block: BK keys per block (64, or 128 in atom8) keep it small. ----
-__device__ __forceinline__ void bwd_dq_atomic(const T* sds, const T* ks, float* __restrict__ dqa, i64 qrow, i64 i0,
-                                              i64 k0, const Dims& dm, int c0, int causal, int w, int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-  const i64 d = dm.d;
-#pragma unroll 1
-  for (int u = w; u < NUNIT; u += DKNW) {
-    const int mp = u / (NCB / NPU), cb = c0 + (u % (NCB / NPU)) * NPU * 16;
-    if (cb >= DP) continue;  // a last head-dim chunk narrower than DC
-    const i64 qlast = i0 + mp * 32 + 31;
-    int nkc = BK / 16;
-    if (causal && qlast - k0 < BK - 1) nkc = (int)((qlast - k0) / 16) + 1;
-    float acc[2][2 * NPU][4];
-    zero<2, 2 * NPU>(acc);
-#pragma unroll 1
-    for (int kc = 0; kc < nkc; ++kc) {
-      u32 fa[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        ldsm_x4_t(fa[mt], sds + (kc * 16 + (lane & 7) + (lane >> 4) * 8) * LDS + mp * 32 + mt * 16 + ((lane >> 3) & 1) * 8);
-#pragma unroll
-      for (int np = 0; np < NPU; ++np) {
-        if (cb + np * 16 < DP) {
-          u32 fb[4];
-          ldsm_x4_t(fb, ks + kc * 16 * LD + b_off(lane) + cb + np * 16);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            mma16816(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
-            mma16816(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const i64 qi = i0 + mp * 32 + mt * 16 + g + 8 * i;
-        if (qi < dm.t) {
-          float* row = dqa + (qrow + qi - i0) * d;
-#pragma unroll
-          for (int j = 0; j < 2 * NPU; ++j) {
-            const i64 c = cb + j * 8 + 2 * tq;
-            if (d % 2 == 0) {
-              if (c < d) red_add2(row + c, acc[mt][j][2 * i], acc[mt][j][2 * i + 1]);
-            } else {
-              if (c < d) atomicAdd(row + c, acc[mt][j][2 * i]);
-              if (c + 1 < d) atomicAdd(row + c + 1, acc[mt][j][2 * i + 1]);
-            }
-          }
-        }
-      }
-  }
-}
-
 // ---- backward: dK, dV of BK keys of one (batch, kv head), head dims [c0, c0 + DC); each warp
-// KMT x 16 keys, so each Q / dO fragment read from shared memory feeds KMT mma. ATOMQ: and the
-// block's share of dQ (bwd_dq_atomic) ----
+// KMT x 16 keys, so each Q / dO fragment read from shared memory feeds KMT mma ----
 __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ lse, const T* __restrict__ dout, const float* __restrict__ delta,
-                         T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part, int nsplit,
-                         float* __restrict__ dqa, Dims dm, double scale, int causal, i64 blk) {
+                         T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part, int nsplit, Dims dm,
+                         double scale, int causal, i64 blk) {
   constexpr int MT = KMT;
   FLASH_SMEM(smem);
   T* sk = (T*)smem;
@@ -641,7 +548,6 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   T* sdo = sq + 2 * BQ * LD;  // 2 stages of BQ rows
   float* sl = (float*)(sdo + 2 * BQ * LD);  // 2 stages of BQ: lse * log2(e)
   float* sd = sl + 2 * BQ;                   // 2 stages of BQ: delta
-  T* sds = (T*)(sd + 2 * BQ);                // ATOMQ: dS^T, [BK][LDS]
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
   constexpr int NCH = (DP + DC - 1) / DC;
@@ -693,12 +599,10 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
     const T* qs = sq + st * BQ * LD;
     const T* dos = sdo + st * BQ * LD;
     const i64 i0 = qstart + (i64)qc * BQ;
-    const i64 qrow = (b * dm.hq + kvh * group + x.h0 + hc) * T_ + i0;  // ATOMQ: the tile's first dQ row
     hc = nh;
     qc = nq;
     // Causal: a tile whose queries all come before the warp's first key adds nothing.
-    const bool act = !(causal && i0 + BQ - 1 < kw);
-    if (act) {
+    if (!(causal && i0 + BQ - 1 < kw)) {
       float s[MT][BQ / 8][4], dp[MT][BQ / 8][4];
       zero<MT, BQ / 8>(s);
       zero<MT, BQ / 8>(dp);
@@ -719,39 +623,18 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
               float p = ex2(fmaf(s[mt][n][e], sl2, -sl[st * BQ + ci]));
               if (MASK) {
                 const i64 qi = i0 + ci, key = kw + mt * 16 + g + 8 * (e >> 1);
-                if (qi >= T_ || key >= S || (causal && qi < key)) p = 0.f;
+                if (qi >= T_ || (causal && qi < key)) p = 0.f;
               }
               s[mt][n][e] = p;
               dp[mt][n][e] = p * (dp[mt][n][e] - sd[st * BQ + ci]);
             }
       };
-      if (i0 + BQ > T_ || kw + 16 * MT > S || (causal && i0 < kw + 16 * MT - 1))
+      if (i0 + BQ > T_ || (causal && i0 < kw + 16 * MT - 1))
         probs(true);
       else
         probs(false);
-      if (ATOMQ) {  // the warp's rows of dS^T, rounded to T as dK's product below takes them
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-              *(u32*)&sds[(w * 16 * MT + mt * 16 + g + 8 * i) * LDS + n * 8 + 2 * tq] =
-                  pack2(dp[mt][n][2 * i], dp[mt][n][2 * i + 1]);
-      }
       mma_pb_m<MT, BQ, DC>(gv, s, dos, c0, lane);  // dV += P^T dO
       mma_pb_m<MT, BQ, DC>(gk, dp, qs, c0, lane);  // dK += dS^T Q
-    } else if (ATOMQ) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) *(u32*)&sds[(w * 16 * MT + mt * 16 + g + 8 * i) * LDS + n * 8 + 2 * tq] = 0u;
-    }
-    if (ATOMQ) {
-      FLASH_SYNC();  // dS^T complete
-      bwd_dq_atomic(sds, sk, dqa, qrow, i0, k0, dm, c0, causal, w, lane);
     }
     FLASH_SYNC();
   }
@@ -1128,8 +1011,8 @@ extern "C" __global__ void __launch_bounds__(fa::FNT) flash_fwd(const fa::T* q, 
   }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T* o, const fa::T* dout, float* delta,
-                                                                     float* dqa, fa::Dims dm) {
-  fa::bwd_delta(o, dout, delta, dqa, dm);
+                                                                     fa::Dims dm) {
+  fa::bwd_delta(o, dout, delta, dm);
 }
 // fa2's dK/dV (8 warps) asks for two blocks per multiprocessor: at most 128 registers a thread.
 #if FCFG == 5 && FDP <= 128
@@ -1139,8 +1022,8 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T
 #endif
 extern "C" __global__ void FLASH_DKDV_BOUNDS flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v,
                                                             const float* lse, const fa::T* dout, const float* delta,
-                                                            fa::T* dk, fa::T* dv, float* part, int nsplit, float* dqa,
-                                                            fa::Dims dm, double scale, int causal) {
+                                                            fa::T* dk, fa::T* dv, float* part, int nsplit, fa::Dims dm,
+                                                            double scale, int causal) {
   const i64 n = (dm.s + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS;
   const int np = fa::passes(n, fa::NCHUNK);
 #pragma unroll 1
@@ -1149,8 +1032,7 @@ extern "C" __global__ void FLASH_DKDV_BOUNDS flash_bwd_dkdv(const fa::T* q, cons
     if constexpr (fa::FA2)
       fa::bwd_dkdv2(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
     else
-      fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dqa, dm, scale, causal,
-                   fa::block_of(n, fa::NCHUNK, p));
+      fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
   }
 }
 // dK and dV from flash_bwd_dkdv's nsplit partial sums (split order, so deterministic); four
@@ -1177,28 +1059,6 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv_sum(const fl
     for (int i = 0; i < W; ++i) {
       st(&dk[at + i], a[i]);
       st(&dv[at + i], c[i]);
-    }
-  }
-}
-// ATOMQ: dQ = scale x the f32 sums the dK/dV kernel added, rounded to T, in q's layout; one
-// warp per row (as the delta kernel), four columns a lane where d % 4 == 0.
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq_cast(const float* dqa, fa::T* dq, fa::Dims dm,
-                                                                       double scale) {
-  const int lane = threadIdx.x & 31;
-  const i64 rows = dm.b * dm.hq * dm.t, d = dm.d;
-  const float sc = (float)scale;
-  for (i64 r = (i64)blockIdx.x * (fa::NT / 32) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (fa::NT / 32)) {
-    const i64 bh = r / dm.t, at = fa::q_at(dm, bh / dm.hq, bh % dm.hq) + (r % dm.t) * dm.qrs;
-    if (d % 4 == 0) {
-      for (i64 c = 4 * lane; c < d; c += 128) {
-        const float4 x = *(const float4*)&dqa[r * d + c];
-        st(&dq[at + c], x.x * sc);
-        st(&dq[at + c + 1], x.y * sc);
-        st(&dq[at + c + 2], x.z * sc);
-        st(&dq[at + c + 3], x.w * sc);
-      }
-    } else {
-      for (i64 c = lane; c < d; c += 32) st(&dq[at + c], dqa[r * d + c] * sc);
     }
   }
 }

@@ -5,7 +5,6 @@
 // warp barriers, following the PTX ISA's fragment layouts. Shared memory starts as NaN bytes
 // (0xff) so a read of a never-written element poisons the result.
 #pragma once
-#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -20,7 +19,6 @@
 
 #define FLASH_EMU 1
 #define __device__
-#define __host__
 #define __global__
 #define __forceinline__ inline
 #define __restrict__
@@ -155,11 +153,6 @@ inline void cp_async16_if(void* dst, const void* src, bool ok) {
   std::memset(dst, 0, 16);
   if (ok) std::memcpy(dst, src, 16);
 }
-inline void red_add2(float* p, float a, float b) {
-  std::atomic_ref<float>(p[0]).fetch_add(a);
-  std::atomic_ref<float>(p[1]).fetch_add(b);
-}
-inline float atomicAdd(float* p, float a) { return std::atomic_ref<float>(*p).fetch_add(a); }
 inline void cp_commit() {}
 template <int N> inline void cp_wait() {}
 

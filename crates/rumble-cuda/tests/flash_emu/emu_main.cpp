@@ -21,14 +21,12 @@
 #define FWD_THREADS fa::NT
 #define DKDV_THREADS fa::NT
 #define BWD_FUSED_DELTA 0
-#define DQA_ARG
 #define CFG_NAME ""
 #else
 #include "../../src/kernels/flash_attn.cu"
 #define FWD_THREADS fa::FNT
 #define DKDV_THREADS fa::DKDV_NT
 #define BWD_FUSED_DELTA fa::FDELTA
-#define DQA_ARG dqa,
 #define CFG_NAME " cfg" STR(FCFG)
 #endif
 
@@ -201,15 +199,11 @@ int main(int argc, char** argv) {
   const int nsplit = getenv("FLASH_SPLIT") ? atoi(getenv("FLASH_SPLIT")) : 1;
   float* part = nsplit > 1 ? (float*)alloc((size_t)2 * nsplit * nk * 4) : nullptr;
   if (part) std::fill((unsigned char*)part, (unsigned char*)part + (size_t)2 * nsplit * nk * 4, 0xff);
-  // ATOMQ (atom, atom8): dQ added into f32 by the dK/dV kernel (zeroed by the delta kernel: NaN
-  // bytes until then), then rounded by flash_bwd_dq_cast; no dQ kernel.
-  float* dqa = fa::ATOMQ ? (float*)alloc(nq * 4) : nullptr;
-  if (dqa) std::fill((unsigned char*)dqa, (unsigned char*)dqa + nq * 4, 0xff);
   auto dkdv = [&] {
     emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV * nsplit), 1},
                 DKDV_THREADS, fa::SMEM_DKDV, [&] {
                   flash_bwd_dkdv(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dk, dv, part, nsplit,
-                                 dqa, dm, scale, causal);
+                                 dm, scale, causal);
                 });
     if (nsplit > 1)
       emu::launch({3, 1, 1}, fa::NT, 0, [&] { flash_bwd_dkdv_sum(part, dk, dv, dm, nsplit); });
@@ -229,16 +223,9 @@ int main(int argc, char** argv) {
     dkdv();
   } else {
     emu::launch({(unsigned)std::min<size_t>((rows + 3) / 4, 64), 1, 1}, fa::NT, 0,
-                [&] { flash_bwd_delta(orefd.data(), dod.data(), delta, DQA_ARG dm); });
+                [&] { flash_bwd_delta(orefd.data(), dod.data(), delta, dm); });
     dkdv();
-#if FLASH_FMA
     dq_();
-#else
-    if (fa::ATOMQ)
-      emu::launch({5, 1, 1}, fa::NT, 0, [&] { flash_bwd_dq_cast(dqa, dq, dm, scale); });
-    else
-      dq_();
-#endif
   }
   double m1, m2, m3;
   double e_dq = rel_err(host_q(dq), r1.dq, &m1);
