@@ -66,7 +66,7 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 8] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8", "pairq"];
+pub const CFG_NAMES: [&str; 9] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8", "pairq", "pairqi"];
 /// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (4). Once the tile
 /// loads became cheap (unrolled, 32-bit, predicated cp.async) and dK/dV split a group's heads
 /// ([`dkdv_split`]), `pair` was faster than `fa2` (5, an 8-warp dK/dV kernel that passes P and
@@ -261,7 +261,7 @@ impl Variant {
                 let pq2 = pair && d128 && (dp <= 16 || !d64);
                 let kmt = if c != 0 && d64 { 2 } else { 1 };
                 let bq = match c {
-                    0 if d64 || (cfg.0 == 7 && d128) => 64,
+                    0 if d64 || (cfg.0 >= 7 && d128) => 64,
                     2 if d64 => 16,
                     _ => 32,
                 };
@@ -652,6 +652,7 @@ mod tests {
         let q = mma(128, 7);
         assert_eq!((q.smem_dkdv, q.dkdv_keys, q.smem_fwd, q.smem_dq), (105472, 64, p.smem_fwd, p.smem_dq));
         assert_eq!(mma(64, 7), mma(64, 4));
+        assert_eq!((mma(128, 8), mma(64, 8)), (q, mma(64, 4)));
         // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.
         let s = Variant::Fma { dp: 128, big: false }.shape();
         assert_eq!((s.fwd_rows, s.dq_rows, s.dkdv_keys, s.nchunk), (128, 128, 64, 1));
