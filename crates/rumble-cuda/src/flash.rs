@@ -66,7 +66,7 @@ pub const MAX_HEAD: usize = 256;
 pub struct Cfg(u8);
 
 /// The configurations' names, by `FCFG` number.
-pub const CFG_NAMES: [&str; 9] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8", "pairq", "pairqi"];
+pub const CFG_NAMES: [&str; 8] = ["base", "wide", "deep", "w8", "pair", "fa2", "pair8", "paird"];
 /// The configuration used unless `RUMBLE_FLASH_CFG` names another: `pair` (4). Once the tile
 /// loads became cheap (unrolled, 32-bit, predicated cp.async) and dK/dV split a group's heads
 /// ([`dkdv_split`]), `pair` was faster than `fa2` (5, an 8-warp dK/dV kernel that passes P and
@@ -246,7 +246,7 @@ impl Variant {
                 let fmt = if dp > 128 || (c == 3 && dp > 64) { 1 } else { 2 };
                 // pair8 takes wide's forward tiles.
                 let fw = c != 0 || cfg.0 == 6;
-                // pair (and fa2, pairq) at d in (64, 128] but 112: 64-key forward stages in one step.
+                // pair (and fa2, paird) at d in (64, 128] but 112: 64-key forward stages in one step.
                 let pf = pair && cfg.0 != 6 && dp > 64 && dp <= 128 && dp != 112;
                 let fbc = match (fw, dp) {
                     _ if pf => 64,
@@ -261,7 +261,7 @@ impl Variant {
                 let pq2 = pair && d128 && (dp <= 16 || !d64);
                 let kmt = if c != 0 && d64 { 2 } else { 1 };
                 let bq = match c {
-                    0 if d64 || (cfg.0 >= 7 && d128) => 64,
+                    0 if d64 || (pair && d128) => 64,
                     2 if d64 => 16,
                     _ => 32,
                 };
@@ -282,7 +282,8 @@ impl Variant {
                     1 | 3 if d64 => 64,
                     _ => 32,
                 };
-                let fused_delta = c != 0;
+                // paird (7): pair with delta inside the dQ kernel.
+                let fused_delta = c != 0 || cfg.0 == 7;
                 let (fbr, br, bk, dc) = (fnw * 16 * fmt, 64 * qmt, dknw * 16 * kmt, dp.min(128));
                 Shape {
                     fwd_rows: fbr,
@@ -637,22 +638,24 @@ mod tests {
         assert_eq!((s.dkdv_threads, s.dkdv_keys, s.nchunk, s.smem_dkdv), (256, 64, 1, 80384));
         assert_eq!((mma(64, 5).smem_dkdv, mma(64, 5).dkdv_threads), (74752, 256));
         assert_eq!(mma(144, 5), mma(144, 4));
-        // pair8: pair with 8 warps (128 keys) in dK/dV: (2 x 128 + 4 x 32) x 136 x 2 + 4 x 32 x 4
-        // at d128; 64-query tiles at d64.
+        // pair8: pair with 8 warps (128 keys) in dK/dV: (2 x 128 + 4 x 64) x 136 x 2 + 4 x 64 x 4
+        // at d128 (64-query tiles, as pair).
         let s = mma(128, 6);
-        assert_eq!((s.dkdv_keys, s.dkdv_threads, s.smem_dkdv, s.nchunk), (128, 256, 104960, 1));
+        assert_eq!((s.dkdv_keys, s.dkdv_threads, s.smem_dkdv, s.nchunk), (128, 256, 140288, 1));
         assert_eq!((s.fwd_rows, s.dq_rows, s.smem_dq), (p.fwd_rows, p.dq_rows, p.smem_dq));
         assert_eq!((s.smem_fwd, mma(128, 1).smem_fwd), (104448, 104448)); // wide's forward: 64-key stages
         assert_eq!(mma(64, 6).smem_dkdv, 74752);
         assert_eq!(mma(256, 5), mma(256, 4));
         assert_eq!(p.dkdv_threads, 128);
-        // pair's forward at d128: 64-key stages, (128 + 4 x 64) x 136 x 2; pairq: 64-query dK/dV
-        // tiles, (2 x 64 + 4 x 64) x 136 x 2 + 4 x 64 x 4.
+        // pair at d128: 64-key forward stages, (128 + 4 x 64) x 136 x 2; 64-query dK/dV tiles,
+        // (2 x 64 + 4 x 64) x 136 x 2 + 4 x 64 x 4. paird: and delta in dQ (128 rows x 4 bytes).
         assert_eq!((p.smem_fwd, mma(64, 4).smem_fwd, mma(256, 4).smem_fwd), (104448, 92160, 101376));
+        assert_eq!((p.smem_dkdv, p.dkdv_keys, p.fused_delta), (105472, 64, false));
         let q = mma(128, 7);
-        assert_eq!((q.smem_dkdv, q.dkdv_keys, q.smem_fwd, q.smem_dq), (105472, 64, p.smem_fwd, p.smem_dq));
-        assert_eq!(mma(64, 7), mma(64, 4));
-        assert_eq!((mma(128, 8), mma(64, 8)), (q, mma(64, 4)));
+        assert_eq!(
+            (q.smem_dkdv, q.smem_fwd, q.smem_dq, q.fused_delta),
+            (p.smem_dkdv, p.smem_fwd, p.smem_dq + 512, true)
+        );
         // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv), all double-buffered.
         let s = Variant::Fma { dp: 128, big: false }.shape();
         assert_eq!((s.fwd_rows, s.dq_rows, s.dkdv_keys, s.nchunk), (128, 128, 64, 1));

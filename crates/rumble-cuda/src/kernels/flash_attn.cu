@@ -111,7 +111,9 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //           d<=64, for d in (64, 128] (but 112) 64-key stages taken in one softmax step (PF: half the
 //           steps, and each Q fragment read from shared memory feeds 16 mma instead of 8;
 //           ptxas spills ~40 bytes, yet 0.50 against 0.57 ms at d128 x seq 4096), base's
-//           above; base's dK/dV; dQ 32 queries per warp (wide's tiles) for d=16 and d in
+//           above; base's dK/dV but with 64-query tiles for d in (64, 128] too (half the tiles
+//           and barriers, each K / V fragment read from shared memory feeds 8 mma instead of 4:
+//           dK/dV 0.96 against 1.14 ms at d128 x seq 4096); dQ 32 queries per warp (wide's tiles) for d=16 and d in
 //           (64, 128], base's dQ otherwise; a separate delta kernel; and the backward computes
 //           S and dP in one interleaved loop (mma_abt2_m).
 //   5 fa2:  pair, but for d <= 128 the 8-warp dK/dV kernel bwd_dkdv2 (64 keys per block, P and
@@ -120,11 +122,8 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //   6 pair8: pair with an 8-warp dK/dV block (128 keys: each Q / dO tile loaded into shared
 //           memory feeds twice the keys; one block of 8 warps per multiprocessor), and wide's
 //           forward (64-key stages in 32-key steps for d in (64, 128]).
-//   7 pairq: pair with 64-query dK/dV tiles for d in (64, 128] (as pair's at d <= 64): half the
-//           tiles (and barriers), each K / V fragment read from shared memory feeds 8 mma
-//           instead of 4; 255 registers.
-//   8 pairqi: pairq with dV += P^T dO and dK += dS^T Q interleaved (mma_pb2_m), as S and dP.
-static_assert(FCFG >= 0 && FCFG <= 8, "unknown flash configuration");
+//   7 paird: pair with delta computed inside the dQ kernel (FDELTA), which then runs first.
+static_assert(FCFG >= 0 && FCFG <= 7, "unknown flash configuration");
 constexpr bool PAIR2 = FCFG >= 4;         // S and dP in one interleaved loop
 constexpr int C = PAIR2 ? 0 : FCFG;      // pair (and fa2) start from base's tiles
 constexpr bool D64 = DP <= 64, D128 = DP <= 128;
@@ -137,10 +136,10 @@ constexpr bool PF = FCFG != 6 && PAIR2 && !D64 && D128 && DP != 112;
 constexpr int FBC = PF ? 64 : PAIR2 && D64 ? 128 : !FW ? (D64 ? 64 : 32) : D64 ? 128 : D128 ? 64 : 32;  // forward keys per stage
 constexpr int FSUB = PF ? 64 : PAIR2 && D64 ? 64 : !FW ? FBC : D64 ? 64 : 32;     // forward keys per softmax step
 constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     // dk/dv: 16-key m-tiles per warp
-constexpr int BQ = C == 0 ? (D64 || (FCFG >= 7 && D128) ? 64 : 32) : C == 2 && D64 ? 16 : 32;  // dk/dv: queries per tile
+constexpr int BQ = C == 0 ? (D64 || (PAIR2 && D128) ? 64 : 32) : C == 2 && D64 ? 16 : 32;  // dk/dv: queries per tile
 constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
 constexpr int BC = PQ2 ? (D64 ? 64 : 32) : C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
-constexpr int FDELTA = C != 0;                                                  // delta inside the dq kernel
+constexpr int FDELTA = C != 0 || FCFG == 7;                                                // delta inside the dq kernel
 
 constexpr int NT = 128;                      // backward threads per block (4 warps)
 constexpr int FNT = 32 * FNW;                // forward threads per block
@@ -318,44 +317,6 @@ __device__ __forceinline__ void mma_pb_m(float (*acc)[NC / 8][4], const float (*
     }
   }
 }
-// Two products at once, x += P * B1 and y += Q * B2 (the backward's dV and dK): interleaved as
-// mma_abt2_m.
-template <int MT, int K, int NC>
-__device__ __forceinline__ void mma_pb2_m(float (*x)[NC / 8][4], const float (*p)[K / 8][4], const T* b1,
-                                          float (*y)[NC / 8][4], const float (*q)[K / 8][4], const T* b2, int c0,
-                                          int lane) {
-#pragma unroll
-  for (int kc = 0; kc < K / 16; ++kc) {
-    u32 f1[MT][4], f2[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      f1[mt][0] = pack2(p[mt][2 * kc][0], p[mt][2 * kc][1]);
-      f1[mt][1] = pack2(p[mt][2 * kc][2], p[mt][2 * kc][3]);
-      f1[mt][2] = pack2(p[mt][2 * kc + 1][0], p[mt][2 * kc + 1][1]);
-      f1[mt][3] = pack2(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
-      f2[mt][0] = pack2(q[mt][2 * kc][0], q[mt][2 * kc][1]);
-      f2[mt][1] = pack2(q[mt][2 * kc][2], q[mt][2 * kc][3]);
-      f2[mt][2] = pack2(q[mt][2 * kc + 1][0], q[mt][2 * kc + 1][1]);
-      f2[mt][3] = pack2(q[mt][2 * kc + 1][2], q[mt][2 * kc + 1][3]);
-    }
-#pragma unroll
-    for (int np = 0; np < NC / 16; ++np) {
-      if (c0 + np * 16 < DP) {
-        u32 g1[4], g2[4];
-        ldsm_x4_t(g1, b1 + kc * 16 * LD + b_off(lane) + c0 + np * 16);
-        ldsm_x4_t(g2, b2 + kc * 16 * LD + b_off(lane) + c0 + np * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816(x[mt][2 * np], f1[mt], g1[0], g1[1]);
-          mma16816(y[mt][2 * np], f2[mt], g2[0], g2[1]);
-          mma16816(x[mt][2 * np + 1], f1[mt], g1[2], g1[3]);
-          mma16816(y[mt][2 * np + 1], f2[mt], g2[2], g2[3]);
-        }
-      }
-    }
-  }
-}
-
 template <int MT, int N>
 __device__ __forceinline__ void zero(float (*x)[N][4]) {
 #pragma unroll
@@ -671,12 +632,8 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
         probs(true);
       else
         probs(false);
-      if (FCFG == 8) {
-        mma_pb2_m<MT, BQ, DC>(gv, s, dos, gk, dp, qs, c0, lane);  // dV += P^T dO, dK += dS^T Q
-      } else {
-        mma_pb_m<MT, BQ, DC>(gv, s, dos, c0, lane);  // dV += P^T dO
-        mma_pb_m<MT, BQ, DC>(gk, dp, qs, c0, lane);  // dK += dS^T Q
-      }
+      mma_pb_m<MT, BQ, DC>(gv, s, dos, c0, lane);  // dV += P^T dO
+      mma_pb_m<MT, BQ, DC>(gk, dp, qs, c0, lane);  // dK += dS^T Q
     }
     FLASH_SYNC();
   }
