@@ -132,11 +132,18 @@ impl Device {
     /// The module compiled from `source` (named `name` in errors), compiling and loading it
     /// on first use.
     pub fn module(&self, name: &str, source: &str, opts: Options) -> Result<Arc<Module>> {
-        let mkey = format!("{:016x}{}", fnv1a(&[source.as_bytes()]), opts.fmad);
+        let arch = self.arch.clone();
+        self.module_on(&arch, name, source, opts)
+    }
+
+    /// [`Device::module`] compiled for `arch` instead of the device's own architecture (e.g.
+    /// `sm_90a`: the device's, with its architecture-specific features such as `wgmma`).
+    pub fn module_on(&self, arch: &str, name: &str, source: &str, opts: Options) -> Result<Arc<Module>> {
+        let mkey = format!("{:016x}{}{arch}", fnv1a(&[source.as_bytes()]), opts.fmad);
         if let Some(m) = self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.get(&mkey) {
             return Ok(m.clone());
         }
-        let (cubin, _) = cached_cubin(&self.arch, name, source, opts)?;
+        let (cubin, _) = cached_cubin(arch, name, source, opts)?;
         self.bind()?;
         let module =
             unsafe { drv::module::load_data(cubin.as_ptr() as *const _) }.ctx(|| format!("loading module `{name}`"))?;

@@ -119,8 +119,9 @@ impl Cfg {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
     /// Tensor cores: bf16 or f16 operands; `dp` = head size rounded up to 16 (at least 16);
-    /// the tiling configuration.
-    Mma { dtype: DType, dp: usize, cfg: Cfg },
+    /// the tiling configuration; `wg`: the forward on Hopper's warpgroup MMA (`wgmma`, sm_90a
+    /// only; [`wgmma_forward`]) instead of the configuration's mma.sync forward.
+    Mma { dtype: DType, dp: usize, cfg: Cfg, wg: bool },
     /// f32 with FMA; `dp` = head size rounded up to 32; `big`: the second tiling (64-key
     /// forward and 64-query dK/dV tiles instead of 32, `RUMBLE_FLASH_FMA_CFG=b`).
     Fma { dp: usize, big: bool },
@@ -135,11 +136,21 @@ pub fn choose(cc: (i32, i32), dtype: DType, d: usize) -> Option<Variant> {
     }
     match dtype {
         DType::BF16 | DType::F16 => {
-            Some(Variant::Mma { dtype, dp: d.div_ceil(16).max(1) * 16, cfg: Cfg::from_env().unwrap_or(DEFAULT_CFG) })
+            let dp = d.div_ceil(16).max(1) * 16;
+            Some(Variant::Mma { dtype, dp, cfg: Cfg::from_env().unwrap_or(DEFAULT_CFG), wg: wgmma_forward(cc, dp) })
         }
         DType::F32 => Some(Variant::Fma { dp: d.div_ceil(32) * 32, big: fma_big() }),
         _ => None,
     }
+}
+
+/// Whether the forward runs on the warpgroup MMA (`fwd_wg` in kernels/flash_attn.cu): on sm_90
+/// (H100, H200: `wgmma` is an sm_90a feature, not in later architectures) at padded head sizes
+/// 64 and 128, unless `RUMBLE_FLASH_WG=0`. On the H200 (2026-12-04, bench/results/
+/// 2026-12-04-session7) it took 0.39 ms at d128 x seq 4096 (32/8 heads, causal) against 0.50
+/// for pair's mma.sync forward.
+pub fn wgmma_forward(cc: (i32, i32), dp: usize) -> bool {
+    cc == (9, 0) && (dp == 64 || dp == 128) && !std::env::var("RUMBLE_FLASH_WG").is_ok_and(|v| v == "0")
 }
 
 /// The FMA kernels' tiling: the second (`b`, 64-key forward and 64-query dK/dV tiles) unless
@@ -190,7 +201,9 @@ impl Variant {
     /// Module name, e.g. `flash_bf16_d64_wide`, or `flash_f32_d128b` (FMA, second tiling).
     pub fn name(&self) -> String {
         match self {
-            Variant::Mma { dtype, dp, cfg } => format!("flash_{}_d{dp}_{}", dtype.name(), cfg.name()),
+            Variant::Mma { dtype, dp, cfg, wg } => {
+                format!("flash_{}_d{dp}_{}{}", dtype.name(), cfg.name(), if *wg { "_wg" } else { "" })
+            }
             Variant::Fma { dp, big } => format!("flash_f32_d{dp}{}", if *big { "b" } else { "" }),
         }
     }
@@ -198,7 +211,7 @@ impl Variant {
     /// The full source NVRTC compiles for this variant.
     pub fn source(&self) -> String {
         match self {
-            Variant::Mma { dtype, dp, cfg } => {
+            Variant::Mma { dtype, dp, cfg, wg } => {
                 let f16 = (*dtype == DType::F16) as i32;
                 let s = self.shape();
                 let expect = [
@@ -217,9 +230,10 @@ impl Variant {
                 .map(|(k, v)| format!("#define FEXPECT_{k} {v}\n"))
                 .collect::<String>();
                 format!(
-                    "{PRELUDE}\n#define FT {}\n#define FLASH_F16 {f16}\n#define FDP {dp}\n#define FCFG {}\n#define FEXPECT 1\n{expect}{MMA}",
+                    "{PRELUDE}\n#define FT {}\n#define FLASH_F16 {f16}\n#define FDP {dp}\n#define FCFG {}\n#define FWG {}\n#define FEXPECT 1\n{expect}{MMA}",
                     dtype.name(),
-                    cfg.0
+                    cfg.0,
+                    *wg as i32
                 )
             }
             Variant::Fma { dp, big } => {
@@ -230,7 +244,7 @@ impl Variant {
 
     pub fn shape(&self) -> Shape {
         match *self {
-            Variant::Mma { dp, cfg, .. } => {
+            Variant::Mma { dp, cfg, wg, .. } => {
                 // The FCFG table at the top of namespace `fa` in kernels/flash_attn.cu.
                 // `pair` (4): base's (0) tiles but wide's forward at d <= 64 and wide's dQ
                 // tiles at d = 16 and d in (64, 128]. `fa2` (5): pair, but for d <= 128 the
@@ -285,19 +299,26 @@ impl Variant {
                 // paird (7): pair with delta inside the dQ kernel.
                 let fused_delta = c != 0 || cfg.0 == 7;
                 let (fbr, br, bk, dc) = (fnw * 16 * fmt, 64 * qmt, dknw * 16 * kmt, dp.min(128));
+                // The wgmma forward: 128 queries, 256 threads, Q and two stages of 64 keys of K
+                // and V unpadded (swizzled) plus 1 KiB to align them.
+                let (fwd_rows, smem_fwd, fwd_threads) = if wg {
+                    (128, (128 + 4 * 64) * dp * 2 + 1024, 256)
+                } else {
+                    (fbr, (fbr + 4 * fbc) * ld * 2, 32 * fnw)
+                };
                 Shape {
-                    fwd_rows: fbr,
+                    fwd_rows,
                     dq_rows: br,
                     dkdv_keys: if fa2 { 64 } else { bk },
                     nchunk: if fa2 { 1 } else { dp.div_ceil(dc) },
-                    smem_fwd: (fbr + 4 * fbc) * ld * 2,
+                    smem_fwd,
                     smem_dq: (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 },
                     smem_dkdv: if fa2 {
                         (2 * 64 + 4 * q2) * ld * 2 + 2 * 64 * (q2 + 8) * 2 + 4 * q2 * 4
                     } else {
                         (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4
                     },
-                    fwd_threads: 32 * fnw,
+                    fwd_threads,
                     fused_delta,
                     dkdv_threads: if fa2 { FA2_THREADS } else { 32 * dknw },
                     dkdv_per_sm: if dknw == 8 && !fa2 { 1 } else { 2 },
@@ -331,15 +352,38 @@ impl Variant {
         }
     }
 
-    /// Every variant the default choice can make, and every other configuration at the padded
-    /// head sizes [`SWEEP_DP`] (for the offline compile test, which also fills the kernel cache
-    /// the GPU machine starts from).
+    /// The NVRTC architecture of the variant's module on a device of architecture `arch`
+    /// (`sm_90`): `sm_90a` for the wgmma forward.
+    pub fn arch(&self, arch: &str) -> String {
+        match self {
+            Variant::Mma { wg: true, .. } => format!("{arch}a"),
+            _ => arch.to_string(),
+        }
+    }
+
+    /// Every variant the default choice can make on sm_90 and before, and every other
+    /// configuration at the padded head sizes [`SWEEP_DP`] (for the offline compile test, which
+    /// also fills the kernel cache the GPU machine starts from).
     pub fn all() -> Vec<Variant> {
-        let mma = |dtype, dp, cfg| Variant::Mma { dtype, dp, cfg };
-        let mut v: Vec<Variant> = (1..=16).map(|i| mma(DType::BF16, 16 * i, DEFAULT_CFG)).collect();
-        v.extend((1..=16).map(|i| mma(DType::F16, 16 * i, DEFAULT_CFG)));
+        let mma = |dtype, dp, cfg, wg| Variant::Mma { dtype, dp, cfg, wg };
+        // The head sizes of the wgmma forward (wgmma_forward on sm_90).
+        let wg = |dp: usize| dp == 64 || dp == 128;
+        let mut v = Vec::new();
+        for dtype in [DType::BF16, DType::F16] {
+            for i in 1..=16 {
+                v.push(mma(dtype, 16 * i, DEFAULT_CFG, false));
+                if wg(16 * i) {
+                    v.push(mma(dtype, 16 * i, DEFAULT_CFG, true));
+                }
+            }
+        }
         for cfg in Cfg::all().into_iter().filter(|c| *c != DEFAULT_CFG) {
-            v.extend(SWEEP_DP.map(|dp| mma(DType::BF16, dp, cfg)));
+            for dp in SWEEP_DP {
+                v.push(mma(DType::BF16, dp, cfg, false));
+                if wg(dp) {
+                    v.push(mma(DType::BF16, dp, cfg, true));
+                }
+            }
         }
         v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i, big: false }));
         v.extend((1..=8).map(|i| Variant::Fma { dp: 32 * i, big: true }));
@@ -404,7 +448,7 @@ fn build(
     [b, hq, hkv, t, s, d]: [usize; 6],
 ) -> Result<Recipe> {
     let name = variant.name();
-    let module = dev.module(&name, &variant.source(), OPTIONS)?;
+    let module = dev.module_on(&variant.arch(&dev.arch), &name, &variant.source(), OPTIONS)?;
     let mma = matches!(variant, Variant::Mma { .. });
     let kernel = |kname: &str, grid: (usize, usize), smem: usize, args: Vec<Arg>| -> Result<Step> {
         let func = module.function(kname)?;
@@ -541,8 +585,16 @@ mod tests {
             assert!(matches!(choose(h100, DType::F32, d), Some(Variant::Fma { .. })), "f32 d{d}");
         }
         let cfg = Cfg::from_env().unwrap_or(DEFAULT_CFG);
-        assert_eq!(choose(h100, DType::BF16, 1), Some(Variant::Mma { dtype: DType::BF16, dp: 16, cfg }));
-        assert_eq!(choose(h100, DType::BF16, 100), Some(Variant::Mma { dtype: DType::BF16, dp: 112, cfg }));
+        let wg = false;
+        assert_eq!(choose(h100, DType::BF16, 1), Some(Variant::Mma { dtype: DType::BF16, dp: 16, cfg, wg }));
+        assert_eq!(choose(h100, DType::BF16, 100), Some(Variant::Mma { dtype: DType::BF16, dp: 112, cfg, wg }));
+        // The wgmma forward: sm_90 only, head sizes padded to 64 or 128 (unless RUMBLE_FLASH_WG=0).
+        let wg = !std::env::var("RUMBLE_FLASH_WG").is_ok_and(|v| v == "0");
+        assert_eq!(choose(h100, DType::BF16, 120), Some(Variant::Mma { dtype: DType::BF16, dp: 128, cfg, wg }));
+        assert_eq!(choose(h100, DType::F16, 64), Some(Variant::Mma { dtype: DType::F16, dp: 64, cfg, wg }));
+        let wg = false;
+        assert_eq!(choose((8, 0), DType::BF16, 128), Some(Variant::Mma { dtype: DType::BF16, dp: 128, cfg, wg }));
+        assert_eq!(choose((10, 0), DType::BF16, 64), Some(Variant::Mma { dtype: DType::BF16, dp: 64, cfg, wg }));
         assert!(matches!(choose(h100, DType::F32, 100), Some(Variant::Fma { dp: 128, .. })));
         assert_eq!(choose(h100, DType::F64, 64), None);
         assert_eq!(choose(h100, DType::BF16, 257), None);
@@ -557,10 +609,14 @@ mod tests {
         assert_eq!(Cfg::parse("base").unwrap(), Cfg(0));
         let e = Cfg::parse("huge").unwrap_err().to_string();
         assert!(e.contains("huge") && e.contains("wide"), "{e}");
-        let a = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(0) };
-        let b = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(1) };
+        let a = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(0), wg: false };
+        let b = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(1), wg: false };
+        let c = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(1), wg: true };
         assert_ne!(a.name(), b.name());
-        assert!(b.source().contains("#define FCFG 1\n"));
+        assert_ne!(b.name(), c.name());
+        assert!(b.source().contains("#define FCFG 1\n") && b.source().contains("#define FWG 0\n"));
+        assert!(c.source().contains("#define FWG 1\n"));
+        assert_eq!((b.arch("sm_90"), c.arch("sm_90")), ("sm_90".to_string(), "sm_90a".to_string()));
     }
 
     #[test]
@@ -607,7 +663,8 @@ mod tests {
         // 227 KiB of opt-in shared memory per block on sm_90; every configuration at every size.
         let mut all = Variant::all();
         for cfg in Cfg::all() {
-            all.extend((1..=16).map(|i| Variant::Mma { dtype: DType::BF16, dp: 16 * i, cfg }));
+            all.extend((1..=16).map(|i| Variant::Mma { dtype: DType::BF16, dp: 16 * i, cfg, wg: false }));
+            all.extend([64, 128].map(|dp| Variant::Mma { dtype: DType::BF16, dp, cfg, wg: true }));
         }
         for v in all {
             let s = v.shape();
@@ -618,7 +675,11 @@ mod tests {
             assert!(s.dkdv_threads <= 1024 && s.dkdv_threads % 32 == 0, "{}", v.name());
         }
         // Spot values, computed by hand from the kernel file's formulas.
-        let mma = |dp, c| Variant::Mma { dtype: DType::BF16, dp, cfg: Cfg(c) }.shape();
+        let mma = |dp, c| Variant::Mma { dtype: DType::BF16, dp, cfg: Cfg(c), wg: false }.shape();
+        // The wgmma forward: 128 queries by 256 threads, (128 + 4 x 64) x 128 x 2 + 1024 bytes.
+        let w = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(4), wg: true }.shape();
+        assert_eq!((w.fwd_rows, w.fwd_threads, w.smem_fwd), (128, 256, 99328));
+        assert_eq!((w.dq_rows, w.smem_dkdv), (mma(128, 4).dq_rows, mma(128, 4).smem_dkdv));
         let s = mma(128, 0);
         assert_eq!((s.fwd_rows, s.smem_fwd, s.smem_dq, s.smem_dkdv, s.nchunk), (128, 69632, 104448, 70144, 1));
         assert!(!s.fused_delta);

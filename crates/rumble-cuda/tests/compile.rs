@@ -104,7 +104,7 @@ fn every_flash_attention_variant_compiles_for_sm90() {
     }
     let all = rumble_cuda::flash::Variant::all();
     for v in &all {
-        compile_cubin("sm_90", &v.name(), &v.source(), rumble_cuda::flash::OPTIONS)
+        compile_cubin(&v.arch("sm_90"), &v.name(), &v.source(), rumble_cuda::flash::OPTIONS)
             .unwrap_or_else(|e| panic!("{}: {e}", v.name()));
     }
     println!("compiled {} flash-attention modules", all.len());

@@ -99,6 +99,8 @@ fn issue_matrix() -> Vec<Shape> {
     }
     // Two dK/dV chunks of head dims; the widest head; many tiles through the pipelines.
     v.extend([(1, 2, 1, 70, 70, 136, true), (1, 2, 2, 65, 40, 256, false), (1, 7, 1, 600, 600, 64, true)]);
+    // Padded to 128 with zero columns: 16-byte loads (120) and element by element (127).
+    v.extend([(1, 2, 1, 200, 200, 120, true), (1, 7, 1, 77, 96, 127, false)]);
     v
 }
 
@@ -162,6 +164,22 @@ fn flash_attention_matches_cpu() {
         }
     }
     unsafe { std::env::remove_var("RUMBLE_FLASH_CFG") };
+    // On an H100 / H200 the forward at head sizes 64 and 128 runs on wgmma (flash::wgmma_forward);
+    // the mma.sync forward it replaces there, on the shapes it would take elsewhere.
+    // SAFETY: as above.
+    unsafe { std::env::set_var("RUMBLE_FLASH_WG", "0") };
+    for sh in issue_matrix().into_iter().filter(|sh| [64, 128].contains(&(sh.5.div_ceil(16) * 16))) {
+        let line = format!("bf16 {sh:?} RUMBLE_FLASH_WG=0");
+        match check(&dev, DType::BF16, sh, HeadLayout::Bthd, &mut rng) {
+            Ok(r) => println!("ok   {line}: {r}"),
+            Err(e) => {
+                println!("FAIL {line}: {e}");
+                failures.push(format!("{line}: {e}"));
+            }
+        }
+        n += 1;
+    }
+    unsafe { std::env::remove_var("RUMBLE_FLASH_WG") };
     // SAFETY: as above; `flash::choose` then leaves every case to the per-row kernels.
     unsafe { std::env::set_var("RUMBLE_ATTENTION", "naive") };
     for (d, sh) in [DType::F32, DType::BF16].into_iter().flat_map(|d| bthd_few.map(|sh| (d, sh))) {

@@ -86,6 +86,57 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #endif
 #endif  // FLASH_EMU
+#ifndef FWG
+#define FWG 0
+#endif
+#if FWG && defined(FLASH_EMU)
+#error "the wgmma forward (FWG) has no CPU emulation"
+#endif
+#if !defined(FLASH_EMU)
+// ---- Hopper (sm_90a) warpgroup MMA, for the forward of FWG: wgmma.mma_async m64nNk16 with f32
+// accumulators, operands from shared memory through matrix descriptors (128-byte swizzle) or A
+// from registers; plus the fences it needs. Only compiled where FWG (src/flash.rs compiles
+// those modules for sm_90a). ----
+#if FWG
+typedef unsigned long long u64;
+#if FLASH_F16
+#define WG_AB "f16.f16"
+#else
+#define WG_AB "bf16.bf16"
+#endif
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// The shared-memory matrix descriptor of the operand at `p`: leading / stride byte offsets,
+// 128-byte swizzle (PTX ISA, "Matrix Descriptor Format").
+__device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
+  const u64 a = smem_u32(p);
+  return ((a & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_ss_n64(float* d, u64 da, u64 db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void wg_rs_n64(float* d, const u32* a, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wg_rs_n128(float* d, const u32* a, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+#endif  // FWG
+#endif
 
 namespace fa {
 typedef FT T;
@@ -156,9 +207,13 @@ constexpr int K2 = 64, Q2 = D64 ? 64 : 32, QW2 = Q2 / 2, LP2 = Q2 + 8;
 constexpr int NB2 = DP / 16, NJ2 = (NB2 + 1) / 2;  // 16-column blocks of the head dims; per warp
 constexpr int NT2 = 256;
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
-constexpr int FWD_ROWS = FBR, DQ_ROWS = BR, DKDV_KEYS = FA2 ? K2 : BK, NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
+// FWG (sm_90a, DP 64 or 128): the forward is fwd_wg, 128 queries by 256 threads (two warpgroups).
+static_assert(!FWG || DP == 64 || DP == 128, "the wgmma forward takes head sizes 64 and 128");
+constexpr int WBM = 128, WBN = 64, WNT = 256;
+constexpr int FWD_ROWS = FWG ? WBM : FBR, DQ_ROWS = BR, DKDV_KEYS = FA2 ? K2 : BK, NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
 constexpr int DKDV_NT = FA2 ? NT2 : DKNT;    // dk/dv threads per block
-constexpr int SMEM_FWD = (FBR + 4 * FBC) * LD * 2;
+constexpr int SMEM_FWD = FWG ? (WBM + 4 * WBN) * DP * 2 + 1024 : (FBR + 4 * FBC) * LD * 2;
+constexpr int FWD_NT = FWG ? WNT : FNT;      // forward threads per block
 constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
 constexpr int SMEM_DKDV = FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
                               : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
@@ -166,7 +221,7 @@ static_assert(FBC % FSUB == 0 && BK % BQ == 0 && K2 % Q2 == 0, "tile sizes");
 #ifdef FEXPECT
 static_assert(FWD_ROWS == FEXPECT_FWD_ROWS && DQ_ROWS == FEXPECT_DQ_ROWS && DKDV_KEYS == FEXPECT_DKDV_KEYS &&
                   NCHUNK == FEXPECT_NCHUNK && SMEM_FWD == FEXPECT_SMEM_FWD && SMEM_DQ == FEXPECT_SMEM_DQ &&
-                  SMEM_DKDV == FEXPECT_SMEM_DKDV && FNT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA &&
+                  SMEM_DKDV == FEXPECT_SMEM_DKDV && FWD_NT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA &&
                   DKDV_NT == FEXPECT_DKDV_THREADS,
               "src/flash.rs Variant::shape disagrees with flash_attn.cu");
 #endif
@@ -484,6 +539,194 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       }
     }
 }
+
+#if FWG
+// ---- forward on Hopper's warpgroup MMA (FWG: sm_90a, DP 64 or 128). A block of 256 threads (two
+// warpgroups) owns WBM = 128 queries of one (batch, query head); warpgroup wg its rows 64 wg ..
+// +64, warp w of it rows 16 w .. +16. Keys in tiles of WBN = 64, K and V double-buffered by
+// cp.async. Per tile: S = Q K^T by DP/16 wgmma m64n64k16 (both operands from shared memory),
+// the online softmax in registers (the accumulator layout is mma.sync's: rows g, g + 8, columns
+// 8 j + 2 t + {0, 1}), then O += P V by 4 wgmma m64nDPk16 with P from registers (an A fragment
+// is two accumulator tiles, as in mma_pb_m) and V from shared memory, transposed (V is [keys]
+// [dims]: MN-major). Each wgmma group is waited for before its result is used (no overlap
+// inside a warpgroup; the other warpgroup and the second block on the multiprocessor fill the
+// gaps: __launch_bounds__(256, 2), 128 registers).
+// Shared memory: Q [2 halves][128][64], K and V 2 stages of [DP/64 halves][64][64] each; rows of
+// 64 elements (128 bytes), 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the 128-byte
+// swizzle the descriptors name), every 8-row group 1024 bytes and 1024-byte aligned: K-major
+// descriptors (Q, K) step 32 bytes per 16 head dims inside a row and have stride offset 1024;
+// V's (MN-major) leading offset 64 x 128 bytes (the next 64 dims), stride 1024 (the next 8
+// keys). Scores are scaled before the running maximum (any sign of scale).
+template <int R>
+__device__ __forceinline__ void load_sw(unsigned char* sm, const T* g, i64 row0, i64 valid, int d, int rs, bool vec) {
+  constexpr int CH = DP / 8;  // 16-byte chunks per row
+  const int v = valid < 0 ? 0 : valid > R ? R : (int)valid;
+  const T* base = v > 0 ? g + row0 * rs : g;
+#pragma unroll
+  for (int i = 0; i < (R * CH + WNT - 1) / WNT; ++i) {
+    const int e = threadIdx.x + i * WNT, r = e / CH, c = e % CH;
+    if ((R * CH) % WNT == 0 || e < R * CH) {
+      unsigned char* dst = sm + (c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+      if (vec) {
+        cp_async16_if(dst, base + (unsigned)(r * rs + c * 8), r < v && c * 8 < d);
+      } else {
+        T x[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int col = c * 8 + j;
+          x[j].x = 0;
+          if (r < v && col < d) x[j] = base[r * rs + col];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ((T*)dst)[j] = x[j];
+      }
+    }
+  }
+}
+__device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                       T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal,
+                                       i64 blk) {
+  constexpr int BM = WBM, BN = WBN, NH = DP / 64;
+  FLASH_SMEM(raw);
+  unsigned char* sq = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
+  unsigned char* sk = sq + BM * DP * 2;  // 2 stages of BN x DP
+  unsigned char* sv = sk + 2 * BN * DP * 2;
+  const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const i64 d = dm.d, T_ = dm.t, S = dm.s;
+  const i64 nqb = (T_ + BM - 1) / BM;
+  const i64 q0 = (nqb - 1 - blk) * BM;
+  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
+  const i64 kvh = h / (dm.hq / dm.hkv);
+  const T* qh = q + q_at(dm, b, h);
+  const T* kh = k + k_at(dm, b, kvh);
+  const T* vh = v + k_at(dm, b, kvh);
+  const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+  const i64 kend = causal ? min64(S, q0 + BM) : S;
+  const int ntiles = (int)((kend + BN - 1) / BN);
+  const float sl2 = (float)(scale * 1.4426950408889634);
+  const i64 wrow = q0 + wg * 64 + w * 16, row0 = wrow + g;  // the warp's first row; the thread's rows row0, row0 + 8
+  const i64 wglast = q0 + wg * 64 + 63;
+
+  load_sw<BM>(sq, qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
+  if (ntiles > 0) {
+    load_sw<BN>(sk, kh, 0, S, (int)d, (int)dm.krs, vec);
+    load_sw<BN>(sv, vh, 0, S, (int)d, (int)dm.krs, vec);
+  }
+  cp_commit();
+  float acc[DP / 2];
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum of the scaled scores (log2 units)
+
+  for (int it = 0; it < ntiles; ++it) {
+    const i64 j0 = (i64)it * BN;
+    if (it + 1 < ntiles) {
+      const int st = (it + 1) & 1;
+      load_sw<BN>(sk + st * BN * DP * 2, kh, j0 + BN, S - j0 - BN, (int)d, (int)dm.krs, vec);
+      load_sw<BN>(sv + st * BN * DP * 2, vh, j0 + BN, S - j0 - BN, (int)d, (int)dm.krs, vec);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_async_smem();  // this thread's tile writes, visible to the wgmma (async proxy) reads
+    FLASH_SYNC();
+    const unsigned char* ks = sk + (it & 1) * BN * DP * 2;
+    const unsigned char* vs = sv + (it & 1) * BN * DP * 2;
+    if (!causal || j0 <= wglast) {  // some key of the tile is visible to the warpgroup
+      float s[BN / 2];
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        const u64 da = wg_desc(sq + (kk >> 2) * (BM * 128) + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
+        const u64 db = wg_desc(ks + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
+        wg_ss_n64(s, da, db, kk > 0);
+      }
+      wg_commit();
+      wg_wait0();
+      const bool mask = j0 + BN > S || (causal && j0 + BN - 1 > wrow);  // warp-uniform
+      // In 32 bits, relative to the tile: keys at or past kmax are out; causal: key k is out of
+      // row r when k - r > wrow - j0 (at least -63 here: the tile is visible to the warpgroup).
+      const int kmax = (int)min64(S - j0, BN), rel = causal ? (int)min64(wrow - j0, BN) : BN;
+      float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float t = s[4 * j + e] * sl2;
+          if (mask) {
+            const int kc = 8 * j + 2 * tq + (e & 1), rc = g + 8 * (e >> 1);
+            if (kc >= kmax || kc - rc > rel) t = NEG_INF;
+          }
+          s[4 * j + e] = t;
+          mx[e >> 1] = fmaxf(mx[e >> 1], t);
+        }
+      float nb[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float mn = fmaxf(m[i], quad_max(mx[i]));
+        const float alpha = m[i] == NEG_INF ? 0.f : ex2(m[i] - mn);
+        m[i] = mn;
+        l[i] *= alpha;
+#pragma unroll
+        for (int j = 0; j < DP / 8; ++j) {
+          acc[4 * j + 2 * i] *= alpha;
+          acc[4 * j + 2 * i + 1] *= alpha;
+        }
+        nb[i] = mn == NEG_INF ? 0.f : -mn;  // nothing visible yet: every p is 0
+      }
+      u32 pa[BN / 16][4];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = ex2(s[4 * j + e] + nb[e >> 1]);
+          s[4 * j + e] = p;
+          l[e >> 1] += p;
+        }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        pa[kc][0] = pack2(s[8 * kc + 0], s[8 * kc + 1]);
+        pa[kc][1] = pack2(s[8 * kc + 2], s[8 * kc + 3]);
+        pa[kc][2] = pack2(s[8 * kc + 4], s[8 * kc + 5]);
+        pa[kc][3] = pack2(s[8 * kc + 6], s[8 * kc + 7]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        const u64 dv = wg_desc(vs + kc * 16 * 128, BN * 128, 1024);
+        if constexpr (NH == 2)
+          wg_rs_n128(acc, pa[kc], dv);
+        else
+          wg_rs_n64(acc, pa[kc], dv);
+      }
+      wg_commit();
+      wg_wait0();
+    }
+    FLASH_SYNC();  // the stage is read before the next iteration's loads overwrite it
+  }
+  cp_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float lt = quad_sum(l[i]);
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    const i64 r = row0 + 8 * i;
+    if (r < T_) {
+      if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] + log2f(lt)) * LN2 : NEG_INF;
+      T* orow = o + q_at(dm, b, h) + r * dm.qrs;
+#pragma unroll
+      for (int j = 0; j < DP / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const i64 c = 8 * j + 2 * tq + e;
+          if (c < d) st(&orow[c], acc[4 * j + 2 * i + e] * inv);
+        }
+    }
+  }
+}
+#endif  // FWG
 
 // ---- backward, without FDELTA 1/3: delta = rowsum(dO * O) in f32, one warp per row (row r =
 // bh * T + i) ----
@@ -994,19 +1237,27 @@ __device__ __forceinline__ i64 block_of(i64 n, int per, int pass) {
 }
 }  // namespace fa
 
-extern "C" __global__ void __launch_bounds__(fa::FNT) flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v,
-                                                                fa::T* o, float* lse, fa::Dims dm, double scale,
-                                                                int causal) {
+#if FWG
+#define FLASH_FWD_BOUNDS __launch_bounds__(fa::WNT, 2)
+#else
+#define FLASH_FWD_BOUNDS __launch_bounds__(fa::FNT)
+#endif
+extern "C" __global__ void FLASH_FWD_BOUNDS flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v, fa::T* o, float* lse,
+                                                      fa::Dims dm, double scale, int causal) {
   const i64 n = (dm.t + fa::FWD_ROWS - 1) / fa::FWD_ROWS;
   const int np = fa::passes(n, 1);
 #pragma unroll 1
   for (int p = 0; p < np; ++p) {
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
     const i64 blk = fa::block_of(n, 1, p);
+#if FWG
+    fa::fwd_wg(q, k, v, o, lse, dm, scale, causal, blk);
+#else
     if (scale < 0)
       fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk);
     else
       fa::fwd<false>(q, k, v, o, lse, dm, scale, causal, blk);
+#endif
   }
 }
 extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_delta(const fa::T* o, const fa::T* dout, float* delta,

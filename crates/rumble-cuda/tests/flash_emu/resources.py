@@ -2,7 +2,9 @@
 
 usage: NVRTC_LIB_DIR=/path/to/nvidia/cu13/lib python3 crates/rumble-cuda/tests/flash_emu/resources.py [mma|fma] [DP,...] [CFG,...]
 
-(CFG: the FCFG numbers of kernels/flash_attn.cu's tiling configurations; default all.)
+(CFG: the FCFG numbers of kernels/flash_attn.cu's tiling configurations; default all. With
+FLASH_WG=1 the modules take the wgmma forward (FWG 1, sm_90a), as src/flash.rs compiles them on
+an H100 / H200 at padded head sizes 64 and 128.)
 
 Compiles the sources as src/flash.rs does (prelude + defines + kernel file, sm_90, --fmad=true)
 and prints one line per module. Needs libnvrtc (e.g. the nvidia-cuda-nvrtc wheel); no GPU.
@@ -36,7 +38,8 @@ def report(fname, defines, label):
     body = open(os.path.join(kernels, fname)).read()
     src = prelude + "\n" + "".join(f"#define {k} {v}\n" for k, v in defines.items()) + body
     t0 = time.time()
-    rc, log = compile(src, ["--gpu-architecture=sm_90", "--std=c++17", "--fmad=true", "--ptxas-options=-v"])
+    arch = "sm_90a" if defines.get("FWG") else "sm_90"
+    rc, log = compile(src, [f"--gpu-architecture={arch}", "--std=c++17", "--fmad=true", "--ptxas-options=-v"])
     if rc != 0:
         print(f"{label}: FAILED\n{log[:4000]}")
         return False
@@ -62,7 +65,9 @@ if which == "mma":
     cfgs = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else range(4)
     for dp in dps:
         for c in cfgs:
-            ok &= report("flash_attn.cu", {"FT": "bf16", "FLASH_F16": 0, "FDP": dp, "FCFG": c}, f"bf16 dp{dp} cfg{c}")
+            wg = int(os.environ.get("FLASH_WG", "0"))
+            defs = {"FT": "bf16", "FLASH_F16": 0, "FDP": dp, "FCFG": c, "FWG": wg}
+            ok &= report("flash_attn.cu", defs, f"bf16 dp{dp} cfg{c}{' wg' if wg else ''}")
 else:
     dps = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else range(32, 257, 32)
     for dp in dps:
