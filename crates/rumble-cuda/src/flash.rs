@@ -178,6 +178,8 @@ pub struct Shape {
     pub fused_delta: bool,
     /// Threads per block of the dK/dV kernel.
     pub dkdv_threads: usize,
+    /// Threads per block of the dQ kernel.
+    pub dq_threads: usize,
     /// dK/dV blocks that run at once on a multiprocessor (registers and shared memory).
     pub dkdv_per_sm: usize,
 }
@@ -225,6 +227,7 @@ impl Variant {
                     ("FWD_THREADS", s.fwd_threads),
                     ("FUSED_DELTA", s.fused_delta as usize),
                     ("DKDV_THREADS", s.dkdv_threads),
+                    ("DQ_THREADS", s.dq_threads),
                 ]
                 .iter()
                 .map(|(k, v)| format!("#define FEXPECT_{k} {v}\n"))
@@ -306,13 +309,20 @@ impl Variant {
                 } else {
                     (fbr, (fbr + 4 * fbc) * ld * 2, 32 * fnw)
                 };
+                // And dQ (but where the configuration computes delta in it): 128 queries, 256
+                // threads, Q, dO and two stages of K and V.
+                let (dq_rows, smem_dq, dq_threads) = if wg && !fused_delta {
+                    (128, (2 * 128 + 4 * 64) * dp * 2 + 1024, 256)
+                } else {
+                    (br, (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 }, THREADS as usize)
+                };
                 Shape {
                     fwd_rows,
-                    dq_rows: br,
+                    dq_rows,
                     dkdv_keys: if fa2 { 64 } else { bk },
                     nchunk: if fa2 { 1 } else { dp.div_ceil(dc) },
                     smem_fwd,
-                    smem_dq: (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 },
+                    smem_dq,
                     smem_dkdv: if fa2 {
                         (2 * 64 + 4 * q2) * ld * 2 + 2 * 64 * (q2 + 8) * 2 + 4 * q2 * 4
                     } else {
@@ -321,6 +331,7 @@ impl Variant {
                     fwd_threads,
                     fused_delta,
                     dkdv_threads: if fa2 { FA2_THREADS } else { 32 * dknw },
+                    dq_threads,
                     dkdv_per_sm: if dknw == 8 && !fa2 { 1 } else { 2 },
                 }
             }
@@ -346,6 +357,7 @@ impl Variant {
                     fwd_threads: FMA_THREADS as usize,
                     fused_delta: false,
                     dkdv_threads: FMA_THREADS as usize,
+                    dq_threads: FMA_THREADS as usize,
                     dkdv_per_sm: 1,
                 }
             }
@@ -462,6 +474,7 @@ fn build(
         let block = match kname {
             "flash_fwd" => sh.fwd_threads as u32,
             "flash_bwd_dkdv" => sh.dkdv_threads as u32,
+            "flash_bwd_dq" => sh.dq_threads as u32,
             _ => variant.threads(),
         };
         Ok(Step::Kernel { func, name: format!("{name}/{kname}"), grid, block, smem: smem as u32, args })
@@ -679,7 +692,11 @@ mod tests {
         // The wgmma forward: 128 queries by 256 threads, (128 + 4 x 64) x 128 x 2 + 1024 bytes.
         let w = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(4), wg: true }.shape();
         assert_eq!((w.fwd_rows, w.fwd_threads, w.smem_fwd), (128, 256, 99328));
-        assert_eq!((w.dq_rows, w.smem_dkdv), (mma(128, 4).dq_rows, mma(128, 4).smem_dkdv));
+        // And dQ: 128 queries by 256 threads, (2 x 128 + 4 x 64) x 128 x 2 + 1024 bytes; not where
+        // delta is computed in dQ (paird).
+        assert_eq!((w.dq_rows, w.dq_threads, w.smem_dq, w.smem_dkdv), (128, 256, 132096, mma(128, 4).smem_dkdv));
+        let w7 = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(7), wg: true }.shape();
+        assert_eq!((w7.dq_rows, w7.dq_threads, w7.smem_dq), (mma(128, 7).dq_rows, 128, mma(128, 7).smem_dq));
         let s = mma(128, 0);
         assert_eq!((s.fwd_rows, s.smem_fwd, s.smem_dq, s.smem_dkdv, s.nchunk), (128, 69632, 104448, 70144, 1));
         assert!(!s.fused_delta);

@@ -210,18 +210,21 @@ constexpr int NT2 = 256;
 // FWG (sm_90a, DP 64 or 128): the forward is fwd_wg, 128 queries by 256 threads (two warpgroups).
 static_assert(!FWG || DP == 64 || DP == 128, "the wgmma forward takes head sizes 64 and 128");
 constexpr int WBM = 128, WBN = 64, WNT = 256;
-constexpr int FWD_ROWS = FWG ? WBM : FBR, DQ_ROWS = BR, DKDV_KEYS = FA2 ? K2 : BK, NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
+// FWGQ: dQ on wgmma too (bwd_dq_wg; not with FDELTA), 128 queries by 256 threads.
+constexpr bool FWGQ = FWG && !FDELTA;
+constexpr int FWD_ROWS = FWG ? WBM : FBR, DQ_ROWS = FWGQ ? WBM : BR, DKDV_KEYS = FA2 ? K2 : BK, NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
 constexpr int DKDV_NT = FA2 ? NT2 : DKNT;    // dk/dv threads per block
 constexpr int SMEM_FWD = FWG ? (WBM + 4 * WBN) * DP * 2 + 1024 : (FBR + 4 * FBC) * LD * 2;
 constexpr int FWD_NT = FWG ? WNT : FNT;      // forward threads per block
-constexpr int SMEM_DQ = (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
+constexpr int SMEM_DQ = FWGQ ? (2 * WBM + 4 * WBN) * DP * 2 + 1024 : (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
+constexpr int DQ_NT = FWGQ ? WNT : NT;       // dQ threads per block
 constexpr int SMEM_DKDV = FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
                               : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
 static_assert(FBC % FSUB == 0 && BK % BQ == 0 && K2 % Q2 == 0, "tile sizes");
 #ifdef FEXPECT
 static_assert(FWD_ROWS == FEXPECT_FWD_ROWS && DQ_ROWS == FEXPECT_DQ_ROWS && DKDV_KEYS == FEXPECT_DKDV_KEYS &&
                   NCHUNK == FEXPECT_NCHUNK && SMEM_FWD == FEXPECT_SMEM_FWD && SMEM_DQ == FEXPECT_SMEM_DQ &&
-                  SMEM_DKDV == FEXPECT_SMEM_DKDV && FWD_NT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA &&
+                  SMEM_DKDV == FEXPECT_SMEM_DKDV && DQ_NT == FEXPECT_DQ_THREADS && FWD_NT == FEXPECT_FWD_THREADS && FDELTA == FEXPECT_FUSED_DELTA &&
                   DKDV_NT == FEXPECT_DKDV_THREADS,
               "src/flash.rs Variant::shape disagrees with flash_attn.cu");
 #endif
@@ -1222,6 +1225,139 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
     }
 }
 
+#if FWG
+// ---- backward: dQ of WBM = 128 queries of one (batch, query head) on wgmma (FWGQ), two
+// warpgroups as fwd_wg, keys in tiles of 64 (K and V double-buffered). Per tile: S = Q K^T and
+// dP = dO V^T (DP/16 wgmma m64n64k16 each, all operands K-major in shared memory, one commit
+// group), P = 2^(S scale log2 e - lse log2 e), dS = P (dP - delta) in registers, then dQ += dS K
+// (4 wgmma m64nDPk16, dS from registers, K from shared memory MN-major as fwd_wg's V). Q and dO
+// are [halves][128][64] swizzled tiles, K and V as in fwd_wg. ----
+__device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                          const float* __restrict__ lse, const T* __restrict__ dout,
+                                          const float* __restrict__ delta, T* __restrict__ dq, Dims dm, double scale,
+                                          int causal, i64 blk) {
+  constexpr int BM = WBM, BN = WBN, NH = DP / 64;
+  FLASH_SMEM(raw);
+  unsigned char* sq = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
+  unsigned char* sdo = sq + BM * DP * 2;
+  unsigned char* sk = sdo + BM * DP * 2;  // 2 stages of BN x DP
+  unsigned char* sv = sk + 2 * BN * DP * 2;
+  const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const i64 d = dm.d, T_ = dm.t, S = dm.s;
+  const i64 nqb = (T_ + BM - 1) / BM;
+  const i64 q0 = (nqb - 1 - blk) * BM;
+  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
+  const i64 kvh = h / (dm.hq / dm.hkv);
+  const T* kh = k + k_at(dm, b, kvh);
+  const T* vh = v + k_at(dm, b, kvh);
+  const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
+  const i64 kend = causal ? min64(S, q0 + BM) : S;
+  const int ntiles = (int)((kend + BN - 1) / BN);
+  const float sl2 = (float)(scale * 1.4426950408889634);
+  const i64 wrow = q0 + wg * 64 + w * 16, row0 = wrow + g;
+  const i64 wglast = q0 + wg * 64 + 63;
+
+  load_sw<BM>(sq, q + q_at(dm, b, h), q0, T_ - q0, (int)d, (int)dm.qrs, vec);
+  load_sw<BM>(sdo, dout + q_at(dm, b, h), q0, T_ - q0, (int)d, (int)dm.qrs, vec);
+  if (ntiles > 0) {
+    load_sw<BN>(sk, kh, 0, S, (int)d, (int)dm.krs, vec);
+    load_sw<BN>(sv, vh, 0, S, (int)d, (int)dm.krs, vec);
+  }
+  cp_commit();
+  float L[2], Dl[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const i64 row = row0 + 8 * i;
+    const bool ok = row < T_;
+    L[i] = ok ? lse[bh * T_ + row] * LOG2E : 0.f;
+    Dl[i] = ok ? delta[bh * T_ + row] : 0.f;
+  }
+  float acc[DP / 2];
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const i64 j0 = (i64)it * BN;
+    if (it + 1 < ntiles) {
+      const int st = (it + 1) & 1;
+      load_sw<BN>(sk + st * BN * DP * 2, kh, j0 + BN, S - j0 - BN, (int)d, (int)dm.krs, vec);
+      load_sw<BN>(sv + st * BN * DP * 2, vh, j0 + BN, S - j0 - BN, (int)d, (int)dm.krs, vec);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_async_smem();
+    FLASH_SYNC();
+    const unsigned char* ks = sk + (it & 1) * BN * DP * 2;
+    const unsigned char* vs = sv + (it & 1) * BN * DP * 2;
+    if (!causal || j0 <= wglast) {
+      float s[BN / 2], dp[BN / 2];
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.f;
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        const int off = (kk >> 2) * (BM * 128) + wg * 64 * 128 + (kk & 3) * 32, koff = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+        wg_ss_n64(s, wg_desc(sq + off, 16, 1024), wg_desc(ks + koff, 16, 1024), kk > 0);
+        wg_ss_n64(dp, wg_desc(sdo + off, 16, 1024), wg_desc(vs + koff, 16, 1024), kk > 0);
+      }
+      wg_commit();
+      wg_wait0();
+      const bool mask = j0 + BN > S || (causal && j0 + BN - 1 > wrow);
+      const int kmax = (int)min64(S - j0, BN), rel = causal ? (int)min64(wrow - j0, BN) : BN;
+      u32 da[BN / 16][4];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = ex2(fmaf(s[4 * j + e], sl2, -L[e >> 1]));
+          if (mask) {
+            const int kc = 8 * j + 2 * tq + (e & 1), rc = g + 8 * (e >> 1);
+            if (kc >= kmax || kc - rc > rel) p = 0.f;
+          }
+          dp[4 * j + e] = p * (dp[4 * j + e] - Dl[e >> 1]);
+        }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        da[kc][0] = pack2(dp[8 * kc + 0], dp[8 * kc + 1]);
+        da[kc][1] = pack2(dp[8 * kc + 2], dp[8 * kc + 3]);
+        da[kc][2] = pack2(dp[8 * kc + 4], dp[8 * kc + 5]);
+        da[kc][3] = pack2(dp[8 * kc + 6], dp[8 * kc + 7]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        const u64 dk = wg_desc(ks + kc * 16 * 128, BN * 128, 1024);
+        if constexpr (NH == 2)
+          wg_rs_n128(acc, da[kc], dk);
+        else
+          wg_rs_n64(acc, da[kc], dk);
+      }
+      wg_commit();
+      wg_wait0();
+    }
+    FLASH_SYNC();
+  }
+  cp_wait<0>();
+  const float sc = (float)scale;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const i64 r = row0 + 8 * i;
+    if (r < T_) {
+      T* row = dq + q_at(dm, b, h) + r * dm.qrs;
+#pragma unroll
+      for (int j = 0; j < DP / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const i64 c = 8 * j + 2 * tq + e;
+          if (c < d) st(&row[c], acc[4 * j + 2 * i + e] * sc);
+        }
+    }
+  }
+}
+#endif  // FWG
+
 // ---- which blocks a CTA runs. Causal work grows with a block's index (the longest query rows
 // first, the keys seen by the most queries first), so on a paired grid (gridDim.x < n * per:
 // src/flash.rs asks for one while half the CTAs still fill the device) CTA x runs block x and
@@ -1312,15 +1448,21 @@ extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dkdv_sum(const fl
     }
   }
 }
-extern "C" __global__ void __launch_bounds__(fa::NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,
-                                                                  const fa::T* o, const float* lse, const fa::T* dout,
-                                                                  float* delta, fa::T* dq, fa::Dims dm, double scale,
-                                                                  int causal) {
+extern "C" __global__ void __launch_bounds__(fa::DQ_NT) flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v,
+                                                                     const fa::T* o, const float* lse, const fa::T* dout,
+                                                                     float* delta, fa::T* dq, fa::Dims dm, double scale,
+                                                                     int causal) {
   const i64 n = (dm.t + fa::DQ_ROWS - 1) / fa::DQ_ROWS;
   const int np = fa::passes(n, 1);
 #pragma unroll 1
   for (int p = 0; p < np; ++p) {
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
+#if FWG
+    if constexpr (fa::FWGQ) {
+      fa::bwd_dq_wg(q, k, v, lse, dout, delta, dq, dm, scale, causal, fa::block_of(n, 1, p));
+      continue;
+    }
+#endif
     fa::bwd_dq(q, k, v, o, lse, dout, delta, dq, dm, scale, causal, fa::block_of(n, 1, p));
   }
 }
