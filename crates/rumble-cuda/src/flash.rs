@@ -316,23 +316,40 @@ impl Variant {
                 } else {
                     (br, (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 }, THREADS as usize)
                 };
+                // And dK/dV (but fa2's): 128 keys by 256 threads, K, V and two stages of 64 queries
+                // of Q, dO, lse and delta.
+                let wgk = wg && !fa2;
                 Shape {
                     fwd_rows,
                     dq_rows,
-                    dkdv_keys: if fa2 { 64 } else { bk },
-                    nchunk: if fa2 { 1 } else { dp.div_ceil(dc) },
+                    dkdv_keys: if wgk {
+                        128
+                    } else if fa2 {
+                        64
+                    } else {
+                        bk
+                    },
+                    nchunk: if fa2 || wgk { 1 } else { dp.div_ceil(dc) },
                     smem_fwd,
                     smem_dq,
-                    smem_dkdv: if fa2 {
+                    smem_dkdv: if wgk {
+                        (2 * 128 + 4 * 64) * dp * 2 + 4 * 64 * 4 + 1024
+                    } else if fa2 {
                         (2 * 64 + 4 * q2) * ld * 2 + 2 * 64 * (q2 + 8) * 2 + 4 * q2 * 4
                     } else {
                         (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4
                     },
                     fwd_threads,
                     fused_delta,
-                    dkdv_threads: if fa2 { FA2_THREADS } else { 32 * dknw },
+                    dkdv_threads: if wgk {
+                        256
+                    } else if fa2 {
+                        FA2_THREADS
+                    } else {
+                        32 * dknw
+                    },
                     dq_threads,
-                    dkdv_per_sm: if dknw == 8 && !fa2 { 1 } else { 2 },
+                    dkdv_per_sm: if wgk || (dknw == 8 && !fa2) { 1 } else { 2 },
                 }
             }
             Variant::Fma { dp, big } => {
@@ -694,7 +711,12 @@ mod tests {
         assert_eq!((w.fwd_rows, w.fwd_threads, w.smem_fwd), (128, 256, 99328));
         // And dQ: 128 queries by 256 threads, (2 x 128 + 4 x 64) x 128 x 2 + 1024 bytes; not where
         // delta is computed in dQ (paird).
-        assert_eq!((w.dq_rows, w.dq_threads, w.smem_dq, w.smem_dkdv), (128, 256, 132096, mma(128, 4).smem_dkdv));
+        assert_eq!((w.dq_rows, w.dq_threads, w.smem_dq), (128, 256, 132096));
+        // And dK/dV: 128 keys by 256 threads, (2 x 128 + 4 x 64) x 128 x 2 + 4 x 64 x 4 + 1024
+        // bytes, one block a multiprocessor; not fa2's.
+        assert_eq!((w.dkdv_keys, w.dkdv_threads, w.smem_dkdv, w.dkdv_per_sm, w.nchunk), (128, 256, 133120, 1, 1));
+        let w5 = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(5), wg: true }.shape();
+        assert_eq!((w5.dkdv_keys, w5.smem_dkdv), (mma(128, 5).dkdv_keys, mma(128, 5).smem_dkdv));
         let w7 = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(7), wg: true }.shape();
         assert_eq!((w7.dq_rows, w7.dq_threads, w7.smem_dq), (mma(128, 7).dq_rows, 128, mma(128, 7).smem_dq));
         let s = mma(128, 0);
