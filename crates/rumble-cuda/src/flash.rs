@@ -119,8 +119,9 @@ impl Cfg {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
     /// Tensor cores: bf16 or f16 operands; `dp` = head size rounded up to 16 (at least 16);
-    /// the tiling configuration; `wg`: the forward on Hopper's warpgroup MMA (`wgmma`, sm_90a
-    /// only; [`wgmma_forward`]) instead of the configuration's mma.sync forward.
+    /// the tiling configuration; `wg`: dQ (where the configuration computes delta apart) and, at
+    /// `dp` 128, the forward on Hopper's warpgroup MMA (`wgmma`, sm_90a only; [`wgmma`])
+    /// instead of the configuration's mma.sync kernels.
     Mma { dtype: DType, dp: usize, cfg: Cfg, wg: bool },
     /// f32 with FMA; `dp` = head size rounded up to 32; `big`: the second tiling (64-key
     /// forward and 64-query dK/dV tiles instead of 32, `RUMBLE_FLASH_FMA_CFG=b`).
@@ -137,19 +138,22 @@ pub fn choose(cc: (i32, i32), dtype: DType, d: usize) -> Option<Variant> {
     match dtype {
         DType::BF16 | DType::F16 => {
             let dp = d.div_ceil(16).max(1) * 16;
-            Some(Variant::Mma { dtype, dp, cfg: Cfg::from_env().unwrap_or(DEFAULT_CFG), wg: wgmma_forward(cc, dp) })
+            Some(Variant::Mma { dtype, dp, cfg: Cfg::from_env().unwrap_or(DEFAULT_CFG), wg: wgmma(cc, dp) })
         }
         DType::F32 => Some(Variant::Fma { dp: d.div_ceil(32) * 32, big: fma_big() }),
         _ => None,
     }
 }
 
-/// Whether the forward runs on the warpgroup MMA (`fwd_wg` in kernels/flash_attn.cu): on sm_90
-/// (H100, H200: `wgmma` is an sm_90a feature, not in later architectures) at padded head sizes
-/// 64 and 128, unless `RUMBLE_FLASH_WG=0`. On the H200 (2026-12-04, bench/results/
-/// 2026-12-04-session7) it took 0.39 ms at d128 x seq 4096 (32/8 heads, causal) against 0.50
-/// for pair's mma.sync forward.
-pub fn wgmma_forward(cc: (i32, i32), dp: usize) -> bool {
+/// Whether some kernels run on the warpgroup MMA (`bwd_dq_wg` and, at padded head size 128,
+/// `fwd_wg` in kernels/flash_attn.cu): on sm_90 (H100, H200: `wgmma` is an sm_90a feature, not
+/// in later architectures) at padded head sizes 64 and 128, unless `RUMBLE_FLASH_WG=0`. On the
+/// H200 (2026-12-04, bench/results/2026-12-04-session7/run3, d128 x seq 4096, 32/8 heads,
+/// causal): dQ 0.55 against 0.64 ms for pair's mma.sync kernel (d64: 0.36 against 0.38), the
+/// forward 0.44 against 0.52 (at d64 0.34 against 0.32: not taken there). A first wgmma dK/dV
+/// (two warpgroups, 128 keys, synchronous) took 1.43 ms against 0.97 and was dropped (commit
+/// d003ebd holds it).
+pub fn wgmma(cc: (i32, i32), dp: usize) -> bool {
     cc == (9, 0) && (dp == 64 || dp == 128) && !std::env::var("RUMBLE_FLASH_WG").is_ok_and(|v| v == "0")
 }
 
@@ -302,9 +306,9 @@ impl Variant {
                 // paird (7): pair with delta inside the dQ kernel.
                 let fused_delta = c != 0 || cfg.0 == 7;
                 let (fbr, br, bk, dc) = (fnw * 16 * fmt, 64 * qmt, dknw * 16 * kmt, dp.min(128));
-                // The wgmma forward: 128 queries, 256 threads, Q and two stages of 64 keys of K
-                // and V unpadded (swizzled) plus 1 KiB to align them.
-                let (fwd_rows, smem_fwd, fwd_threads) = if wg {
+                // The wgmma forward (at dp 128): 128 queries, 256 threads, Q and two stages of 64
+                // keys of K and V unpadded (swizzled) plus 1 KiB to align them.
+                let (fwd_rows, smem_fwd, fwd_threads) = if wg && dp == 128 {
                     (128, (128 + 4 * 64) * dp * 2 + 1024, 256)
                 } else {
                     (fbr, (fbr + 4 * fbc) * ld * 2, 32 * fnw)
@@ -316,40 +320,23 @@ impl Variant {
                 } else {
                     (br, (2 * br + 4 * bc) * ld * 2 + if fused_delta { br * 4 } else { 0 }, THREADS as usize)
                 };
-                // And dK/dV (but fa2's): 128 keys by 256 threads, K, V and two stages of 64 queries
-                // of Q, dO, lse and delta.
-                let wgk = wg && !fa2;
                 Shape {
                     fwd_rows,
                     dq_rows,
-                    dkdv_keys: if wgk {
-                        128
-                    } else if fa2 {
-                        64
-                    } else {
-                        bk
-                    },
-                    nchunk: if fa2 || wgk { 1 } else { dp.div_ceil(dc) },
+                    dkdv_keys: if fa2 { 64 } else { bk },
+                    nchunk: if fa2 { 1 } else { dp.div_ceil(dc) },
                     smem_fwd,
                     smem_dq,
-                    smem_dkdv: if wgk {
-                        (2 * 128 + 4 * 64) * dp * 2 + 4 * 64 * 4 + 1024
-                    } else if fa2 {
+                    smem_dkdv: if fa2 {
                         (2 * 64 + 4 * q2) * ld * 2 + 2 * 64 * (q2 + 8) * 2 + 4 * q2 * 4
                     } else {
                         (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4
                     },
                     fwd_threads,
                     fused_delta,
-                    dkdv_threads: if wgk {
-                        256
-                    } else if fa2 {
-                        FA2_THREADS
-                    } else {
-                        32 * dknw
-                    },
+                    dkdv_threads: if fa2 { FA2_THREADS } else { 32 * dknw },
                     dq_threads,
-                    dkdv_per_sm: if wgk || (dknw == 8 && !fa2) { 1 } else { 2 },
+                    dkdv_per_sm: if dknw == 8 && !fa2 { 1 } else { 2 },
                 }
             }
             Variant::Fma { dp, big } => {
@@ -395,7 +382,7 @@ impl Variant {
     /// also fills the kernel cache the GPU machine starts from).
     pub fn all() -> Vec<Variant> {
         let mma = |dtype, dp, cfg, wg| Variant::Mma { dtype, dp, cfg, wg };
-        // The head sizes of the wgmma forward (wgmma_forward on sm_90).
+        // The head sizes of the wgmma kernels (flash::wgmma on sm_90).
         let wg = |dp: usize| dp == 64 || dp == 128;
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
@@ -706,17 +693,18 @@ mod tests {
         }
         // Spot values, computed by hand from the kernel file's formulas.
         let mma = |dp, c| Variant::Mma { dtype: DType::BF16, dp, cfg: Cfg(c), wg: false }.shape();
-        // The wgmma forward: 128 queries by 256 threads, (128 + 4 x 64) x 128 x 2 + 1024 bytes.
+        // The wgmma forward: 128 queries by 256 threads, (128 + 4 x 64) x 128 x 2 + 1024 bytes;
+        // at dp 64 only dQ.
+        let w64 = Variant::Mma { dtype: DType::BF16, dp: 64, cfg: Cfg(4), wg: true }.shape();
+        assert_eq!(
+            (w64.fwd_rows, w64.smem_fwd, w64.dq_rows, w64.dq_threads),
+            (mma(64, 4).fwd_rows, mma(64, 4).smem_fwd, 128, 256)
+        );
         let w = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(4), wg: true }.shape();
         assert_eq!((w.fwd_rows, w.fwd_threads, w.smem_fwd), (128, 256, 99328));
         // And dQ: 128 queries by 256 threads, (2 x 128 + 4 x 64) x 128 x 2 + 1024 bytes; not where
         // delta is computed in dQ (paird).
-        assert_eq!((w.dq_rows, w.dq_threads, w.smem_dq), (128, 256, 132096));
-        // And dK/dV: 128 keys by 256 threads, (2 x 128 + 4 x 64) x 128 x 2 + 4 x 64 x 4 + 1024
-        // bytes, one block a multiprocessor; not fa2's.
-        assert_eq!((w.dkdv_keys, w.dkdv_threads, w.smem_dkdv, w.dkdv_per_sm, w.nchunk), (128, 256, 133120, 1, 1));
-        let w5 = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(5), wg: true }.shape();
-        assert_eq!((w5.dkdv_keys, w5.smem_dkdv), (mma(128, 5).dkdv_keys, mma(128, 5).smem_dkdv));
+        assert_eq!((w.dq_rows, w.dq_threads, w.smem_dq, w.smem_dkdv), (128, 256, 132096, mma(128, 4).smem_dkdv));
         let w7 = Variant::Mma { dtype: DType::BF16, dp: 128, cfg: Cfg(7), wg: true }.shape();
         assert_eq!((w7.dq_rows, w7.dq_threads, w7.smem_dq), (mma(128, 7).dq_rows, 128, mma(128, 7).smem_dq));
         let s = mma(128, 0);

@@ -164,7 +164,7 @@ fn flash_attention_matches_cpu() {
         }
     }
     unsafe { std::env::remove_var("RUMBLE_FLASH_CFG") };
-    // On an H100 / H200 the forward at head sizes 64 and 128 runs on wgmma (flash::wgmma_forward);
+    // On an H100 / H200 dQ at head sizes 64 and 128 and the forward at 128 run on wgmma (flash::wgmma);
     // the mma.sync forward it replaces there, on the shapes it would take elsewhere.
     // SAFETY: as above.
     unsafe { std::env::set_var("RUMBLE_FLASH_WG", "0") };

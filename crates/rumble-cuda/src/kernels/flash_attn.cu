@@ -207,25 +207,24 @@ constexpr int K2 = 64, Q2 = D64 ? 64 : 32, QW2 = Q2 / 2, LP2 = Q2 + 8;
 constexpr int NB2 = DP / 16, NJ2 = (NB2 + 1) / 2;  // 16-column blocks of the head dims; per warp
 constexpr int NT2 = 256;
 // Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
-// FWG (sm_90a, DP 64 or 128): the forward is fwd_wg, 128 queries by 256 threads (two warpgroups).
-static_assert(!FWG || DP == 64 || DP == 128, "the wgmma forward takes head sizes 64 and 128");
+// FWG (sm_90a, DP 64 or 128): dQ on wgmma (FWGQ below) and, at DP 128 (FWGF), the forward
+// (fwd_wg), 128 queries by 256 threads (two warpgroups). (At DP 64 the wgmma forward took 0.34
+// ms against mma.sync's 0.32 at seq 4096 on the H200.)
+static_assert(!FWG || DP == 64 || DP == 128, "the wgmma kernels take head sizes 64 and 128");
+constexpr bool FWGF = FWG && DP == 128;
+constexpr int FWGV = FCFG == 6 ? 0 : FCFG == 7 ? 2 : 1;  // fwd_wg's softmax (see there)
 constexpr int WBM = 128, WBN = 64, WNT = 256;
 // FWGQ: dQ on wgmma too (bwd_dq_wg; not with FDELTA), 128 queries by 256 threads.
 constexpr bool FWGQ = FWG && !FDELTA;
-// FWGK: dK/dV on wgmma too (bwd_dkdv_wg; not fa2), 128 keys (64 a warpgroup) by 256 threads,
-// query tiles of WBQ = 64.
-constexpr bool FWGK = FWG && !FA2;
-constexpr int WBK = 128, WBQ = 64;
-constexpr int FWD_ROWS = FWG ? WBM : FBR, DQ_ROWS = FWGQ ? WBM : BR, DKDV_KEYS = FWGK ? WBK : FA2 ? K2 : BK,
-              NCHUNK = FA2 || FWGK ? 1 : (DP + DC - 1) / DC;
-constexpr int DKDV_NT = FWGK ? WNT : FA2 ? NT2 : DKNT;  // dk/dv threads per block
-constexpr int SMEM_FWD = FWG ? (WBM + 4 * WBN) * DP * 2 + 1024 : (FBR + 4 * FBC) * LD * 2;
-constexpr int FWD_NT = FWG ? WNT : FNT;      // forward threads per block
+constexpr int FWD_ROWS = FWGF ? WBM : FBR, DQ_ROWS = FWGQ ? WBM : BR, DKDV_KEYS = FA2 ? K2 : BK,
+              NCHUNK = FA2 ? 1 : (DP + DC - 1) / DC;
+constexpr int DKDV_NT = FA2 ? NT2 : DKNT;    // dk/dv threads per block
+constexpr int SMEM_FWD = FWGF ? (WBM + 4 * WBN) * DP * 2 + 1024 : (FBR + 4 * FBC) * LD * 2;
+constexpr int FWD_NT = FWGF ? WNT : FNT;     // forward threads per block
 constexpr int SMEM_DQ = FWGQ ? (2 * WBM + 4 * WBN) * DP * 2 + 1024 : (2 * BR + 4 * BC) * LD * 2 + (FDELTA ? BR * 4 : 0);
 constexpr int DQ_NT = FWGQ ? WNT : NT;       // dQ threads per block
-constexpr int SMEM_DKDV = FWGK ? (2 * WBK + 4 * WBQ) * DP * 2 + 4 * WBQ * 4 + 1024
-                          : FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
-                                : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
+constexpr int SMEM_DKDV = FA2 ? (2 * K2 + 4 * Q2) * LD * 2 + 2 * K2 * LP2 * 2 + 4 * Q2 * 4
+                              : (2 * BK + 4 * BQ) * LD * 2 + 4 * BQ * 4;
 static_assert(FBC % FSUB == 0 && BK % BQ == 0 && K2 % Q2 == 0, "tile sizes");
 #ifdef FEXPECT
 static_assert(FWD_ROWS == FEXPECT_FWD_ROWS && DQ_ROWS == FEXPECT_DQ_ROWS && DKDV_KEYS == FEXPECT_DKDV_KEYS &&
@@ -239,7 +238,6 @@ constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF (-F32_INF)
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
-__device__ __forceinline__ i64 max64(i64 a, i64 b) { return a > b ? a : b; }
 // Offset of position 0 of query head h of batch b (in q, o, dO, dQ), of kv head h of batch b (in
 // k, v, dK, dV). (From b and h, which the kernels have: no 64-bit divisions here.)
 __device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
@@ -593,6 +591,7 @@ __device__ __forceinline__ void load_sw(unsigned char* sm, const T* g, i64 row0,
     }
   }
 }
+template <bool NEG>
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                        T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal,
                                        i64 blk) {
@@ -611,11 +610,20 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   const T* kh = k + k_at(dm, b, kvh);
   const T* vh = v + k_at(dm, b, kvh);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
-  const i64 kend = causal ? min64(S, q0 + BM) : S;
-  const int ntiles = (int)((kend + BN - 1) / BN);
+  // In 32 bits from here on (src/flash.rs keeps T and S under 2^31).
+  const int Si = (int)S, q0i = (int)q0;
+  const int kend = causal ? min(Si, q0i + BM) : Si;
+  const int ntiles = (kend + BN - 1) / BN;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  const i64 wrow = q0 + wg * 64 + w * 16, row0 = wrow + g;  // the warp's first row; the thread's rows row0, row0 + 8
-  const i64 wglast = q0 + wg * 64 + 63;
+  // FWGV (the softmax's form; one per configuration, so one sweep times them): 0 scales the
+  // scores first (any sign of scale; m in log2 units) and rescales the accumulator on every
+  // tile; 1 the same with fwd's conditional rescaling; 2 keeps the maximum on the raw scores
+  // (one FFMA a probability; NEG: their minimum) and rescales on every tile.
+  constexpr bool RAW = FWGV == 2, COND = FWGV == 1;
+  const float asl2 = NEG ? -sl2 : sl2, ku = RAW ? asl2 : 1.f;  // m-units -> log2 units
+  const float MASKV = RAW && NEG ? F32_INF : NEG_INF;          // a masked score: never the maximum
+  const int wrow = q0i + wg * 64 + w * 16, row0 = wrow + g;  // the warp's first row; the thread's rows row0, row0 + 8
+  const int wglast = q0i + wg * 64 + 63;
 
   load_sw<BM>(sq, qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
   if (ntiles > 0) {
@@ -626,10 +634,10 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   float acc[DP / 2];
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum of the scaled scores (log2 units)
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum (see FWGV)
 
   for (int it = 0; it < ntiles; ++it) {
-    const i64 j0 = (i64)it * BN;
+    const int j0 = it * BN;
     if (it + 1 < ntiles) {
       const int st = (it + 1) & 1;
       load_sw<BN>(sk + st * BN * DP * 2, kh, j0 + BN, S - j0 - BN, (int)d, (int)dm.krs, vec);
@@ -656,37 +664,57 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
       }
       wg_commit();
       wg_wait0();
-      const bool mask = j0 + BN > S || (causal && j0 + BN - 1 > wrow);  // warp-uniform
+      const bool mask = j0 + BN > Si || (causal && j0 + BN - 1 > wrow);  // warp-uniform
       // In 32 bits, relative to the tile: keys at or past kmax are out; causal: key k is out of
       // row r when k - r > wrow - j0 (at least -63 here: the tile is visible to the warpgroup).
-      const int kmax = (int)min64(S - j0, BN), rel = causal ? (int)min64(wrow - j0, BN) : BN;
+      const int kmax = min(Si - j0, BN), rel = causal ? min(wrow - j0, BN) : BN;
       float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float t = s[4 * j + e] * sl2;
+          float u = RAW ? s[4 * j + e] : s[4 * j + e] * sl2;
           if (mask) {
             const int kc = 8 * j + 2 * tq + (e & 1), rc = g + 8 * (e >> 1);
-            if (kc >= kmax || kc - rc > rel) t = NEG_INF;
+            if (kc >= kmax || kc - rc > rel) u = MASKV;
           }
-          s[4 * j + e] = t;
-          mx[e >> 1] = fmaxf(mx[e >> 1], t);
+          s[4 * j + e] = u;
+          mx[e >> 1] = fmaxf(mx[e >> 1], RAW && NEG ? -u : u);
         }
-      float nb[2];
+      float mnew[2];
+      bool grow = !COND;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const float mn = fmaxf(m[i], quad_max(mx[i]));
-        const float alpha = m[i] == NEG_INF ? 0.f : ex2(m[i] - mn);
-        m[i] = mn;
-        l[i] *= alpha;
-#pragma unroll
-        for (int j = 0; j < DP / 8; ++j) {
-          acc[4 * j + 2 * i] *= alpha;
-          acc[4 * j + 2 * i + 1] *= alpha;
-        }
-        nb[i] = mn == NEG_INF ? 0.f : -mn;  // nothing visible yet: every p is 0
+        mnew[i] = fmaxf(m[i], quad_max(mx[i]));
+        if (COND) grow |= mnew[i] != NEG_INF && (m[i] == NEG_INF || (mnew[i] - m[i]) * ku > 8.f);
       }
+      // COND: the maximum moves only when a row's grows by more than 2^8 (the warp votes), as in
+      // fwd, so the DP/4 multiplications of the accumulator per row are mostly skipped.
+      if (!COND || warp_any(grow)) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float alpha = m[i] == NEG_INF || mnew[i] == NEG_INF ? 0.f : ex2((m[i] - mnew[i]) * ku);
+          m[i] = mnew[i];
+          l[i] *= alpha;
+#pragma unroll
+          for (int j = 0; j < DP / 8; ++j) {
+            acc[4 * j + 2 * i] *= alpha;
+            acc[4 * j + 2 * i + 1] *= alpha;
+          }
+        }
+      }
+      float nb[2];  // -(the running maximum) in log2 units; nothing visible yet: 0 (and every p 0)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) nb[i] = m[i] == NEG_INF ? 0.f : -m[i] * ku;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = RAW ? ex2(fmaf(s[4 * j + e], sl2, nb[e >> 1])) : ex2(s[4 * j + e] + nb[e >> 1]);
+          if (RAW && mask && s[4 * j + e] == MASKV) p = 0.f;  // (also right for a zero scale)
+          s[4 * j + e] = p;
+          l[e >> 1] += p;
+        }
       u32 pa[BN / 16][4];
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -724,7 +752,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
     const float inv = lt > 0.f ? 1.f / lt : 0.f;
     const i64 r = row0 + 8 * i;
     if (r < T_) {
-      if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] + log2f(lt)) * LN2 : NEG_INF;
+      if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] * ku + log2f(lt)) * LN2 : NEG_INF;
       T* orow = o + q_at(dm, b, h) + r * dm.qrs;
 #pragma unroll
       for (int j = 0; j < DP / 8; ++j)
@@ -909,158 +937,6 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
       }
     }
 }
-
-#if FWG
-// ---- backward: dK, dV of WBK = 128 keys of one (batch, kv head) on wgmma (FWGK): warpgroup wg
-// owns keys 64 wg .. +64 (warp w of it 16 w .. +16), walking the group's query heads (its
-// Split) and their queries in tiles of WBQ = 64 in a fixed order, as bwd_dkdv. Per tile:
-// S^T = K Q^T and dP^T = V dO^T (DP/16 wgmma m64n64k16 each, K-major operands in shared
-// memory), P^T = 2^(S^T scale log2 e - lse log2 e) and dS^T = P^T (dP^T - delta) in registers
-// (lse and delta per query column, from shared memory), then dV += P^T dO and dK += dS^T Q (4
-// wgmma m64nDPk16 each, P^T / dS^T from registers, dO / Q MN-major from shared memory as fwd_wg's
-// V). K and V: [halves][128][64] swizzled tiles; Q and dO two stages of [halves][64][64]. A
-// thread holds 64 + 64 floats of dK and dV (d128) and 32 + 32 of S^T and dP^T: one block of
-// two warpgroups a multiprocessor. ----
-__device__ __forceinline__ void bwd_dkdv_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                            const float* __restrict__ lse, const T* __restrict__ dout,
-                                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                                            float* __restrict__ part, int nsplit, Dims dm, double scale, int causal,
-                                            i64 blk) {
-  constexpr int BK_ = WBK, BQ_ = WBQ, NH = DP / 64;
-  FLASH_SMEM(raw);
-  unsigned char* sk = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
-  unsigned char* sv = sk + BK_ * DP * 2;
-  unsigned char* sq = sv + BK_ * DP * 2;     // 2 stages of BQ_ x DP
-  unsigned char* sdo = sq + 2 * BQ_ * DP * 2;  // 2 stages
-  float* sl = (float*)(sdo + 2 * BQ_ * DP * 2);  // 2 stages of BQ_: lse * log2(e)
-  float* sd = sl + 2 * BQ_;                       // 2 stages of BQ_: delta
-  const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
-  const i64 k0 = blk * BK_;
-  const Split x = split_of(dm, nsplit);
-  const i64 b = x.b, kvh = x.kvh;
-  const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
-  const float sl2 = (float)(scale * 1.4426950408889634);
-  const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of BQ_
-  const int nqt = T_ > qstart ? (int)((T_ - qstart + BQ_ - 1) / BQ_) : 0;
-  const int total = (int)(x.h1 - x.h0) * nqt;
-  const i64 kwg = k0 + wg * 64;       // the warpgroup's first key
-  const i64 kw = kwg + w * 16;        // the warp's
-
-  load_sw<BK_>(sk, k + k_at(dm, b, kvh), k0, S - k0, (int)d, (int)dm.krs, vec);
-  load_sw<BK_>(sv, v + k_at(dm, b, kvh), k0, S - k0, (int)d, (int)dm.krs, vec);
-  auto load_q = [&](int hq_, int qt_, int st) {
-    const i64 hh = kvh * group + x.h0 + hq_, bh = b * dm.hq + hh;
-    const i64 i0 = qstart + (i64)qt_ * BQ_;
-    load_sw<BQ_>(sq + st * BQ_ * DP * 2, q + q_at(dm, b, hh), i0, T_ - i0, (int)d, (int)dm.qrs, vec);
-    load_sw<BQ_>(sdo + st * BQ_ * DP * 2, dout + q_at(dm, b, hh), i0, T_ - i0, (int)d, (int)dm.qrs, vec);
-    for (int e = threadIdx.x; e < BQ_; e += WNT) {
-      const bool ok = i0 + e < T_;
-      sl[st * BQ_ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
-      sd[st * BQ_ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
-    }
-  };
-  if (total > 0) load_q(0, 0, 0);
-  cp_commit();
-
-  float gk[DP / 2], gv[DP / 2];
-#pragma unroll
-  for (int i = 0; i < DP / 2; ++i) gk[i] = gv[i] = 0.f;
-
-  int hc = 0, qc = 0;
-  for (int it = 0; it < total; ++it) {
-    const int nh = qc + 1 < nqt ? hc : hc + 1, nq = qc + 1 < nqt ? qc + 1 : 0;
-    if (it + 1 < total) {
-      load_q(nh, nq, (it + 1) & 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    fence_async_smem();
-    FLASH_SYNC();
-    const int st = it & 1;
-    const unsigned char* qs = sq + st * BQ_ * DP * 2;
-    const unsigned char* dos = sdo + st * BQ_ * DP * 2;
-    const i64 i0 = qstart + (i64)qc * BQ_;
-    hc = nh;
-    qc = nq;
-    // Causal: a tile whose queries all come before the warpgroup's first key adds nothing.
-    if (!(causal && i0 + BQ_ - 1 < kwg)) {
-      float s[BQ_ / 2], dp[BQ_ / 2];
-#pragma unroll
-      for (int i = 0; i < BQ_ / 2; ++i) s[i] = dp[i] = 0.f;
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        const int aoff = (kk >> 2) * (BK_ * 128) + wg * 64 * 128 + (kk & 3) * 32, boff = (kk >> 2) * (BQ_ * 128) + (kk & 3) * 32;
-        wg_ss_n64(s, wg_desc(sk + aoff, 16, 1024), wg_desc(qs + boff, 16, 1024), kk > 0);
-        wg_ss_n64(dp, wg_desc(sv + aoff, 16, 1024), wg_desc(dos + boff, 16, 1024), kk > 0);
-      }
-      wg_commit();
-      wg_wait0();
-      // Element (key kw + g + 8 (e >> 1), query i0 + 8 j + 2 tq + (e & 1)). Out: a query at or
-      // past T, a key at or past S, causal: a query before its key (in 32 bits, tile-relative:
-      // qc - kc < kw - i0).
-      const bool mask = i0 + BQ_ > T_ || kw + 16 > S || (causal && i0 < kw + 15);
-      const int qmax = (int)min64(T_ - i0, BQ_), kmax = (int)min64(S - kw, 16);
-      const int rel = causal ? (int)max64(min64(kw - i0, BQ_), -BQ_) : -BQ_ - 16;
-      u32 pa[BQ_ / 16][4], sa[BQ_ / 16][4];
-#pragma unroll
-      for (int j = 0; j < BQ_ / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qcol = 8 * j + 2 * tq + (e & 1), kr = g + 8 * (e >> 1);
-          float p = ex2(fmaf(s[4 * j + e], sl2, -sl[st * BQ_ + qcol]));
-          if (mask && (qcol >= qmax || kr >= kmax || qcol - kr < rel)) p = 0.f;
-          s[4 * j + e] = p;
-          dp[4 * j + e] = p * (dp[4 * j + e] - sd[st * BQ_ + qcol]);
-        }
-#pragma unroll
-      for (int kc = 0; kc < BQ_ / 16; ++kc) {
-        pa[kc][0] = pack2(s[8 * kc + 0], s[8 * kc + 1]);
-        pa[kc][1] = pack2(s[8 * kc + 2], s[8 * kc + 3]);
-        pa[kc][2] = pack2(s[8 * kc + 4], s[8 * kc + 5]);
-        pa[kc][3] = pack2(s[8 * kc + 6], s[8 * kc + 7]);
-        sa[kc][0] = pack2(dp[8 * kc + 0], dp[8 * kc + 1]);
-        sa[kc][1] = pack2(dp[8 * kc + 2], dp[8 * kc + 3]);
-        sa[kc][2] = pack2(dp[8 * kc + 4], dp[8 * kc + 5]);
-        sa[kc][3] = pack2(dp[8 * kc + 6], dp[8 * kc + 7]);
-      }
-      wg_fence();
-#pragma unroll
-      for (int kc = 0; kc < BQ_ / 16; ++kc) {
-        const u64 ddo = wg_desc(dos + kc * 16 * 128, BQ_ * 128, 1024), dqq = wg_desc(qs + kc * 16 * 128, BQ_ * 128, 1024);
-        if constexpr (NH == 2) {
-          wg_rs_n128(gv, pa[kc], ddo);
-          wg_rs_n128(gk, sa[kc], dqq);
-        } else {
-          wg_rs_n64(gv, pa[kc], ddo);
-          wg_rs_n64(gk, sa[kc], dqq);
-        }
-      }
-      wg_commit();
-      wg_wait0();
-    }
-    FLASH_SYNC();
-  }
-  cp_wait<0>();
-  const float sc = (float)scale;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const i64 r = kw + g + 8 * i;
-    if (r < S) {
-#pragma unroll
-      for (int j = 0; j < DP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = 8 * j + 2 * tq + e;
-          if (c < d) store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[4 * j + 2 * i + e] * sc, gv[4 * j + 2 * i + e]);
-        }
-    }
-  }
-}
-#endif  // FWG
 
 // ---- backward, fa2 (FCFG 5, d <= 128): dK, dV of 64 keys of one (batch, kv head) by 8 warps.
 // Design. Per query tile (Q2 = 64 queries for d <= 64, else 32; double-buffered Q, dO, lse,
@@ -1532,7 +1408,7 @@ __device__ __forceinline__ i64 block_of(i64 n, int per, int pass) {
 }
 }  // namespace fa
 
-#if FWG
+#if FWG && FDP == 128
 #define FLASH_FWD_BOUNDS __launch_bounds__(fa::WNT, 2)
 #else
 #define FLASH_FWD_BOUNDS __launch_bounds__(fa::FNT)
@@ -1545,8 +1421,11 @@ extern "C" __global__ void FLASH_FWD_BOUNDS flash_fwd(const fa::T* q, const fa::
   for (int p = 0; p < np; ++p) {
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
     const i64 blk = fa::block_of(n, 1, p);
-#if FWG
-    fa::fwd_wg(q, k, v, o, lse, dm, scale, causal, blk);
+#if FWG && FDP == 128
+    if (fa::FWGV == 2 && scale < 0)
+      fa::fwd_wg<true>(q, k, v, o, lse, dm, scale, causal, blk);
+    else
+      fa::fwd_wg<false>(q, k, v, o, lse, dm, scale, causal, blk);
 #else
     if (scale < 0)
       fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk);
@@ -1574,12 +1453,6 @@ extern "C" __global__ void FLASH_DKDV_BOUNDS flash_bwd_dkdv(const fa::T* q, cons
 #pragma unroll 1
   for (int p = 0; p < np; ++p) {
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
-#if FWG
-    if constexpr (fa::FWGK) {
-      fa::bwd_dkdv_wg(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, 1, p));
-      continue;
-    }
-#endif
     if constexpr (fa::FA2)
       fa::bwd_dkdv2(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
     else
