@@ -14,6 +14,9 @@
 //! `RUMBLE_FLASH_CFG=<name>` picks another (so one GPU run can time them all: the attention
 //! bench's `RUMBLE_FLASH_SWEEP=1`).
 //!
+//! On sm_90 ([`wgmma`]) dQ at padded head sizes 64 and 128, and the forward at 128, run on the
+//! warpgroup MMA (`wgmma.mma_async`, sm_90a; those modules are compiled for `sm_90a`).
+//!
 //! Deterministic: no atomics. The backward is three kernels, delta, then dK/dV (each block
 //! owns a block of keys and walks its group's query heads and queries in a fixed order), then
 //! dQ (each block owns a block of queries); or, where the configuration computes delta inside

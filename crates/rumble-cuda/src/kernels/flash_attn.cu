@@ -108,6 +108,15 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// The compiler sees a wgmma's accumulators written when the asm issues it, not when wg_wait0
+// returns, and may move plain register arithmetic on them across the wait (stale values; seen
+// on the H200 when the softmax changed). A volatile asm that "rewrites" them, after the wait and
+// before the next issue, pins every use after the wait (volatile asms keep their order).
+template <int N>
+__device__ __forceinline__ void wg_hold(float* r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 // The shared-memory matrix descriptor of the operand at `p`: leading / stride byte offsets,
 // 128-byte swizzle (PTX ISA, "Matrix Descriptor Format").
 __device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
@@ -664,6 +673,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
       }
       wg_commit();
       wg_wait0();
+      wg_hold<BN / 2>(s);
       const bool mask = j0 + BN > Si || (causal && j0 + BN - 1 > wrow);  // warp-uniform
       // In 32 bits, relative to the tile: keys at or past kmax are out; causal: key k is out of
       // row r when k - r > wrow - j0 (at least -63 here: the tile is visible to the warpgroup).
@@ -731,6 +741,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
         pa[kc][2] = pack2(s[8 * kc + 4], s[8 * kc + 5]);
         pa[kc][3] = pack2(s[8 * kc + 6], s[8 * kc + 7]);
       }
+      wg_hold<DP / 2>(acc);
       wg_fence();
 #pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
@@ -742,6 +753,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
       }
       wg_commit();
       wg_wait0();
+      wg_hold<DP / 2>(acc);
     }
     FLASH_SYNC();  // the stage is read before the next iteration's loads overwrite it
   }
@@ -1339,6 +1351,8 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
       }
       wg_commit();
       wg_wait0();
+      wg_hold<BN / 2>(s);
+      wg_hold<BN / 2>(dp);
       const bool mask = j0 + BN > S || (causal && j0 + BN - 1 > wrow);
       const int kmax = (int)min64(S - j0, BN), rel = causal ? (int)min64(wrow - j0, BN) : BN;
       u32 da[BN / 16][4];
@@ -1360,6 +1374,7 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
         da[kc][2] = pack2(dp[8 * kc + 4], dp[8 * kc + 5]);
         da[kc][3] = pack2(dp[8 * kc + 6], dp[8 * kc + 7]);
       }
+      wg_hold<DP / 2>(acc);
       wg_fence();
 #pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
@@ -1371,6 +1386,7 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
       }
       wg_commit();
       wg_wait0();
+      wg_hold<DP / 2>(acc);
     }
     FLASH_SYNC();
   }
