@@ -727,14 +727,6 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
         }
       u32 pa[BN / 16][4];
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = ex2(s[4 * j + e] + nb[e >> 1]);
-          s[4 * j + e] = p;
-          l[e >> 1] += p;
-        }
-#pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
         pa[kc][0] = pack2(s[8 * kc + 0], s[8 * kc + 1]);
         pa[kc][1] = pack2(s[8 * kc + 2], s[8 * kc + 3]);
