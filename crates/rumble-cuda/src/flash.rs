@@ -79,6 +79,12 @@ pub const CFG_NAMES: [&str; 8] = ["base", "wide", "deep", "w8", "pair", "fa2", "
 /// 4096), 2.538 vs 2.681 (d128 x 4096), 1.178 vs 1.182 (head size 1, GQA 7). (Before those
 /// two changes fa2 had been the faster one at head size 1 and d64.)
 ///
+/// Since 2026-12-04 (bench/results/2026-12-04-session7) pair takes 64-key forward softmax
+/// steps and 64-query dK/dV tiles at d in (64, 128] (d128 x 4096: forward 0.50 vs 0.58 ms,
+/// dK/dV 0.96 vs 1.14), and on sm_90 its dQ (d64, d128) and forward (d128) run on wgmma
+/// ([`wgmma`]). Measured and dropped that day: dQ inside dK/dV with f32 atomics (dK/dV 2.04
+/// ms against 1.14 + 0.63), dV and dK interleaved (no change), a wgmma dK/dV (1.43 vs 0.97).
+///
 /// `pair` (4) came from the H200 sweep of 2026-12-02 (bench/results/2026-12-02-session3/run3-sweep):
 /// per kernel the fastest tiles of the others (wide's forward at d <= 64, 0.34 vs 0.36 ms;
 /// wide's dQ at d = 16 and d128, 0.36 vs 0.47 and 0.79 vs 0.85 ms; base's dK/dV), and S and
@@ -437,7 +443,8 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
     let sh = variant.shape();
     // The kernels' tile loads offset rows within a tile (at most 256 rows) in 32 bits.
     let rs = layout.strides(hq, t, d).1.max(layout.strides(hkv, s, d).1);
-    if b * hq > 65535 || b * hkv > 65535 || rs.saturating_mul(256) > i32::MAX as usize {
+    // The wgmma forward indexes positions in 32 bits.
+    if b * hq > 65535 || b * hkv > 65535 || rs.saturating_mul(256) > i32::MAX as usize || t.max(s) >= 1 << 30 {
         return None;
     }
     let need = if backward { sh.smem_dq.max(sh.smem_dkdv) } else { sh.smem_fwd };

@@ -221,7 +221,6 @@ constexpr int NT2 = 256;
 // ms against mma.sync's 0.32 at seq 4096 on the H200.)
 static_assert(!FWG || DP == 64 || DP == 128, "the wgmma kernels take head sizes 64 and 128");
 constexpr bool FWGF = FWG && DP == 128;
-constexpr int FWGV = FCFG == 6 ? 0 : FCFG == 7 ? 2 : 1;  // fwd_wg's softmax (see there)
 constexpr int WBM = 128, WBN = 64, WNT = 256;
 // FWGQ: dQ on wgmma too (bwd_dq_wg; not with FDELTA), 128 queries by 256 threads.
 constexpr bool FWGQ = FWG && !FDELTA;
@@ -600,7 +599,6 @@ __device__ __forceinline__ void load_sw(unsigned char* sm, const T* g, i64 row0,
     }
   }
 }
-template <bool NEG>
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                        T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal,
                                        i64 blk) {
@@ -624,13 +622,11 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   const int kend = causal ? min(Si, q0i + BM) : Si;
   const int ntiles = (kend + BN - 1) / BN;
   const float sl2 = (float)(scale * 1.4426950408889634);
-  // FWGV (the softmax's form; one per configuration, so one sweep times them): 0 scales the
-  // scores first (any sign of scale; m in log2 units) and rescales the accumulator on every
-  // tile; 1 the same with fwd's conditional rescaling; 2 keeps the maximum on the raw scores
-  // (one FFMA a probability; NEG: their minimum) and rescales on every tile.
-  constexpr bool RAW = FWGV == 2, COND = FWGV == 1;
-  const float asl2 = NEG ? -sl2 : sl2, ku = RAW ? asl2 : 1.f;  // m-units -> log2 units
-  const float MASKV = RAW && NEG ? F32_INF : NEG_INF;          // a masked score: never the maximum
+  // The softmax scales the scores first (any sign of scale; m in log2 units) and rescales the
+  // accumulator on every tile. On the H200 (d128 x 4096, bthd, 2026-12-04 run 6) this took 0.43
+  // ms against 0.47 with fwd's conditional rescaling (which spilled here) and 0.46 with the
+  // maximum kept on the raw scores (one FFMA a probability, but a second path for a negative
+  // scale: 124 bytes of spill).
   const int wrow = q0i + wg * 64 + w * 16, row0 = wrow + g;  // the warp's first row; the thread's rows row0, row0 + 8
   const int wglast = q0i + wg * 64 + 63;
 
@@ -643,7 +639,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   float acc[DP / 2];
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum (see FWGV)
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum of the scaled scores (log2 units)
 
   for (int it = 0; it < ntiles; ++it) {
     const int j0 = it * BN;
@@ -683,45 +679,33 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float u = RAW ? s[4 * j + e] : s[4 * j + e] * sl2;
+          float u = s[4 * j + e] * sl2;
           if (mask) {
             const int kc = 8 * j + 2 * tq + (e & 1), rc = g + 8 * (e >> 1);
-            if (kc >= kmax || kc - rc > rel) u = MASKV;
+            if (kc >= kmax || kc - rc > rel) u = NEG_INF;
           }
           s[4 * j + e] = u;
-          mx[e >> 1] = fmaxf(mx[e >> 1], RAW && NEG ? -u : u);
+          mx[e >> 1] = fmaxf(mx[e >> 1], u);
         }
-      float mnew[2];
-      bool grow = !COND;
+      float nb[2];  // -(the running maximum); nothing visible yet: 0 (and every p is 2^-inf = 0)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        mnew[i] = fmaxf(m[i], quad_max(mx[i]));
-        if (COND) grow |= mnew[i] != NEG_INF && (m[i] == NEG_INF || (mnew[i] - m[i]) * ku > 8.f);
-      }
-      // COND: the maximum moves only when a row's grows by more than 2^8 (the warp votes), as in
-      // fwd, so the DP/4 multiplications of the accumulator per row are mostly skipped.
-      if (!COND || warp_any(grow)) {
+        const float mn = fmaxf(m[i], quad_max(mx[i]));
+        const float alpha = m[i] == NEG_INF ? 0.f : ex2(m[i] - mn);
+        m[i] = mn;
+        l[i] *= alpha;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float alpha = m[i] == NEG_INF || mnew[i] == NEG_INF ? 0.f : ex2((m[i] - mnew[i]) * ku);
-          m[i] = mnew[i];
-          l[i] *= alpha;
-#pragma unroll
-          for (int j = 0; j < DP / 8; ++j) {
-            acc[4 * j + 2 * i] *= alpha;
-            acc[4 * j + 2 * i + 1] *= alpha;
-          }
+        for (int j = 0; j < DP / 8; ++j) {
+          acc[4 * j + 2 * i] *= alpha;
+          acc[4 * j + 2 * i + 1] *= alpha;
         }
+        nb[i] = mn == NEG_INF ? 0.f : -mn;
       }
-      float nb[2];  // -(the running maximum) in log2 units; nothing visible yet: 0 (and every p 0)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) nb[i] = m[i] == NEG_INF ? 0.f : -m[i] * ku;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float p = RAW ? ex2(fmaf(s[4 * j + e], sl2, nb[e >> 1])) : ex2(s[4 * j + e] + nb[e >> 1]);
-          if (RAW && mask && s[4 * j + e] == MASKV) p = 0.f;  // (also right for a zero scale)
+          const float p = ex2(s[4 * j + e] + nb[e >> 1]);
           s[4 * j + e] = p;
           l[e >> 1] += p;
         }
@@ -756,7 +740,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
     const float inv = lt > 0.f ? 1.f / lt : 0.f;
     const i64 r = row0 + 8 * i;
     if (r < T_) {
-      if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] * ku + log2f(lt)) * LN2 : NEG_INF;
+      if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] + log2f(lt)) * LN2 : NEG_INF;
       T* orow = o + q_at(dm, b, h) + r * dm.qrs;
 #pragma unroll
       for (int j = 0; j < DP / 8; ++j)
@@ -1430,10 +1414,7 @@ extern "C" __global__ void FLASH_FWD_BOUNDS flash_fwd(const fa::T* q, const fa::
     if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
     const i64 blk = fa::block_of(n, 1, p);
 #if FWG && FDP == 128
-    if (fa::FWGV == 2 && scale < 0)
-      fa::fwd_wg<true>(q, k, v, o, lse, dm, scale, causal, blk);
-    else
-      fa::fwd_wg<false>(q, k, v, o, lse, dm, scale, causal, blk);
+    fa::fwd_wg(q, k, v, o, lse, dm, scale, causal, blk);
 #else
     if (scale < 0)
       fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk);
