@@ -109,9 +109,10 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // The compiler sees a wgmma's accumulators written when the asm issues it, not when wg_wait0
-// returns, and may move plain register arithmetic on them across the wait (stale values; seen
-// on the H200 when the softmax changed). A volatile asm that "rewrites" them, after the wait and
-// before the next issue, pins every use after the wait (volatile asms keep their order).
+// returns, so it may move plain register arithmetic on them above the wait (stale values). A
+// volatile asm that "rewrites" them after the wait (and before the next issue) pins every use
+// after it: volatile asms keep their order. (A guard: the wrong d128 forward of session 7 runs
+// 4 and 5 turned out to be a leftover loop, not this.)
 template <int N>
 __device__ __forceinline__ void wg_hold(float* r) {
 #pragma unroll
