@@ -163,8 +163,11 @@ pub fn choose(cc: (i32, i32), dtype: DType, d: usize) -> Option<Variant> {
 /// (two warpgroups, 128 keys, synchronous) took 1.43 ms against 0.97 and was dropped (commit
 /// d003ebd holds it).
 pub fn wgmma(cc: (i32, i32), dp: usize) -> bool {
-    cc == (9, 0) && (dp == 64 || dp == 128) && !std::env::var("RUMBLE_FLASH_WG").is_ok_and(|v| v == "0")
+    cc == (9, 0) && WGMMA_DP.contains(&dp) && !std::env::var("RUMBLE_FLASH_WG").is_ok_and(|v| v == "0")
 }
+
+/// The padded head sizes the wgmma kernels take (`FWG` in kernels/flash_attn.cu).
+pub const WGMMA_DP: [usize; 2] = [64, 128];
 
 /// The FMA kernels' tiling: the second (`b`, 64-key forward and 64-query dK/dV tiles) unless
 /// `RUMBLE_FLASH_FMA_CFG=a`. On the H200 (2026-12-02) `b` took 5.24 ms fwd+bwd on seed-llama's
@@ -204,7 +207,7 @@ impl Variant {
         }
     }
 
-    /// Threads per block of the variant's kernels but the tensor-core forward and dK/dV (see
+    /// Threads per block of the variant's kernels but the tensor-core forward, dK/dV and dQ (see
     /// [`Shape`]).
     pub fn threads(&self) -> u32 {
         match self {
@@ -378,7 +381,7 @@ impl Variant {
     }
 
     /// The NVRTC architecture of the variant's module on a device of architecture `arch`
-    /// (`sm_90`): `sm_90a` for the wgmma forward.
+    /// (`sm_90`): `sm_90a` for the wgmma kernels.
     pub fn arch(&self, arch: &str) -> String {
         match self {
             Variant::Mma { wg: true, .. } => format!("{arch}a"),
@@ -391,8 +394,7 @@ impl Variant {
     /// also fills the kernel cache the GPU machine starts from).
     pub fn all() -> Vec<Variant> {
         let mma = |dtype, dp, cfg, wg| Variant::Mma { dtype, dp, cfg, wg };
-        // The head sizes of the wgmma kernels (flash::wgmma on sm_90).
-        let wg = |dp: usize| dp == 64 || dp == 128;
+        let wg = |dp: usize| WGMMA_DP.contains(&dp);
         let mut v = Vec::new();
         for dtype in [DType::BF16, DType::F16] {
             for i in 1..=16 {
@@ -615,7 +617,7 @@ mod tests {
         let wg = false;
         assert_eq!(choose(h100, DType::BF16, 1), Some(Variant::Mma { dtype: DType::BF16, dp: 16, cfg, wg }));
         assert_eq!(choose(h100, DType::BF16, 100), Some(Variant::Mma { dtype: DType::BF16, dp: 112, cfg, wg }));
-        // The wgmma forward: sm_90 only, head sizes padded to 64 or 128 (unless RUMBLE_FLASH_WG=0).
+        // The wgmma kernels: sm_90 only, head sizes padded to 64 or 128 (unless RUMBLE_FLASH_WG=0).
         let wg = !std::env::var("RUMBLE_FLASH_WG").is_ok_and(|v| v == "0");
         assert_eq!(choose(h100, DType::BF16, 120), Some(Variant::Mma { dtype: DType::BF16, dp: 128, cfg, wg }));
         assert_eq!(choose(h100, DType::F16, 64), Some(Variant::Mma { dtype: DType::F16, dp: 64, cfg, wg }));
@@ -691,7 +693,7 @@ mod tests {
         let mut all = Variant::all();
         for cfg in Cfg::all() {
             all.extend((1..=16).map(|i| Variant::Mma { dtype: DType::BF16, dp: 16 * i, cfg, wg: false }));
-            all.extend([64, 128].map(|dp| Variant::Mma { dtype: DType::BF16, dp, cfg, wg: true }));
+            all.extend(WGMMA_DP.map(|dp| Variant::Mma { dtype: DType::BF16, dp, cfg, wg: true }));
         }
         for v in all {
             let s = v.shape();

@@ -90,13 +90,13 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #define FWG 0
 #endif
 #if FWG && defined(FLASH_EMU)
-#error "the wgmma forward (FWG) has no CPU emulation"
+#error "the wgmma kernels (FWG) have no CPU emulation"
 #endif
 #if !defined(FLASH_EMU)
-// ---- Hopper (sm_90a) warpgroup MMA, for the forward of FWG: wgmma.mma_async m64nNk16 with f32
-// accumulators, operands from shared memory through matrix descriptors (128-byte swizzle) or A
-// from registers; plus the fences it needs. Only compiled where FWG (src/flash.rs compiles
-// those modules for sm_90a). ----
+// ---- Hopper (sm_90a) warpgroup MMA, for the FWG kernels (fwd_wg, bwd_dq_wg): wgmma.mma_async
+// m64nNk16 with f32 accumulators, operands from shared memory through matrix descriptors
+// (128-byte swizzle) or A from registers; plus the fences it needs. Only compiled where FWG
+// (src/flash.rs compiles those modules for sm_90a). ----
 #if FWG
 typedef unsigned long long u64;
 #if FLASH_F16
@@ -174,8 +174,8 @@ constexpr int LD = DP + 8;                   // smem row stride (elements): ldma
 //           ptxas spills ~40 bytes, yet 0.50 against 0.57 ms at d128 x seq 4096), base's
 //           above; base's dK/dV but with 64-query tiles for d in (64, 128] too (half the tiles
 //           and barriers, each K / V fragment read from shared memory feeds 8 mma instead of 4:
-//           dK/dV 0.96 against 1.14 ms at d128 x seq 4096); dQ 32 queries per warp (wide's tiles) for d=16 and d in
-//           (64, 128], base's dQ otherwise; a separate delta kernel; and the backward computes
+//           dK/dV 0.96 against 1.14 ms at d128 x seq 4096); dQ 32 queries per warp (wide's
+//           tiles) for d=16 and d in (64, 128], base's dQ otherwise; a separate delta kernel; and the backward computes
 //           S and dP in one interleaved loop (mma_abt2_m).
 //   5 fa2:  pair, but for d <= 128 the 8-warp dK/dV kernel bwd_dkdv2 (64 keys per block, P and
 //           dS through shared memory, warps splitting the head dims for dK += dS^T Q and
@@ -200,7 +200,7 @@ constexpr int KMT = C != 0 && D64 ? 2 : 1;                                     /
 constexpr int BQ = C == 0 ? (D64 || (PAIR2 && D128) ? 64 : 32) : C == 2 && D64 ? 16 : 32;  // dk/dv: queries per tile
 constexpr int QMT = PQ2 ? 2 : C == 0 ? 1 : C == 2 ? (D64 ? 2 : 1) : D128 ? 2 : 1;  // dq: 16-query m-tiles per warp
 constexpr int BC = PQ2 ? (D64 ? 64 : 32) : C == 0 ? (D128 ? 64 : 32) : C == 2 ? (D64 ? 32 : D128 ? 64 : 32) : D64 ? 64 : 32;  // dq: keys per tile
-constexpr int FDELTA = C != 0 || FCFG == 7;                                                // delta inside the dq kernel
+constexpr int FDELTA = C != 0 || FCFG == 7;                                     // delta inside the dq kernel
 
 constexpr int NT = 128;                      // backward threads per block (4 warps)
 constexpr int FNT = 32 * FNW;                // forward threads per block
@@ -558,7 +558,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 }
 
 #if FWG
-// ---- forward on Hopper's warpgroup MMA (FWG: sm_90a, DP 64 or 128). A block of 256 threads (two
+// ---- forward on Hopper's warpgroup MMA (FWGF: sm_90a, DP 128). A block of 256 threads (two
 // warpgroups) owns WBM = 128 queries of one (batch, query head); warpgroup wg its rows 64 wg ..
 // +64, warp w of it rows 16 w .. +16. Keys in tiles of WBN = 64, K and V double-buffered by
 // cp.async. Per tile: S = Q K^T by DP/16 wgmma m64n64k16 (both operands from shared memory),
@@ -618,7 +618,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   const T* kh = k + k_at(dm, b, kvh);
   const T* vh = v + k_at(dm, b, kvh);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
-  // In 32 bits from here on (src/flash.rs keeps T and S under 2^31).
+  // In 32 bits from here on (src/flash.rs keeps T and S under 2^30).
   const int Si = (int)S, q0i = (int)q0;
   const int kend = causal ? min(Si, q0i + BM) : Si;
   const int ntiles = (kend + BN - 1) / BN;

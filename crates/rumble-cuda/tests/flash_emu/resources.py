@@ -3,7 +3,7 @@
 usage: NVRTC_LIB_DIR=/path/to/nvidia/cu13/lib python3 crates/rumble-cuda/tests/flash_emu/resources.py [mma|fma] [DP,...] [CFG,...]
 
 (CFG: the FCFG numbers of kernels/flash_attn.cu's tiling configurations; default all. With
-FLASH_WG=1 the modules take the wgmma forward (FWG 1, sm_90a), as src/flash.rs compiles them on
+FLASH_WG=1 the modules take the wgmma kernels (FWG 1, sm_90a), as src/flash.rs compiles them on
 an H100 / H200 at padded head sizes 64 and 128.)
 
 Compiles the sources as src/flash.rs does (prelude + defines + kernel file, sm_90, --fmad=true)
