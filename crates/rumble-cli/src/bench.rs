@@ -3,7 +3,7 @@
 //! `--train` the whole training step with the optimizer. On CUDA it times the eager, planned
 //! and graphed executors in turn; each prints one JSON line with the keys bench/compare.py
 //! reads (`executor`, `peak_allocated_bytes`, `device_used_bytes`, `load_bytes`,
-//! `first_step_ms`, `median_step_ms`, ...).
+//! `first_step_ms`, `median_step_ms`, ...). `--suite` runs the benchmark suite (suite.rs).
 
 use std::time::Instant;
 
@@ -19,7 +19,8 @@ use rumble_models::{
 };
 use serde_json::json;
 
-use crate::common::ModelArgs;
+use crate::common::{ModelArgs, Resolved};
+use crate::suite::SuiteArgs;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -49,6 +50,8 @@ pub struct BenchArgs {
     /// events around every launch) and print where the time goes: by op and the slowest nodes.
     #[arg(long)]
     pub profile: bool,
+    #[command(flatten)]
+    pub suite: SuiteArgs,
 }
 
 /// One timed step: micro-batches in, loss out.
@@ -77,7 +80,9 @@ fn executors(device: DeviceChoice, only: Option<&str>) -> Result<Vec<Option<Cuda
 }
 
 pub fn run(mut a: BenchArgs) -> Result<()> {
-    let device: DeviceChoice = a.device.parse()?;
+    if a.suite.suite.is_some() {
+        return crate::suite::run(a);
+    }
     if let Some(w) = a.workload.take() {
         if a.model.config.is_some() {
             return Err(ModelError::Usage("give the workload once: as an argument or with --config".into()));
@@ -85,13 +90,19 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         a.model.config = Some(w);
     }
     let r = a.model.resolve(None)?;
+    run_resolved(&a, r, &mut |line| println!("{line}"))
+}
+
+/// Times one resolved workload; each executor's JSON line goes to `emit`.
+pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json::Value)) -> Result<()> {
+    let device: DeviceChoice = a.device.parse()?;
     let mut sc = r.step.clone();
     if !a.train {
         sc.optimizer = None;
     }
     let weights = Weights::init(&r.config, a.seed)?;
     if a.profile {
-        return profile(&a, &r.name, &r.config, &sc, weights);
+        return profile(a, &r.name, &r.config, &sc, weights);
     }
     for mode in executors(device, a.executor.as_deref())? {
         let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
@@ -176,7 +187,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 times.len()
             );
         }
-        println!("{line}");
+        emit(line);
     }
     Ok(())
 }
