@@ -133,7 +133,7 @@ def suite(rows):
         mine = get(c, lambda e: e.startswith("rumble"))
         ro = get(c, lambda e: e == "torch-compile-ro")
         ok = [r for r in (mine, ro) if r and not r.get("failed") and not r.get("error")]
-        shape = next((r for r in ok), mine or {})
+        shape = next((r for r in ok), None) or next((r for r in rows if r["case"] == c and "batch" in r), {})
         flops = shape.get("flops_per_step")
         line = (f"| {c} | {shape.get('batch', '')} x {shape.get('seq', '')} | {shape.get('layers', '')} "
                 f"| {fmt(flops, 1e9, 0)} | {cell(mine)} |")

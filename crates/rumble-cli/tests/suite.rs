@@ -138,6 +138,7 @@ fn bench_suite_runs_on_the_cpu_with_overrides_and_reports_a_refused_case() {
     let bad = line(bad_name);
     let key = refused["pending"].as_str().unwrap();
     assert!(bad["error"].as_str().is_some_and(|e| e.contains(&format!("`{key}`"))), "{bad}");
+    assert_eq!(bad["pending"], key, "{bad}");
 
     let l = line(name);
     assert!(l["error"].is_null(), "{l}");
