@@ -128,7 +128,7 @@ def suite(rows):
     head += " step / RO | peak / RO | MFU rumble | MFU RO |"
     print(head)
     print("| " + " | ".join(["---"] + ["---:"] * (head.count("|") - 2)) + " |")
-    ratios, mfus, mfus_ro = [], [], []
+    ratios, peaks, mfus, mfus_ro = [], [], [], []
     for c in cases:
         mine = get(c, lambda e: e.startswith("rumble"))
         ro = get(c, lambda e: e == "torch-compile-ro")
@@ -144,6 +144,8 @@ def suite(rows):
             r_step = mine["median_step_ms"] / ro["median_step_ms"]
             r_peak = peak(mine) / peak(ro) if peak(mine) and peak(ro) else None
             ratios.append(r_step)
+            if r_peak is not None:
+                peaks.append(r_peak)
             line += f" {r_step:.2f} | {fmt(r_peak, 1, 2)} |"
         else:
             line += " | |"
@@ -158,6 +160,9 @@ def suite(rows):
     if ratios:
         print(f"rumble / RO step: median {statistics.median(ratios):.2f}x, worst {max(ratios):.2f}x, "
               f"{sum(r <= 0.9 for r in ratios)} of {len(ratios)} cases at or below 0.9x")
+    if peaks:
+        print(f"rumble / RO peak: median {statistics.median(peaks):.2f}x, worst {max(peaks):.2f}x, "
+              f"{sum(p <= 1.0 for p in peaks)} of {len(peaks)} cases at or below RO's peak")
     if mfus:
         print(f"mean MFU: rumble {100 * statistics.mean(mfus):.1f}% over {len(mfus)} cases"
               + (f", RO {100 * statistics.mean(mfus_ro):.1f}% over {len(mfus_ro)}" if mfus_ro else ""))
