@@ -35,11 +35,12 @@ const RUNS: usize = 3;
 /// Index into `cands` of the algorithm `key` should use (0: the heuristic's first choice).
 /// `plan` holds the shape's descriptors; its algorithm and workspace are changed while timing.
 pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Candidate]) -> usize {
-    if std::env::var("RUMBLE_MATMUL_TUNE").is_ok_and(|v| v == "0") {
+    let knobs = dev.knobs();
+    if !knobs.matmul_tune {
         return 0;
     }
-    let tf32 = std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1");
-    let cap = crate::matmul::max_workspace();
+    let tf32 = knobs.tf32;
+    let cap = crate::matmul::max_workspace(&knobs);
     let classic = cands.iter().filter(|c| matches!(c.algo, Algo::Classic)).count();
     let line_key = format!("{key:?} tf32={tf32} ws={cap} candidates={}+classic{classic}", cands.len() - classic);
     let file = cache_file(dev);
@@ -148,7 +149,7 @@ fn time_one(dev: &Device, key: &MatmulKey, plan: &Plan, p: [dsys::CUdeviceptr; 4
 }
 
 fn cache_file(dev: &Device) -> Option<PathBuf> {
-    let dir = crate::compile::cache_dir()?;
+    let dir = dev.knobs().cache?;
     let gpu: String = dev.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
     let version = unsafe { sys::cublasLtGetVersion() };
     Some(dir.join(format!("matmul-{gpu}-{version}.txt")))
