@@ -1,13 +1,13 @@
-//! `rumble plan`: builds a training step, runs the trainer's passes, plans its memory with
-//! `rumble_core::plan::plan` (schedule, then one arena whose offsets are all fixed), and prints
+//! `rumble plan`: builds a training step, compiles it with `rumble_core::compile::compile`
+//! (the trainer's passes, schedule, then one arena whose offsets are all fixed), and prints
 //! the planner's report: LOAD (the most bytes live at once), the arena, the persistent region,
 //! the buffers live at the peak. `--svg FILE` writes the timeline picture.
 
 use std::path::PathBuf;
 
 use clap::Args;
+use rumble_core::compile::{CompileOptions, compile};
 use rumble_core::passes::remat::Remat;
-use rumble_core::plan::{PlanOptions, plan};
 use rumble_models::weights::write_atomic;
 use rumble_models::{Result, build_train_step};
 
@@ -61,14 +61,13 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
         sc.optimizer = None;
     }
     let step = build_train_step(&r.config, &sc)?;
-    let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
     let remat = match (a.memory_budget, a.remat.as_str()) {
         (Some(peak_bytes), _) => Remat::Budget { peak_bytes },
         (None, "auto") => Remat::Auto,
         _ => Remat::Off,
     };
-    let opts = PlanOptions { schedule: !a.no_schedule, remat, ..Default::default() };
-    let planned = plan(&trace, &opts)?;
+    let opts = CompileOptions { schedule: !a.no_schedule, remat, ..Default::default() };
+    let planned = compile(&step.trace, &opts)?;
     if a.trace {
         println!("{}", planned.trace);
     }
@@ -84,7 +83,7 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
         r.name,
         if sc.optimizer.is_some() { "forward, backward, optimizer" } else { "forward, backward" }
     );
-    for l in &log {
+    for l in &planned.passes {
         println!("  pass {l}");
     }
     print!("{}", planned.report);

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rumble_core::Trace;
-use rumble_core::plan::{PlanOptions, PlanReport};
+use rumble_core::compile::{CompileOptions, compile};
+use rumble_core::plan::PlanReport;
 use rumble_cuda::{EagerExecutor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program};
 
 use crate::error::{ModelError, Result};
@@ -49,15 +50,27 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Plans `trace`, compiles it on device 0 and uploads `persistent` (parameters and
-    /// optimizer states, by name).
+    /// Plans `trace` (already through `compile::PIPELINE`), compiles it on device 0 and
+    /// uploads `persistent` (parameters and optimizer states, by name).
     pub fn new(trace: Trace, persistent: Vec<(String, HostTensor)>, mode: CudaMode) -> Result<CudaExecutor> {
+        Self::with_options(trace, persistent, mode, &CompileOptions { passes: false, ..Default::default() })
+    }
+
+    /// As `new`, compiling `trace` with `opts` (`compile::compile`; the passes run only if
+    /// `opts.passes`). Each node's kernel scratch is planned with the node (no whole-step
+    /// workspace).
+    pub fn with_options(
+        trace: Trace,
+        persistent: Vec<(String, HostTensor)>,
+        mode: CudaMode,
+        opts: &CompileOptions,
+    ) -> Result<CudaExecutor> {
         let t0 = Instant::now();
         let dev = rumble_cuda::Device::new(0)?;
-        // Each node's kernel scratch is planned with the node (no whole-step workspace).
-        let planned = rumble_core::plan::plan(&trace, &Program::plan_options(&dev, &PlanOptions::default()))?;
-        let report = planned.report.clone();
-        let prog = Arc::new(Program::new(dev, planned.trace, planned.plan)?);
+        let opts = Program::compile_options(&dev, opts)?;
+        let compiled = compile(&trace, &opts)?;
+        let report = compiled.report.clone();
+        let prog = Arc::new(Program::new(dev, compiled.trace, compiled.plan)?);
         let mut given: HashMap<String, HostTensor> = persistent.into_iter().collect();
         let (pers_idx, _) = prog.input_split();
         let mut values = Vec::with_capacity(pers_idx.len());

@@ -5,8 +5,9 @@
 //! one packed projection; it was 1.0000), and before the lowest-first placement `seed-llama`
 //! stood at 1.018 (1.023 with the workspace), inside the goal's slack but not a good plan.
 
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::ir::Op;
-use rumble_core::plan::{BackendScratch, PlanOptions, plan};
+use rumble_core::plan::{BackendScratch, PlanOptions};
 use rumble_models::{PRESET_NAMES, StepConfig, build_train_step, preset};
 
 /// The most workspace the CUDA backend gives a matmul by default (`matmul::MAX_WORKSPACE`).
@@ -31,7 +32,8 @@ fn presets_plan_within_two_percent_of_load() {
             for ws in [0, MATMUL_WORKSPACE] {
                 let backend =
                     BackendScratch::new(move |op, _, _| Ok(if matches!(op, Op::Matmul { .. }) { ws } else { 0 }));
-                let opts = PlanOptions { backend_scratch: Some(backend), ..Default::default() };
+                let plan_opts = PlanOptions { backend_scratch: Some(backend), ..Default::default() };
+                let opts = CompileOptions { plan: plan_opts, ..Default::default() };
                 let r = plan(&trace, &opts).unwrap().report;
                 let ratio = r.arena_bytes as f64 / r.load_bytes as f64;
                 println!(

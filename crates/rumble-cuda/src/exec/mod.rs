@@ -34,6 +34,7 @@ mod planned;
 
 use std::sync::Arc;
 
+use rumble_core::compile::CompileOptions;
 use rumble_core::cpu::HostTensor;
 use rumble_core::ir::{InputRole, OutputRole, Trace, ValueId, verify};
 use rumble_core::plan::{BackendScratch, MemoryPlan, PlanOptions, Region};
@@ -121,6 +122,12 @@ impl Program {
         PlanOptions { backend_scratch: Some(backend), ..base.clone() }
     }
 
+    /// `base` made for `dev`: each node's recipe scratch planned with the node
+    /// ([`Program::plan_options`]).
+    pub fn compile_options(dev: &Arc<Device>, base: &CompileOptions) -> Result<CompileOptions> {
+        Ok(CompileOptions { plan: Self::plan_options(dev, &base.plan), ..base.clone() })
+    }
+
     /// Plans `trace` with `planner(trace, workspace_bytes)` (e.g. `plan_in_order`, or
     /// `|t, ws| Ok(plan_naive(t, ws))`) and prepares it. The scratch is then one whole-step
     /// workspace of the most any node needs; [`Program::planned`] plans it per node instead.
@@ -134,12 +141,13 @@ impl Program {
         Self::new(dev, trace, plan)
     }
 
-    /// Plans `trace` with the core planner (`plan::plan`: memory-aware schedule, views,
+    /// Plans `trace` with the core planner (`compile::plan`: memory-aware schedule, views,
     /// in-place results, best-fit reuse, each node's recipe scratch planned as part of its
     /// scratch range: [`Program::plan_options`]) and prepares the trace as planned (its node
     /// order may differ).
     pub fn planned(dev: Arc<Device>, trace: &Trace, opts: &PlanOptions) -> Result<Program> {
-        let planned = rumble_core::plan::plan(trace, &Self::plan_options(&dev, opts))?;
+        let opts = CompileOptions { plan: Self::plan_options(&dev, opts), ..Default::default() };
+        let planned = rumble_core::compile::plan(trace, &opts)?;
         Self::new(dev, planned.trace, planned.plan)
     }
 
