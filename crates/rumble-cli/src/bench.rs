@@ -49,6 +49,11 @@ pub struct BenchArgs {
     /// events around every launch) and print where the time goes: by op and the slowest nodes.
     #[arg(long)]
     pub profile: bool,
+    /// The memory policy of the compiled step: bytes (`12GB`), `auto` (the device's free
+    /// memory less a margin), `min` (the smallest peak) or `fastest` (the default); see
+    /// `rumble plan --memory-budget`.
+    #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
+    pub memory_budget: rumble_core::compile::Budget,
 }
 
 /// One timed step: micro-batches in, loss out.
@@ -94,7 +99,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         return profile(&a, &r.name, &r.config, &sc, weights);
     }
     // The trace goes through the passes once (`optimize`); the CUDA executor compiles the rest.
-    let opts = CompileOptions::default();
+    let opts = CompileOptions { budget: a.memory_budget, ..Default::default() };
     let exec_opts = CompileOptions { passes: false, ..opts.clone() };
     for mode in executors(device, a.executor.as_deref())? {
         let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
@@ -171,6 +176,11 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
             ] {
                 line[k] = json!(v);
             }
+            if let Some(ms) = s.predicted_step_ms {
+                line["predicted_step_ms"] = json!(round3(ms));
+                line["chosen"] = json!(s.chosen);
+                line["memory_budget"] = json!(a.memory_budget.to_string());
+            }
         }
         if !a.json {
             eprintln!(
@@ -197,8 +207,10 @@ fn profile(
     if let Some(why) = cuda_unavailable() {
         return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why });
     }
-    let (trace, _) = optimize(&build_train_step(config, sc)?.trace, &CompileOptions::default())?;
-    let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Planned)?;
+    let opts = CompileOptions { budget: a.memory_budget, ..Default::default() };
+    let (trace, _) = optimize(&build_train_step(config, sc)?.trace, &opts)?;
+    let opts = CompileOptions { passes: false, ..opts };
+    let mut exec = CudaExecutor::with_options(trace, weights.tensors.clone(), CudaMode::Planned, &opts)?;
     let causal = sc.objective == Objective::CausalLm;
     let mut rng = Rng::for_name(a.seed, "bench");
     let mut times = Vec::new();

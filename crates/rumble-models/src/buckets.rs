@@ -402,6 +402,8 @@ impl Executor for BucketedExecutor {
             persistent_bytes: big.persistent_bytes,
             plan_peak_bytes: reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
             build_secs: *build_secs,
+            predicted_step_ms: big.predicted_ms,
+            chosen: big.chosen.clone(),
         })
     }
 

@@ -183,6 +183,8 @@ impl Executor for CudaExecutor {
             persistent_bytes: self.report.persistent_bytes,
             plan_peak_bytes: self.report.peak_bytes,
             build_secs: self.build_secs,
+            predicted_step_ms: self.report.predicted_ms,
+            chosen: self.report.chosen.clone(),
         })
     }
 }

@@ -93,6 +93,10 @@ pub struct ExecStats {
     pub plan_peak_bytes: usize,
     /// Seconds spent planning, compiling kernels and capturing graphs.
     pub build_secs: f64,
+    /// The cost model's predicted milliseconds of a step (`compile::compile`), if priced.
+    pub predicted_step_ms: Option<f64>,
+    /// What `compile` chose (the loss's chunk rows, recomputation), empty if nothing.
+    pub chosen: String,
 }
 
 /// Why CUDA cannot be used on this machine, or `None` when it can.

@@ -35,6 +35,7 @@ mod planned;
 use std::sync::Arc;
 
 use rumble_core::compile::CompileOptions;
+use rumble_core::cost::{Cost, DeviceRates, Measured, Roofline};
 use rumble_core::cpu::HostTensor;
 use rumble_core::ir::{InputRole, OutputRole, Trace, ValueId, verify};
 use rumble_core::plan::{BackendScratch, MemoryPlan, PlanOptions, Region};
@@ -123,9 +124,26 @@ impl Program {
     }
 
     /// `base` made for `dev`: each node's recipe scratch planned with the node
-    /// ([`Program::plan_options`]).
+    /// ([`Program::plan_options`]), the device's free memory (for `Budget::Auto`), and, unless
+    /// `base` has one, a cost model of the times measured on this device (in the kernel cache
+    /// folder; the matmul tuner records them) over an H200's roofline with this device's
+    /// multiprocessors.
     pub fn compile_options(dev: &Arc<Device>, base: &CompileOptions) -> Result<CompileOptions> {
-        Ok(CompileOptions { plan: Self::plan_options(dev, &base.plan), ..base.clone() })
+        let cost = base.cost.clone().or_else(|| {
+            let rates =
+                DeviceRates { name: dev.name.clone(), multiprocessors: dev.multiprocessors, ..DeviceRates::h200() };
+            let m: Cost = match crate::compile::cache_dir() {
+                Some(dir) => Arc::new(Measured::load(&dir, rates)),
+                None => Arc::new(Roofline::new(rates)),
+            };
+            Some(m)
+        });
+        Ok(CompileOptions {
+            plan: Self::plan_options(dev, &base.plan),
+            free_bytes: base.free_bytes.or(Some(dev.mem_info()?.0)),
+            cost,
+            ..base.clone()
+        })
     }
 
     /// Plans `trace` with `planner(trace, workspace_bytes)` (e.g. `plan_in_order`, or
