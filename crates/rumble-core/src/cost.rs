@@ -325,7 +325,7 @@ impl Measured {
 impl CostModel for Measured {
     fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
         if let Some(s) = self.get(&node_key(op, args, outs)) {
-            return s;
+            return s + self.roofline.rates.launch;
         }
         self.roofline.node_seconds_with(op, args, outs, &|s| {
             self.get(&matmul_key(s)).map_or_else(|| self.roofline.matmul_seconds(s), |t| t + self.roofline.rates.launch)

@@ -120,10 +120,21 @@ impl CudaExecutor {
     }
 
     /// One step timed launch by launch (device events around each kernel or matmul): `None` unless the
-    /// executor launches node by node (planned). Launch gaps are not counted, so the sum is
+    /// executor launches node by node (planned). Each node's time is recorded for the cost model
+    /// (`Program::record_times`). Launch gaps are not counted, so the sum is
     /// the device time a graph replay cannot hide.
     pub fn profile(&mut self, data: &[HostTensor]) -> Result<Option<Vec<NodeTime>>> {
         let Some(times) = self.inner.step_profiled(data)? else { return Ok(None) };
+        // Each node's launches summed, recorded for the cost model (a cache that cannot be
+        // written only loses the measurements).
+        let mut per_node: Vec<(usize, f64)> = Vec::new();
+        for &(n, _, ms) in &times {
+            match per_node.last_mut() {
+                Some((m, s)) if *m == n => *s += ms / 1e3,
+                _ => per_node.push((n, ms / 1e3)),
+            }
+        }
+        let _ = self.prog.record_times(&per_node);
         let t = &self.prog.trace;
         Ok(Some(
             times

@@ -146,6 +146,32 @@ impl Program {
         })
     }
 
+    /// Records measured device seconds of whole nodes (`(node, seconds)`, as `--profile` times
+    /// them) for the cost model, keyed by `cost::node_key`, in the kernel cache folder. The
+    /// fused loss is left out: its variants (chunk rows) are weighed against each other, so it
+    /// is priced from its matmuls' measured times, never half measured and half estimated.
+    pub fn record_times(&self, times: &[(usize, f64)]) -> std::io::Result<()> {
+        let Some(dir) = crate::compile::cache_dir() else { return Ok(()) };
+        let t = &self.trace;
+        let lines: Vec<(String, f64)> = times
+            .iter()
+            .filter_map(|&(n, s)| {
+                let node = t.nodes.get(n)?;
+                if matches!(
+                    node.op,
+                    rumble_core::ir::Op::LinearCrossEntropy { .. }
+                        | rumble_core::ir::Op::LinearCrossEntropyBackward { .. }
+                ) {
+                    return None;
+                }
+                let at: Vec<_> = node.args.iter().map(|a| t.ty(*a)).collect();
+                let ot: Vec<_> = node.outs.iter().map(|o| t.ty(*o)).collect();
+                Some((rumble_core::cost::node_key(&node.op, &at, &ot), s))
+            })
+            .collect();
+        rumble_core::cost::record(&dir, &self.dev.name, &lines)
+    }
+
     /// Plans `trace` with `planner(trace, workspace_bytes)` (e.g. `plan_in_order`, or
     /// `|t, ws| Ok(plan_naive(t, ws))`) and prepares it. The scratch is then one whole-step
     /// workspace of the most any node needs; [`Program::planned`] plans it per node instead.
