@@ -65,6 +65,10 @@ pub struct TrainArgs {
     /// smallest bucket that holds it (padded targets are ignored by the loss). Replaces --seq.
     #[arg(long, value_name = "SEQ,SEQ,...")]
     pub buckets: Option<String>,
+    /// The memory policy of the compiled step: bytes (`12GB`), `auto`, `min` or `fastest`
+    /// (the default); see `rumble plan --memory-budget`.
+    #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
+    pub memory_budget: rumble_core::compile::Budget,
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -102,9 +106,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         Some(list) => Some(Buckets::seqs(r.step.batch, list)?),
         None => None,
     };
+    let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
-        Some(b) => Trainer::with_buckets(cfg.clone(), r.step.clone(), b.clone(), weights, schedule, device)?,
-        None => Trainer::new(cfg.clone(), r.step.clone(), weights, schedule, device)?,
+        Some(b) => {
+            Trainer::with_buckets_options(cfg.clone(), r.step.clone(), b.clone(), weights, schedule, device, &opts)?
+        }
+        None => Trainer::with_options(cfg.clone(), r.step.clone(), weights, schedule, device, &opts)?,
     };
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();

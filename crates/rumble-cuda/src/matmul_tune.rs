@@ -12,7 +12,8 @@
 //!
 //! Choices are remembered in `matmul-<gpu>-<cublasLt version>.txt` in the kernel cache folder
 //! (`RUMBLE_CUDA_CACHE`), one `key<TAB>index` line each, so every later process on the machine
-//! runs the same algorithm and gets the same bits.
+//! runs the same algorithm and gets the same bits. The chosen algorithm's time is recorded for
+//! the cost model (`rumble_core::cost::record`, keyed by `cost::matmul_key`) in the same folder.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -58,7 +59,23 @@ pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Ca
     let pick = match time_all(dev, key, plan, cands) {
         Ok(times) => {
             let ws: Vec<usize> = cands.iter().map(|c| c.workspace).collect();
-            smallest_near(&times, &ws, best(&times))
+            let pick = smallest_near(&times, &ws, best(&times));
+            if let (Some(ms), Some(dir)) = (times.get(pick).copied().flatten(), dev.knobs().cache) {
+                let shape = rumble_core::cost::MatmulShape {
+                    dtype: key.dtype,
+                    out: key.out,
+                    ta: key.ta,
+                    tb: key.tb,
+                    batch: key.batch as usize,
+                    m: key.m as usize,
+                    n: key.n as usize,
+                    k: key.k as usize,
+                };
+                // A cache that cannot be written only loses the measurement.
+                let _ =
+                    rumble_core::cost::record(&dir, &dev.name, &[(rumble_core::cost::matmul_key(&shape), ms / 1e3)]);
+            }
+            pick
         }
         Err(_) => return 0,
     };

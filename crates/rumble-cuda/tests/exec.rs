@@ -225,7 +225,7 @@ fn fused_step_is_bit_identical_to_unfused() {
 fn planned_traces_keep_their_inputs() {
     let c = cfg(DType::F32);
     let trace = training_step(&c, Some(0.05));
-    let planned = rumble_core::plan::plan(&trace, &PlanOptions::default()).expect("plan");
+    let planned = rumble_core::compile::plan(&trace, &Default::default()).expect("plan");
     let names = |t: &rumble_core::Trace| t.inputs.iter().map(|i| (i.name.clone(), i.role)).collect::<Vec<_>>();
     assert_eq!(names(&planned.trace), names(&trace));
     let outs = |t: &rumble_core::Trace| t.outputs.iter().map(|o| o.name.clone()).collect::<Vec<_>>();

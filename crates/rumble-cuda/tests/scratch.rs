@@ -9,9 +9,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{gpu, init_params, step_inputs, training_step};
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{HostTensor, Rng};
 use rumble_core::ir::{DType, Op};
-use rumble_core::plan::{PlanOptions, check::check, plan};
+use rumble_core::plan::{PlanOptions, check::check};
 use rumble_core::testing::TinyLlama;
 use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
 
@@ -57,7 +58,9 @@ fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
         assert!(!with.is_empty(), "{dtype}: some node should need kernel scratch");
         // The same step with one whole-step workspace of the most any node needs.
         let ws = Program::workspace_bytes(&dev, &trace).expect("workspace");
-        let whole = plan(&trace, &PlanOptions { workspace_bytes: ws, ..Default::default() }).expect("plan");
+        let opts =
+            CompileOptions { plan: PlanOptions { workspace_bytes: ws, ..Default::default() }, ..Default::default() };
+        let whole = plan(&trace, &opts).expect("plan");
         println!(
             "{dtype}: {} nodes with kernel scratch ({with:?}); arena {} (LOAD {}) per node vs {} with a {ws}-byte \
              workspace",
