@@ -9,15 +9,15 @@ use std::time::Instant;
 
 use clap::Args;
 use rumble_core::Trace;
+use rumble_core::cpu::Rng;
 use rumble_core::passes;
 use rumble_models::exec::{CpuExecutor, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
-use rumble_models::rng::Rng;
 use rumble_models::{
-    Batch, CudaExecutor, CudaMode, DeviceChoice, ExecStats, Executor, LrSchedule, ModelError, Objective, PIPELINE,
+    Batch, CudaExecutor, CudaMode, DeviceChoice, DynExecutor, ExecStats, LrSchedule, ModelError, Objective, PIPELINE,
     Result, Trainer, Weights, build_train_step,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::common::ModelArgs;
 
@@ -94,7 +94,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         return profile(&a, &r.name, &r.config, &sc, weights);
     }
     for mode in executors(device, a.executor.as_deref())? {
-        let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
+        let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<DynExecutor>> {
             match mode {
                 None => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
                 Some(m) => Ok(Box::new(CudaExecutor::new(trace, persistent, m)?)),
@@ -126,7 +126,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                             data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
                         }
                     }
-                    let outs = exec.borrow_mut().run(&data)?;
+                    let outs = exec.borrow_mut().step(&data)?;
                     host::item(outs.first().ok_or_else(|| ModelError::Usage("the step returned no loss".into()))?)
                 }),
                 Box::new(move || e2.borrow().stats()),
@@ -156,17 +156,11 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
             "build_ms": round2(build_ms), "first_step_ms": round2(first_ms + build_ms), "median_step_ms": round2(median),
             "tokens_per_s": (tokens / median * 1e3).round(), "last_loss": loss,
         });
-        if let Some(s) = stats() {
-            for (k, v) in [
-                ("peak_allocated_bytes", s.peak_allocated_bytes),
-                ("device_used_bytes", s.device_used_bytes),
-                ("load_bytes", s.load_bytes),
-                ("arena_bytes", s.arena_bytes),
-                ("persistent_bytes", s.persistent_bytes),
-                ("plan_peak_bytes", s.plan_peak_bytes),
-            ] {
-                line[k] = json!(v);
-            }
+        // The executor's byte counts (peak_allocated_bytes, load_bytes, arena_bytes, ...).
+        if let (Some(s), Some(obj)) = (stats(), line.as_object_mut())
+            && let Ok(Value::Object(m)) = serde_json::to_value(s)
+        {
+            obj.extend(m);
         }
         if !a.json {
             eprintln!(

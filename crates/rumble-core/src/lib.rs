@@ -2,11 +2,13 @@
 //!
 //! In pipeline order: [`ir`] (traces, the builder, the text form, the verifier) ->
 //! [`autodiff`] (VJP rules, joint and split traces) -> [`passes`] (trace-to-trace rewrites) ->
-//! [`plan`] (lifetimes, one arena, LOAD) -> [`cpu`] (the reference backend and CPU executors).
+//! [`plan`] (lifetimes, one arena, LOAD) -> [`cpu`] (the reference backend) and [`exec`] (the
+//! one `Executor` trait every backend's executors implement).
 
 pub mod autodiff;
 pub mod cpu;
 pub mod error;
+pub mod exec;
 pub mod ir;
 pub mod passes;
 pub mod plan;

@@ -79,7 +79,7 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
     let step = build_train_step(&cfg, &step_config(b, t, true)).unwrap();
     let (trace, _) = passes::run(&step.trace, PIPELINE).unwrap();
     let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Graphed).unwrap();
-    let out = exec.run(&inputs[..2]).unwrap();
+    let out = exec.step(&inputs[..2]).unwrap();
     let what = format!("{name} (CUDA graphed)");
     check_step(&what, &step.trace, &reference, &out[0], |_, n| exec.output(n).unwrap(), rel, rel_grad);
 }

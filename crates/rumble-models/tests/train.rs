@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use rumble_models::rng::Rng;
+use rumble_core::cpu::Rng;
 use rumble_models::{Corpus, DeviceChoice, LrSchedule, ScheduleKind, StepConfig, Trainer, Weights, preset};
 
 #[test]
