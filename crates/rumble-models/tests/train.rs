@@ -1,5 +1,5 @@
 //! The tiny model learns: its loss on the shipped corpus falls well below where it starts
-//! within a few hundred CPU steps.
+//! within a hundred CPU steps (to 2.58 from 5.61; the bound is half the start).
 
 use std::path::Path;
 
@@ -10,7 +10,7 @@ use rumble_models::{Corpus, DeviceChoice, LrSchedule, ScheduleKind, StepConfig, 
 fn tiny_model_loss_falls_on_the_corpus() {
     let p = preset("tiny").unwrap();
     let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
-    let steps = 200;
+    let steps = 100;
     let sc = StepConfig {
         batch: 4,
         seq: 64,
