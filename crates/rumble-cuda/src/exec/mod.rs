@@ -44,10 +44,11 @@ use crate::launch::Recipe;
 use crate::recipe::prepare;
 
 pub use buckets::{BucketedGraphs, check_shared_layout};
-// The one executor trait and its figures live in rumble-core; every executor here implements it.
 pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;
+
+// The one executor trait and its figures live in rumble-core; every executor here implements it.
 pub use rumble_core::exec::{BucketStats, DeviceKind, Executor, MemoryStats};
 
 /// A trace ready to run on one device: its plan and every node's prepared launches.
