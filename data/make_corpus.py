@@ -51,33 +51,26 @@ def pick(xs):
     return rng.choice(xs)
 
 
+# One sentence template each; the random picks run left to right, as they read.
+TEMPLATES = [
+    lambda: f"{pick(TIMES)}, {pick(WEATHER)}.",
+    lambda: f"{cap(pick(PEOPLE))} {pick(VERBS_T)} {pick(THINGS)} near {pick(PLACES)}.",
+    lambda: f"{cap(pick(PEOPLE))} {pick(VERBS_I)}, and {pick(PEOPLE)} {pick(VERBS_I)}.",
+    lambda: f"The {pick(ADJ)} light fell across {pick(PLACES)}, and for a while nobody spoke.",
+    lambda: f"\"{pick(SAYINGS)},\" said {pick(NAMES)}.",
+    lambda: f"{cap(pick(PEOPLE))} was {pick(FEELINGS)}, though {pick(['he', 'she', 'they'])} could not say why.",
+    lambda: f"There were {rng.randrange(2, 12)} {pick(['boats', 'houses', 'lamps', 'sheep', 'letters', 'windows'])} "
+            f"by {pick(PLACES)}, and each of them was {pick(ADJ)}.",
+    lambda: f"{pick(TIMES)}, {pick(PEOPLE)} went down to {pick(PLACES)} with {pick(THINGS)}.",
+    lambda: f"\"Have you seen {pick(THINGS)}?\" asked {pick(NAMES)}. \"I left it by {pick(PLACES)}.\"",
+    lambda: f"Nobody in the town remembered who had {pick(VERBS_T)} {pick(THINGS)}, but everyone had a story about it.",
+    lambda: f"It was a {pick(ADJ)}, {pick(ADJ)} day, and {pick(WEATHER)}.",
+    lambda: f"{cap(pick(PEOPLE))} {pick(VERBS_I)} until {pick(WEATHER)}.",
+]
+
+
 def sentence():
-    k = rng.randrange(12)
-    if k == 0:
-        return f"{pick(TIMES)}, {pick(WEATHER)}."
-    if k == 1:
-        return f"{cap(pick(PEOPLE))} {pick(VERBS_T)} {pick(THINGS)} near {pick(PLACES)}."
-    if k == 2:
-        return f"{cap(pick(PEOPLE))} {pick(VERBS_I)}, and {pick(PEOPLE)} {pick(VERBS_I)}."
-    if k == 3:
-        return f"The {pick(ADJ)} light fell across {pick(PLACES)}, and for a while nobody spoke."
-    if k == 4:
-        return f"\"{pick(SAYINGS)},\" said {pick(NAMES)}."
-    if k == 5:
-        return f"{cap(pick(PEOPLE))} was {pick(FEELINGS)}, though {pick(['he', 'she', 'they'])} could not say why."
-    if k == 6:
-        n = rng.randrange(2, 12)
-        return f"There were {n} {pick(['boats', 'houses', 'lamps', 'sheep', 'letters', 'windows'])} by {pick(PLACES)}, " \
-               f"and each of them was {pick(ADJ)}."
-    if k == 7:
-        return f"{pick(TIMES)}, {pick(PEOPLE)} went down to {pick(PLACES)} with {pick(THINGS)}."
-    if k == 8:
-        return f"\"Have you seen {pick(THINGS)}?\" asked {pick(NAMES)}. \"I left it by {pick(PLACES)}.\""
-    if k == 9:
-        return f"Nobody in the town remembered who had {pick(VERBS_T)} {pick(THINGS)}, but everyone had a story about it."
-    if k == 10:
-        return f"It was a {pick(ADJ)}, {pick(ADJ)} day, and {pick(WEATHER)}."
-    return f"{cap(pick(PEOPLE))} {pick(VERBS_I)} until {pick(WEATHER)}."
+    return TEMPLATES[rng.randrange(len(TEMPLATES))]()
 
 
 def paragraph():

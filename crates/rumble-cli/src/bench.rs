@@ -10,14 +10,14 @@ use std::time::Instant;
 use clap::Args;
 use rumble_core::Trace;
 use rumble_core::compile::{CompileOptions, optimize};
+use rumble_core::cpu::Rng;
 use rumble_models::exec::{CpuExecutor, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
-use rumble_models::rng::Rng;
 use rumble_models::{
-    Batch, CudaExecutor, CudaMode, DeviceChoice, ExecStats, Executor, LrSchedule, ModelError, Objective, Result,
+    Batch, CudaExecutor, CudaMode, DeviceChoice, DynExecutor, ExecStats, LrSchedule, ModelError, Objective, Result,
     Trainer, Weights, build_train_step,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::common::{ModelArgs, Resolved};
 use crate::suite::SuiteArgs;
@@ -113,7 +113,7 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
     let opts = CompileOptions { budget: a.memory_budget, ..Default::default() };
     let exec_opts = CompileOptions { passes: false, ..opts.clone() };
     for mode in executors(device, a.executor.as_deref())? {
-        let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
+        let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<DynExecutor>> {
             match mode {
                 None => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
                 Some(m) => Ok(Box::new(CudaExecutor::with_options(trace, persistent, m, &exec_opts)?)),
@@ -146,7 +146,7 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
                             data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
                         }
                     }
-                    let outs = exec.borrow_mut().run(&data)?;
+                    let outs = exec.borrow_mut().step(&data)?;
                     host::item(outs.first().ok_or_else(|| ModelError::Usage("the step returned no loss".into()))?)
                 }),
                 Box::new(move || e2.borrow().stats()),
@@ -176,16 +176,11 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
             "build_ms": round2(build_ms), "first_step_ms": round2(first_ms + build_ms), "median_step_ms": round2(median),
             "tokens_per_s": (tokens / median * 1e3).round(), "last_loss": loss,
         });
+        // The executor's byte counts (peak_allocated_bytes, load_bytes, arena_bytes, ...), and
+        // what compile chose under the memory budget, if priced.
         if let Some(s) = stats() {
-            for (k, v) in [
-                ("peak_allocated_bytes", s.peak_allocated_bytes),
-                ("device_used_bytes", s.device_used_bytes),
-                ("load_bytes", s.load_bytes),
-                ("arena_bytes", s.arena_bytes),
-                ("persistent_bytes", s.persistent_bytes),
-                ("plan_peak_bytes", s.plan_peak_bytes),
-            ] {
-                line[k] = json!(v);
+            if let (Some(obj), Ok(Value::Object(m))) = (line.as_object_mut(), serde_json::to_value(&s)) {
+                obj.extend(m);
             }
             if let Some(ms) = s.predicted_step_ms {
                 line["predicted_step_ms"] = json!(round3(ms));

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use rumble_models::rng::Rng;
+use rumble_core::cpu::Rng;
 use rumble_models::{Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Result, ScheduleKind, Trainer, Weights};
 use serde_json::json;
 

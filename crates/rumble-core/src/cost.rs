@@ -128,7 +128,9 @@ pub fn node_key(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> String {
     if let Op::Fused(body) = op {
         // The body itself, by a hash of its instructions (FNV-1a).
         let text = format!("{:?}", body.body);
-        let h = text.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+        let mut h = fnv::FnvHasher::default();
+        std::hash::Hasher::write(&mut h, text.as_bytes());
+        let h = std::hash::Hasher::finish(&h);
         attrs.push(format!(" body={h:016x}"));
     }
     format!("{}{} ({}) -> ({})", op.name(), attrs.concat(), j(args), j(outs))

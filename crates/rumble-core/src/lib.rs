@@ -4,13 +4,14 @@
 //! [`autodiff`] (VJP rules, joint and split traces) -> [`passes`] (trace-to-trace rewrites) ->
 //! [`plan`] (lifetimes, one arena, LOAD) -> [`cost`] (predicted node times) -> [`compile`]
 //! (the one entry point running passes, choices and the planner) -> [`cpu`] (the reference
-//! backend and CPU executors).
+//! backend) and [`exec`] (the one `Executor` trait every backend's executors implement).
 
 pub mod autodiff;
 pub mod compile;
 pub mod cost;
 pub mod cpu;
 pub mod error;
+pub mod exec;
 pub mod ir;
 pub mod passes;
 pub mod plan;

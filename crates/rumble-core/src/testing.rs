@@ -6,7 +6,19 @@ mod train;
 pub use train::Optimizer;
 
 use crate::Result;
-use crate::ir::{DType, Graph, Tensor};
+use crate::cpu::{HostTensor, Rng};
+use crate::ir::{DType, Graph, Tensor, Trace};
+
+/// Random values for every input of `trace`, in trace order: integer inputs (token ids,
+/// targets) uniform below `vocab`, floating ones normal with standard deviation `std`.
+pub fn random_inputs(trace: &Trace, vocab: u64, std: f64, rng: &mut Rng) -> Vec<HostTensor> {
+    let mut out = Vec::with_capacity(trace.inputs.len());
+    for i in &trace.inputs {
+        let ty = trace.ty(i.value).clone();
+        out.push(if ty.dtype.is_int() { HostTensor::randint(ty, vocab, rng) } else { HostTensor::randn(ty, std, rng) });
+    }
+    out
+}
 
 /// Proportions of a LLaMA-style decoder, small enough for CPU tests.
 #[derive(Clone, Debug)]

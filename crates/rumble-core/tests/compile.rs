@@ -23,7 +23,9 @@ struct Table {
 impl CostModel for Table {
     fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
         let k = node_key(op, args, outs);
-        let h = k.bytes().fold(0xcbf29ce484222325u64 ^ self.seed, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+        let mut h = fnv::FnvHasher::with_key(0xcbf29ce484222325 ^ self.seed);
+        std::hash::Hasher::write(&mut h, k.as_bytes());
+        let h = std::hash::Hasher::finish(&h);
         (h % 1000 + 1) as f64 * 1e-6
     }
     fn describe(&self) -> String {

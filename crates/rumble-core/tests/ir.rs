@@ -6,7 +6,7 @@ use rumble_core::ir::{
     DType, Graph, HeadLayout, InputRole, Node, Op, OutputRole, Tensor, TensorType, UnaryOp, ValueId, parse, verify,
 };
 use rumble_core::passes;
-use rumble_core::testing::TinyLlama;
+use rumble_core::testing::{TinyLlama, random_inputs};
 use rumble_core::{Trace, ValueId as V};
 
 fn llama_joint() -> (Trace, Trace) {
@@ -200,14 +200,7 @@ fn split_forward_then_backward_equals_joint() {
     assert!(!split.saved.is_empty() && split.saved_bytes > 0);
     assert!(split.forward.nodes.iter().all(|n| !n.op.name().ends_with("_backward")));
     let mut r = Rng::new(3);
-    let inputs: Vec<HostTensor> = joint
-        .inputs
-        .iter()
-        .map(|i| {
-            let ty = joint.ty(i.value).clone();
-            if ty.dtype.is_int() { HostTensor::randint(ty, 32, &mut r) } else { HostTensor::randn(ty, 0.3, &mut r) }
-        })
-        .collect();
+    let inputs = random_inputs(&joint, 32, 0.3, &mut r);
     let want = cpu::eval(&joint, &inputs).unwrap();
     let by_name = |t: &Trace, name: &str| t.inputs.iter().position(|i| i.name == name);
     let fwd_in: Vec<HostTensor> =
@@ -261,14 +254,7 @@ fn fusion_keeps_results_and_round_trips() {
     let fused = passes::fuse(&joint).unwrap();
     assert!(fused.nodes.len() < joint.nodes.len());
     assert_eq!(parse(&fused.to_string()).unwrap(), fused);
-    let inputs: Vec<HostTensor> = joint
-        .inputs
-        .iter()
-        .map(|i| {
-            let ty = joint.ty(i.value).clone();
-            if ty.dtype.is_int() { HostTensor::randint(ty, 32, &mut r) } else { HostTensor::randn(ty, 0.3, &mut r) }
-        })
-        .collect();
+    let inputs = random_inputs(&joint, 32, 0.3, &mut r);
     assert_eq!(cpu::eval(&joint, &inputs).unwrap(), cpu::eval(&fused, &inputs).unwrap());
 }
 

@@ -8,7 +8,7 @@ use rumble_core::ir::{DType, InputRole, OutputRole, Phase, Trace, verify};
 use rumble_core::passes::remat::Remat;
 use rumble_core::plan::lifetimes::{LifetimeOptions, lifetimes};
 use rumble_core::plan::{Class, PlanOptions, check::check, plan_order};
-use rumble_core::testing::{Optimizer, TinyLlama};
+use rumble_core::testing::{Optimizer, TinyLlama, random_inputs};
 
 /// Small but with LLaMA's proportions: MLP about 2.7x the width, grouped-query heads.
 fn proportioned(layers: usize, dtype: DType) -> TinyLlama {
@@ -138,25 +138,17 @@ fn remat_budget_reports_fit_and_cost() {
     assert!(p.report.to_json().contains("\"fits_budget\":false"));
 }
 
-/// Random inputs for `trace` (ids within the vocabulary, floats ~ N(0, 0.5)).
+/// Random inputs for `trace` (ids within the vocabulary, floats ~ N(0, 0.5), second moments
+/// the squares of such).
 fn inputs(trace: &Trace, vocab: u64, seed: u64) -> Vec<HostTensor> {
-    let mut rng = Rng::new(seed);
-    trace
-        .inputs
-        .iter()
-        .map(|i| {
-            let ty = trace.ty(i.value).clone();
-            if ty.dtype.is_int() {
-                HostTensor::randint(ty, vocab, &mut rng)
-            } else if i.role == InputRole::OptState && i.name.ends_with("exp_avg_sq") {
-                let t = HostTensor::randn(ty.clone(), 0.1, &mut rng);
-                let sq: Vec<f64> = t.to_f64().iter().map(|x| x * x).collect();
-                HostTensor::from_f64(ty.dtype, ty.dims(), &sq).unwrap()
-            } else {
-                HostTensor::randn(ty, 0.5, &mut rng)
-            }
-        })
-        .collect()
+    let mut v = random_inputs(trace, vocab, 0.5, &mut Rng::new(seed));
+    for (t, i) in v.iter_mut().zip(&trace.inputs) {
+        if i.role == InputRole::OptState && i.name.ends_with("exp_avg_sq") {
+            let sq: Vec<f64> = t.to_f64().iter().map(|x| x * x).collect();
+            *t = HostTensor::from_f64(t.ty.dtype, t.ty.dims(), &sq).unwrap();
+        }
+    }
+    v
 }
 
 /// Three steps with the arena executor and with `cpu::eval`; every output, every step, and

@@ -39,15 +39,7 @@ fn matmul_nodes(t: &Trace) -> Vec<usize> {
 }
 
 fn random_inputs(trace: &Trace, seed: u64) -> Vec<HostTensor> {
-    let mut rng = Rng::new(seed);
-    trace
-        .inputs
-        .iter()
-        .map(|i| {
-            let ty = trace.ty(i.value).clone();
-            if ty.dtype.is_int() { HostTensor::randint(ty, 32, &mut rng) } else { HostTensor::randn(ty, 0.5, &mut rng) }
-        })
-        .collect()
+    rumble_core::testing::random_inputs(trace, 32, 0.5, &mut Rng::new(seed))
 }
 
 /// The arena executor (every node's scratch filled with garbage before it runs) gives

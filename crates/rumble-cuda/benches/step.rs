@@ -54,7 +54,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn time(ex: &mut dyn Executor, trace: &rumble_core::Trace, vocab: u64, steps: usize) -> (f64, f32) {
+fn time(
+    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
+    trace: &rumble_core::Trace,
+    vocab: u64,
+    steps: usize,
+) -> (f64, f32) {
     let mut rng = Rng::new(5);
     let inputs: Vec<_> = (0..4).map(|_| common::step_inputs(trace, vocab, &mut rng)).collect();
     for i in 0..3 {

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::hash::Hasher;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys};
@@ -65,18 +66,15 @@ pub struct Options {
     pub fmad: bool,
 }
 
-/// FNV-1a: a stable 64-bit hash for cache keys (stable across builds, unlike std's hasher).
+/// FNV-1a of `parts`, each ended by a 0xff byte: a 64-bit hash for cache keys that is stable
+/// across builds, unlike std's hasher.
 pub fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
+    let mut h = fnv::FnvHasher::default();
     for p in parts {
-        for b in *p {
-            h ^= *b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-        h ^= 0xff;
-        h = h.wrapping_mul(0x100000001b3);
+        h.write(p);
+        h.write_u8(0xff);
     }
-    h
+    h.finish()
 }
 
 fn nvrtc_version() -> (i32, i32) {

@@ -32,11 +32,11 @@ fn programs(dev: &Arc<Device>, dtype: DType, lr: Option<f64>) -> Vec<Arc<Program
 }
 
 /// Every output of the last step, by trace order.
-fn outputs(ex: &dyn Executor, prog: &Program) -> Vec<HostTensor> {
+fn outputs(ex: &dyn Executor<Error = rumble_cuda::CudaError>, prog: &Program) -> Vec<HostTensor> {
     prog.trace.outputs.iter().map(|o| ex.output(&o.name).expect("output")).collect()
 }
 
-fn persistent(ex: &dyn Executor, prog: &Program) -> Vec<HostTensor> {
+fn persistent(ex: &dyn Executor<Error = rumble_cuda::CudaError>, prog: &Program) -> Vec<HostTensor> {
     prog.trace
         .inputs
         .iter()
@@ -126,16 +126,16 @@ fn one_arena_for_all_buckets_and_one_capture_each() {
     let pers = progs[0].plan.persistent_bytes;
     let mut b = BucketedGraphs::new(progs.clone(), &params, GraphMode::Whole).expect("bucketed");
     // Nothing captured before a bucket's first step.
-    assert!(b.stats().iter().all(|s| s.captures == 0 && s.steps == 0));
+    assert!(b.buckets().iter().all(|s| s.captures == 0 && s.steps == 0));
     assert_eq!(b.device_bytes(), (max_arena, pers));
     let mut rng = Rng::new(9);
     b.step(&step_inputs(&progs[0].trace, 96, &mut rng)).expect("step");
-    let s = b.stats();
+    let s = b.buckets();
     assert_eq!((s[0].captures, s[1].captures), (1, 0), "bucket 1 captured before its first step");
     for &k in &ORDER {
         b.step(&step_inputs(&progs[k].trace, 96, &mut rng)).expect("step");
     }
-    let s = b.stats();
+    let s = b.buckets();
     for (k, st) in s.iter().enumerate() {
         assert_eq!(st.captures, 1, "bucket {k} captured {} times", st.captures);
         assert!(st.capture_secs > 0.0);

@@ -23,7 +23,7 @@ fn cfg(dtype: DType) -> TinyLlama {
 /// Runs `steps` steps; returns each step's loss bytes and, at the end, every output and
 /// persistent input.
 fn train(
-    ex: &mut dyn Executor,
+    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
     trace: &rumble_core::Trace,
     steps: usize,
     vocab: u64,
@@ -66,7 +66,7 @@ fn executors_agree_bit_for_bit_over_100_steps() {
             } else {
                 reference = Some((l_e.clone(), f_e.clone()));
             }
-            let mut runs: Vec<(&str, Box<dyn Executor>)> = vec![
+            let mut runs: Vec<(&str, Box<dyn Executor<Error = rumble_cuda::CudaError>>)> = vec![
                 ("planned", Box::new(PlannedExecutor::new(prog.clone(), &params).expect("planned"))),
                 (
                     "graphed-whole",

@@ -23,7 +23,7 @@ fn cfg(dtype: DType) -> TinyLlama {
 
 /// Each step's loss bytes, then every output and persistent input after the last step.
 fn train(
-    ex: &mut dyn Executor,
+    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
     trace: &rumble_core::Trace,
     steps: usize,
     vocab: u64,

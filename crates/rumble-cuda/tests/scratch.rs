@@ -21,7 +21,12 @@ fn cfg(dtype: DType) -> TinyLlama {
 }
 
 /// Each step's returned outputs, then every output and persistent input after the last.
-fn run(ex: &mut dyn Executor, prog: &Program, steps: usize, vocab: u64) -> Vec<HostTensor> {
+fn run(
+    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
+    prog: &Program,
+    steps: usize,
+    vocab: u64,
+) -> Vec<HostTensor> {
     let mut rng = Rng::new(5);
     let mut all = Vec::new();
     for _ in 0..steps {
@@ -78,7 +83,9 @@ fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
         let mut planned = PlannedExecutor::new(prog.clone(), &params).expect("planned");
         planned.poison(0xFF).expect("poison");
         let mut graphed = GraphedExecutor::new(prog.clone(), &params, GraphMode::Whole).expect("graphed");
-        for (name, ex) in [("planned", &mut planned as &mut dyn Executor), ("graphed", &mut graphed)] {
+        for (name, ex) in
+            [("planned", &mut planned as &mut dyn Executor<Error = rumble_cuda::CudaError>), ("graphed", &mut graphed)]
+        {
             let got = run(ex, &prog, steps, c.vocab as u64);
             assert_eq!(got.len(), want.len());
             for (k, (a, b)) in got.iter().zip(&want).enumerate() {

@@ -1,4 +1,4 @@
-//! Shape buckets: training on batches whose sequence length (or batch size) changes, with one
+//! BucketShape buckets: training on batches whose sequence length (or batch size) changes, with one
 //! compiled step per bucket shape instead of one per batch shape.
 //!
 //! A batch of `(b, t)` runs in the smallest bucket `(B, T)` with `b <= B` and `t <= T`. Its
@@ -28,7 +28,9 @@ use rumble_cuda::{BucketedGraphs, GraphMode, Program};
 
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{Device, ExecStats, Executor, HostTensor, check_type};
+use rumble_core::exec::{BucketStats, DeviceKind, ExecStats, Executor, MemoryStats};
+
+use crate::exec::{HostTensor, check_type};
 use crate::model::IGNORE_INDEX;
 
 /// The token id written into padded positions (any id in the vocabulary: its loss is ignored).
@@ -36,12 +38,12 @@ pub const PAD_TOKEN: i64 = 0;
 
 /// A batch shape: sequences and tokens per sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Shape {
+pub struct BucketShape {
     pub batch: usize,
     pub seq: usize,
 }
 
-impl fmt::Display for Shape {
+impl fmt::Display for BucketShape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "({}, {})", self.batch, self.seq)
     }
@@ -50,11 +52,11 @@ impl fmt::Display for Shape {
 /// The bucket shapes, smallest first (by tokens, then sequence length).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Buckets {
-    shapes: Vec<Shape>,
+    shapes: Vec<BucketShape>,
 }
 
 impl Buckets {
-    pub fn new(mut shapes: Vec<Shape>) -> Result<Buckets> {
+    pub fn new(mut shapes: Vec<BucketShape>) -> Result<Buckets> {
         if shapes.is_empty() {
             return Err(ModelError::Usage("shape buckets: none given".into()));
         }
@@ -78,16 +80,16 @@ impl Buckets {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Buckets::new(seqs.into_iter().map(|seq| Shape { batch, seq }).collect())
+        Buckets::new(seqs.into_iter().map(|seq| BucketShape { batch, seq }).collect())
     }
 
-    pub fn shapes(&self) -> &[Shape] {
+    pub fn shapes(&self) -> &[BucketShape] {
         &self.shapes
     }
 
     /// The most sequences and the longest sequence of any bucket.
-    pub fn max(&self) -> Shape {
-        Shape {
+    pub fn max(&self) -> BucketShape {
+        BucketShape {
             batch: self.shapes.iter().map(|s| s.batch).max().unwrap_or(0),
             seq: self.shapes.iter().map(|s| s.seq).max().unwrap_or(0),
         }
@@ -110,14 +112,14 @@ impl Buckets {
 
 /// `b` padded to `to`: tokens by [`PAD_TOKEN`], targets by [`IGNORE_INDEX`], at the end of
 /// each row and in whole extra rows.
-pub fn pad_batch(b: &Batch, to: Shape) -> Result<Batch> {
+pub fn pad_batch(b: &Batch, to: BucketShape) -> Result<Batch> {
     let tokens = pad_rows(&b.tokens, b.batch, b.seq, to, PAD_TOKEN, "tokens")?;
     let targets = pad_rows(&b.targets, b.batch, b.seq, to, IGNORE_INDEX, "targets")?;
     Ok(Batch { batch: to.batch, seq: to.seq, tokens, targets })
 }
 
 /// Row-major `(batch, seq)` values padded with `fill` to `(to.batch, to.seq)`.
-fn pad_rows(v: &[i64], batch: usize, seq: usize, to: Shape, fill: i64, what: &str) -> Result<Vec<i64>> {
+fn pad_rows(v: &[i64], batch: usize, seq: usize, to: BucketShape, fill: i64, what: &str) -> Result<Vec<i64>> {
     if v.len() != batch * seq || batch > to.batch || seq > to.seq {
         return Err(ModelError::Usage(format!(
             "cannot pad {what} of {} values as ({batch}, {seq}) to the bucket {to}",
@@ -155,11 +157,11 @@ pub fn pad_data(buckets: &Buckets, names: &[String], data: &[HostTensor]) -> Res
     if names.len() != data.len() {
         return Err(ModelError::Usage(format!("the step takes {} data inputs, got {}", names.len(), data.len())));
     }
-    let mut shape: Option<Shape> = None;
+    let mut shape: Option<BucketShape> = None;
     for (n, t) in names.iter().zip(data) {
         if kind(n) == DataKind::Tokens {
             let s = match t.ty.dims() {
-                [b, s] if t.ty.dtype == DType::I64 => Shape { batch: *b, seq: *s },
+                [b, s] if t.ty.dtype == DType::I64 => BucketShape { batch: *b, seq: *s },
                 _ => return Err(ModelError::Usage(format!("input `{n}` must be i64 [batch, seq], got {}", t.ty))),
             };
             if shape.is_some_and(|x| x != s) {
@@ -193,10 +195,10 @@ pub fn pad_data(buckets: &Buckets, names: &[String], data: &[HostTensor]) -> Res
     Ok((k, out))
 }
 
-/// What one bucket has done.
+/// A bucket's shape and what it has done (from the executor's [`BucketStats`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BucketReport {
-    pub shape: Shape,
+    pub shape: BucketShape,
     pub steps: usize,
     /// Times its CUDA graphs were captured (1 after its first step; 0 on the CPU).
     pub captures: usize,
@@ -205,9 +207,31 @@ pub struct BucketReport {
     pub arena_bytes: usize,
 }
 
+impl BucketReport {
+    pub fn new(shape: BucketShape, s: &BucketStats) -> BucketReport {
+        BucketReport {
+            shape,
+            steps: s.steps,
+            captures: s.captures,
+            capture_secs: s.capture_secs,
+            arena_bytes: s.arena_bytes,
+        }
+    }
+}
+
 enum Backend {
-    Cpu { traces: Vec<Trace>, state: HashMap<String, HostTensor>, steps: Vec<usize> },
-    Cuda { graphs: Box<BucketedGraphs>, reports: Vec<PlanReport>, build_secs: f64 },
+    /// `last`: the last step's bucket and every output of it.
+    Cpu {
+        traces: Vec<Trace>,
+        state: HashMap<String, HostTensor>,
+        steps: Vec<usize>,
+        last: Option<(usize, Vec<HostTensor>)>,
+    },
+    Cuda {
+        graphs: Box<BucketedGraphs>,
+        reports: Vec<PlanReport>,
+        build_secs: f64,
+    },
 }
 
 /// One step trace per bucket, one set of persistent values; see the module doc.
@@ -223,13 +247,13 @@ pub struct BucketedExecutor {
 impl BucketedExecutor {
     /// `traces[i]` is the step for `buckets.shapes()[i]` (already through
     /// `compile::PIPELINE`); `persistent` holds the starting parameters and optimizer states by
-    /// name. `Device::Cuda` plans and compiles every trace (capturing later, on each bucket's
-    /// first step).
+    /// name. `DeviceKind::Cuda` plans and compiles every trace (capturing later, on each
+    /// bucket's first step).
     pub fn new(
         buckets: Buckets,
         traces: Vec<Trace>,
         persistent: Vec<(String, HostTensor)>,
-        device: Device,
+        device: DeviceKind,
     ) -> Result<BucketedExecutor> {
         Self::with_options(buckets, traces, persistent, device, &CompileOptions { passes: false, ..Default::default() })
     }
@@ -240,7 +264,7 @@ impl BucketedExecutor {
         buckets: Buckets,
         traces: Vec<Trace>,
         persistent: Vec<(String, HostTensor)>,
-        device: Device,
+        device: DeviceKind,
         opts: &CompileOptions,
     ) -> Result<BucketedExecutor> {
         let t0 = Instant::now();
@@ -301,11 +325,11 @@ impl BucketedExecutor {
             return Err(ModelError::Usage(format!("trace `{}` has no input `{name}`", traces[0].name)));
         }
         let backend = match device {
-            Device::Cpu => {
+            DeviceKind::Cpu => {
                 let traces = traces.iter().map(|t| Ok(optimize(t, opts)?.0)).collect::<Result<Vec<_>>>()?;
-                Backend::Cpu { steps: vec![0; traces.len()], traces, state }
+                Backend::Cpu { steps: vec![0; traces.len()], traces, state, last: None }
             }
-            Device::Cuda => {
+            DeviceKind::Cuda => {
                 let dev = rumble_cuda::Device::new(0)?;
                 let (mut progs, mut reports) = (Vec::new(), Vec::new());
                 let opts = Program::compile_options(&dev, opts)?;
@@ -323,25 +347,27 @@ impl BucketedExecutor {
     }
 
     /// The bucket shapes, smallest first.
-    pub fn shapes(&self) -> &[Shape] {
+    pub fn shapes(&self) -> &[BucketShape] {
         self.buckets.shapes()
     }
 }
 
 impl Executor for BucketedExecutor {
-    fn device(&self) -> Device {
+    type Error = ModelError;
+
+    fn device(&self) -> DeviceKind {
         match self.backend {
-            Backend::Cpu { .. } => Device::Cpu,
-            Backend::Cuda { .. } => Device::Cuda,
+            Backend::Cpu { .. } => DeviceKind::Cpu,
+            Backend::Cuda { .. } => DeviceKind::Cuda,
         }
     }
 
     /// `data` is unpadded (any shape some bucket holds); it is padded to its bucket here.
-    fn run(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         let (k, padded) = pad_data(&self.buckets, &self.names, data)?;
         match &mut self.backend {
             Backend::Cuda { graphs, .. } => Ok(graphs.step_bucket(k, &padded)?),
-            Backend::Cpu { traces, state, steps } => {
+            Backend::Cpu { traces, state, steps, last } => {
                 let t = &traces[k];
                 let mut d = padded.into_iter();
                 let mut inputs = Vec::with_capacity(t.inputs.len());
@@ -357,42 +383,58 @@ impl Executor for BucketedExecutor {
                 }
                 let outs = rumble_core::cpu::eval(t, &inputs)?;
                 let mut plain = Vec::new();
-                for (o, v) in t.outputs.iter().zip(outs) {
+                for (o, v) in t.outputs.iter().zip(&outs) {
                     match o.role {
                         OutputRole::Update { of } => {
                             if let Some(inp) = t.inputs.iter().find(|i| i.value == of) {
-                                state.insert(inp.name.clone(), v);
+                                state.insert(inp.name.clone(), v.clone());
                             }
                         }
-                        OutputRole::Output => plain.push(v),
+                        OutputRole::Output => plain.push(v.clone()),
                         _ => {}
                     }
                 }
                 steps[k] += 1;
+                *last = Some((k, outs));
                 Ok(plain)
             }
         }
     }
 
-    fn persistent(&self) -> Result<Vec<(String, HostTensor)>> {
-        self.persistent_names
-            .iter()
-            .map(|n| {
-                let v = match &self.backend {
-                    Backend::Cpu { state, .. } => state
-                        .get(n)
-                        .cloned()
-                        .ok_or_else(|| ModelError::Usage(format!("bucketed executor lost `{n}`")))?,
-                    Backend::Cuda { graphs, .. } => rumble_cuda::Executor::persistent(graphs.as_ref(), n)?,
-                };
-                Ok((n.clone(), v))
-            })
-            .collect()
+    fn output(&self, name: &str) -> Result<HostTensor> {
+        match &self.backend {
+            Backend::Cuda { graphs, .. } => Ok(graphs.output(name)?),
+            Backend::Cpu { traces, last, .. } => last
+                .as_ref()
+                .and_then(|(k, outs)| traces[*k].outputs.iter().position(|o| o.name == name).map(|i| outs[i].clone()))
+                .ok_or_else(|| ModelError::Usage(format!("bucketed executor: no output `{name}` (or no step yet)"))),
+        }
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.persistent_names.clone()
+    }
+
+    fn persistent(&self, name: &str) -> Result<HostTensor> {
+        match &self.backend {
+            Backend::Cpu { state, .. } => state
+                .get(name)
+                .cloned()
+                .ok_or_else(|| ModelError::Usage(format!("bucketed executor has no param/opt_state `{name}`"))),
+            Backend::Cuda { graphs, .. } => Ok(graphs.persistent(name)?),
+        }
+    }
+
+    fn memory(&self) -> MemoryStats {
+        match &self.backend {
+            Backend::Cpu { .. } => MemoryStats::default(),
+            Backend::Cuda { graphs, .. } => graphs.memory(),
+        }
     }
 
     fn stats(&self) -> Option<ExecStats> {
-        let Backend::Cuda { graphs, reports, build_secs } = &self.backend else { return None };
-        let m = rumble_cuda::Executor::memory(graphs.as_ref());
+        let Backend::Cuda { reports, build_secs, .. } = &self.backend else { return None };
+        let m = self.memory();
         let big = reports.iter().max_by_key(|r| r.arena_bytes)?;
         Some(ExecStats {
             peak_allocated_bytes: m.peak_bytes,
@@ -407,28 +449,14 @@ impl Executor for BucketedExecutor {
         })
     }
 
-    fn buckets(&self) -> Vec<BucketReport> {
+    fn buckets(&self) -> Vec<BucketStats> {
         match &self.backend {
-            Backend::Cpu { steps, .. } => self
-                .buckets
-                .shapes
+            Backend::Cpu { traces, steps, .. } => traces
                 .iter()
                 .zip(steps)
-                .map(|(&shape, &steps)| BucketReport { shape, steps, captures: 0, capture_secs: 0.0, arena_bytes: 0 })
+                .map(|(t, &steps)| BucketStats { shape: t.name.clone(), steps, ..BucketStats::default() })
                 .collect(),
-            Backend::Cuda { graphs, .. } => self
-                .buckets
-                .shapes
-                .iter()
-                .zip(graphs.stats())
-                .map(|(&shape, s)| BucketReport {
-                    shape,
-                    steps: s.steps,
-                    captures: s.captures,
-                    capture_secs: s.capture_secs,
-                    arena_bytes: s.arena_bytes,
-                })
-                .collect(),
+            Backend::Cuda { graphs, .. } => graphs.buckets(),
         }
     }
 }

@@ -118,11 +118,6 @@ impl Config {
         s
     }
 
-    /// Number of parameter elements (tied embeddings counted once).
-    pub fn num_params(&self) -> usize {
-        crate::model::param_specs(self).iter().map(|p| p.ty.numel()).sum()
-    }
-
     /// Checks the relations between fields (also run on presets and hand-built configs).
     pub fn validate(&self, src: &str) -> Result<()> {
         let bad = |key: &str, msg: String| Err(ModelError::config(src, key, msg));

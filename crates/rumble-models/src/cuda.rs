@@ -1,4 +1,4 @@
-//! The CUDA executor behind the models' [`Executor`] trait: plans the trace with the core
+//! The CUDA executor behind the one [`Executor`] trait: plans the trace with the core
 //! planner (memory-aware schedule, in-place updates, one arena), compiles it for the GPU and
 //! runs it eagerly, op by op in the arena, or replayed as CUDA graphs.
 
@@ -8,11 +8,12 @@ use std::time::Instant;
 
 use rumble_core::Trace;
 use rumble_core::compile::{CompileOptions, compile};
+use rumble_core::cpu::HostTensor;
+use rumble_core::exec::{DeviceKind, ExecStats, Executor, MemoryStats};
 use rumble_core::plan::PlanReport;
-use rumble_cuda::{EagerExecutor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program};
+use rumble_cuda::{EagerExecutor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
 
 use crate::error::{ModelError, Result};
-use crate::exec::{Device, ExecStats, Executor, HostTensor};
 
 /// How the GPU runs the planned program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +43,7 @@ impl CudaMode {
 
 /// A training-step trace on the GPU.
 pub struct CudaExecutor {
-    inner: Box<dyn rumble_cuda::Executor>,
+    inner: Box<dyn Executor<Error = rumble_cuda::CudaError>>,
     prog: Arc<Program>,
     report: PlanReport,
     /// Seconds spent planning, compiling and capturing.
@@ -89,7 +90,7 @@ impl CudaExecutor {
         if let Some(name) = given.into_keys().next() {
             return Err(ModelError::Usage(format!("trace `{}` has no input `{name}`", prog.trace.name)));
         }
-        let inner: Box<dyn rumble_cuda::Executor> = match mode {
+        let inner: Box<dyn Executor<Error = rumble_cuda::CudaError>> = match mode {
             CudaMode::Eager => Box::new(EagerExecutor::new(prog.clone(), &values)?),
             CudaMode::Planned => Box::new(PlannedExecutor::new(prog.clone(), &values)?),
             CudaMode::Graphed => Box::new(GraphedExecutor::new(prog.clone(), &values, GraphMode::Whole)?),
@@ -98,16 +99,6 @@ impl CudaExecutor {
             }
         };
         Ok(CudaExecutor { inner, prog, report, build_secs: t0.elapsed().as_secs_f64() })
-    }
-
-    /// Memory the executor has held (peak, reserved, the device's own rise).
-    pub fn memory(&self) -> MemoryStats {
-        self.inner.memory()
-    }
-
-    /// Any trace output of the last step (a gradient, say), by name.
-    pub fn output(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.inner.output(name)?)
     }
 
     /// The planner's report on the program (LOAD, arena, classes).
@@ -165,23 +156,30 @@ pub struct NodeTime {
 }
 
 impl Executor for CudaExecutor {
-    fn device(&self) -> Device {
-        Device::Cuda
+    type Error = ModelError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cuda
     }
 
-    fn run(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         Ok(self.inner.step(data)?)
     }
 
-    fn persistent(&self) -> Result<Vec<(String, HostTensor)>> {
-        let (pers_idx, _) = self.prog.input_split();
-        pers_idx
-            .iter()
-            .map(|&i| {
-                let name = &self.prog.trace.inputs[i].name;
-                Ok((name.clone(), self.inner.persistent(name)?))
-            })
-            .collect()
+    fn output(&self, name: &str) -> Result<HostTensor> {
+        Ok(self.inner.output(name)?)
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.inner.persistent_names()
+    }
+
+    fn persistent(&self, name: &str) -> Result<HostTensor> {
+        Ok(self.inner.persistent(name)?)
+    }
+
+    fn memory(&self) -> MemoryStats {
+        self.inner.memory()
     }
 
     fn stats(&self) -> Option<ExecStats> {

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use crate::error::{ModelError, Result};
 use crate::model;
-use crate::rng::Rng;
+use rumble_core::cpu::Rng;
 
 /// One micro-batch: token ids `(B, T)` and targets `(B*T)`, row-major.
 #[derive(Clone, Debug, PartialEq)]

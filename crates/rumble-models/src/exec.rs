@@ -1,39 +1,22 @@
-//! Executors: what runs a training-step trace, step after step, on some device.
-//!
-//! An [`Executor`] is handed one trace and the starting values of its persistent inputs
-//! (parameters and optimizer states, by name). Each [`Executor::run`] takes the per-step data
-//! inputs, runs the trace, writes every `Update { of }` output back over its input (so the
-//! parameters and states live inside the executor between steps, on the device) and returns the
-//! other outputs. The CPU executor is here; the CUDA one plugs in behind the same trait.
+//! The CPU executor and the choice of executor. The [`Executor`] trait itself is
+//! `rumble_core::exec`'s (one trait for every backend); here its error type is [`ModelError`]
+//! ([`DynExecutor`]). The CUDA executor is in [`crate::cuda`], the bucketed one in
+//! [`crate::buckets`].
 
-use std::fmt;
 use std::str::FromStr;
 
 use rumble_core::compile::CompileOptions;
 use rumble_core::ir::{InputRole, OutputRole};
 use rumble_core::{TensorType, Trace};
 
-use crate::buckets::BucketReport;
 use crate::cuda::{CudaExecutor, CudaMode};
 use crate::error::{ModelError, Result};
 
 pub use rumble_core::cpu::HostTensor;
+pub use rumble_core::exec::{DeviceKind, ExecStats, Executor};
 
-/// A device a trace runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    Cuda,
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Device::Cpu => "cpu",
-            Device::Cuda => "cuda",
-        })
-    }
-}
+/// An executor of any backend, behind the models' error type.
+pub type DynExecutor = dyn Executor<Error = ModelError>;
 
 /// What the user asked for: a device, or the best one available.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,49 +39,6 @@ impl FromStr for DeviceChoice {
     }
 }
 
-/// Runs one trace repeatedly, keeping its persistent inputs between runs.
-pub trait Executor {
-    fn device(&self) -> Device;
-
-    /// Runs one step. `data` holds the trace's `input`-role inputs, in trace order. Returns
-    /// the plain (`Output`-role) outputs, such as the loss, in trace order; updates are written
-    /// back, and gradients stay where the step left them.
-    fn run(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>>;
-
-    /// The current values of the persistent inputs (parameters, optimizer states), by name.
-    fn persistent(&self) -> Result<Vec<(String, HostTensor)>>;
-
-    /// Memory and plan figures, for executors that measure them.
-    fn stats(&self) -> Option<ExecStats> {
-        None
-    }
-
-    /// Per shape bucket: steps run and graph captures (empty for executors of one shape).
-    fn buckets(&self) -> Vec<BucketReport> {
-        Vec::new()
-    }
-}
-
-/// What an executor reports about its memory (bytes) and set-up.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ExecStats {
-    /// Most bytes the framework held at once (what `torch.cuda.max_memory_allocated` counts).
-    pub peak_allocated_bytes: usize,
-    /// The device's own used-memory rise since the executor was made.
-    pub device_used_bytes: usize,
-    /// The plan's LOAD, arena, persistent region and peak (persistent + arena).
-    pub load_bytes: usize,
-    pub arena_bytes: usize,
-    pub persistent_bytes: usize,
-    pub plan_peak_bytes: usize,
-    /// Seconds spent planning, compiling kernels and capturing graphs.
-    pub build_secs: f64,
-    /// The cost model's predicted milliseconds of a step (`compile::compile`), if priced.
-    pub predicted_step_ms: Option<f64>,
-    /// What `compile` chose (the loss's chunk rows, recomputation), empty if nothing.
-    pub chosen: String,
-}
-
 /// Why CUDA cannot be used on this machine, or `None` when it can.
 pub fn cuda_unavailable() -> Option<String> {
     rumble_cuda::Device::new(0).err().map(|e| e.to_string())
@@ -106,11 +46,7 @@ pub fn cuda_unavailable() -> Option<String> {
 
 /// The executor for `choice`: `auto` falls back to the CPU when CUDA is unavailable. `trace`
 /// has been through `compile::PIPELINE`.
-pub fn executor(
-    choice: DeviceChoice,
-    trace: Trace,
-    persistent: Vec<(String, HostTensor)>,
-) -> Result<Box<dyn Executor>> {
+pub fn executor(choice: DeviceChoice, trace: Trace, persistent: Vec<(String, HostTensor)>) -> Result<Box<DynExecutor>> {
     executor_with(choice, trace, persistent, &CompileOptions { passes: false, ..Default::default() })
 }
 
@@ -121,8 +57,8 @@ pub fn executor_with(
     trace: Trace,
     persistent: Vec<(String, HostTensor)>,
     opts: &CompileOptions,
-) -> Result<Box<dyn Executor>> {
-    let cpu = |trace: Trace, persistent| -> Result<Box<dyn Executor>> {
+) -> Result<Box<DynExecutor>> {
+    let cpu = |trace: Trace, persistent| -> Result<Box<DynExecutor>> {
         Ok(Box::new(CpuExecutor::new(rumble_core::compile::optimize(&trace, opts)?.0, persistent)?))
     };
     match choice {
@@ -147,6 +83,8 @@ pub struct CpuExecutor {
     data: Vec<usize>,
     /// For each output: the input index it updates, if it is an update.
     updates: Vec<Option<usize>>,
+    /// Every output of the last step, in trace order (updates before they were written back).
+    last: Vec<HostTensor>,
 }
 
 impl CpuExecutor {
@@ -183,7 +121,7 @@ impl CpuExecutor {
                 _ => None,
             })
             .collect();
-        Ok(CpuExecutor { trace, inputs, data, updates })
+        Ok(CpuExecutor { trace, inputs, data, updates, last: Vec::new() })
     }
 }
 
@@ -200,11 +138,13 @@ pub(crate) fn check_type(trace: &Trace, name: &str, want: &TensorType, t: &HostT
 }
 
 impl Executor for CpuExecutor {
-    fn device(&self) -> Device {
-        Device::Cpu
+    type Error = ModelError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cpu
     }
 
-    fn run(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
+    fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         if data.len() != self.data.len() {
             return Err(ModelError::Usage(format!(
                 "trace `{}` takes {} data inputs, got {}",
@@ -218,26 +158,32 @@ impl Executor for CpuExecutor {
             check_type(&self.trace, &inp.name, self.trace.ty(inp.value), t)?;
             self.inputs[i] = t.clone();
         }
-        let outs = rumble_core::cpu::eval(&self.trace, &self.inputs)?;
+        self.last = rumble_core::cpu::eval(&self.trace, &self.inputs)?;
         let mut plain = Vec::new();
-        for ((out, update), o) in outs.into_iter().zip(&self.updates).zip(&self.trace.outputs) {
+        for ((out, update), o) in self.last.iter().zip(&self.updates).zip(&self.trace.outputs) {
             match update {
-                Some(i) => self.inputs[*i] = out,
-                None if o.role == OutputRole::Output => plain.push(out),
+                Some(i) => self.inputs[*i] = out.clone(),
+                None if o.role == OutputRole::Output => plain.push(out.clone()),
                 None => {}
             }
         }
         Ok(plain)
     }
 
-    fn persistent(&self) -> Result<Vec<(String, HostTensor)>> {
-        Ok(self
-            .trace
-            .inputs
-            .iter()
-            .zip(&self.inputs)
-            .filter(|(i, _)| i.role.is_persistent())
-            .map(|(i, t)| (i.name.clone(), t.clone()))
-            .collect())
+    fn output(&self, name: &str) -> Result<HostTensor> {
+        let i = self.trace.outputs.iter().position(|o| o.name == name);
+        i.and_then(|i| self.last.get(i)).cloned().ok_or_else(|| {
+            ModelError::Usage(format!("trace `{}`: no output `{name}` (or no step has run yet)", self.trace.name))
+        })
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.trace.inputs.iter().filter(|i| i.role.is_persistent()).map(|i| i.name.clone()).collect()
+    }
+
+    fn persistent(&self, name: &str) -> Result<HostTensor> {
+        let i = self.trace.inputs.iter().position(|i| i.name == name && i.role.is_persistent());
+        i.map(|i| self.inputs[i].clone())
+            .ok_or_else(|| ModelError::Usage(format!("trace `{}` has no param/opt_state `{name}`", self.trace.name)))
     }
 }

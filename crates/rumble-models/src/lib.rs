@@ -4,9 +4,10 @@
 //! In the order data flows: [`config`] and [`presets`] (what model) -> [`weights`] (its
 //! numbers: seeded init, safetensors load/save) -> [`model`] (the forward pass, built with
 //! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
-//! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
-//! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows);
-//! [`buckets`] runs batches of changing shape in one step per bucket shape, padded.
+//! trace) -> executors of `rumble_core::exec::Executor`: [`exec`] (the CPU one, and the choice
+//! of one), [`cuda`] (the CUDA one), [`buckets`] (one step per shape bucket, batches padded to
+//! it) -> [`trainer`] (steps, learning-rate schedule, checkpoints), fed by [`data`] (byte-level
+//! corpus windows).
 
 pub mod buckets;
 pub mod config;
@@ -18,17 +19,16 @@ pub mod host;
 pub mod model;
 pub mod optim;
 pub mod presets;
-pub mod rng;
 pub mod step;
 pub mod trainer;
 pub mod weights;
 
-pub use buckets::{BucketReport, BucketedExecutor, Buckets, Shape};
+pub use buckets::{BucketReport, BucketShape, BucketedExecutor, Buckets};
 pub use config::{Arch, Config};
 pub use cuda::{CudaExecutor, CudaMode};
 pub use data::{Batch, Corpus};
 pub use error::{ModelError, Result};
-pub use exec::{Device, DeviceChoice, ExecStats, Executor, HostTensor};
+pub use exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, Executor, HostTensor};
 pub use optim::Optimizer;
 pub use presets::{Objective, PRESET_NAMES, Preset, preset};
 pub use step::{StepConfig, TrainStep, build_forward, build_train_step};

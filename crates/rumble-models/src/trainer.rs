@@ -14,7 +14,7 @@ use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{Device, DeviceChoice, ExecStats, Executor, cuda_unavailable, executor_with};
+use crate::exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, cuda_unavailable, executor_with};
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
@@ -78,7 +78,7 @@ pub struct Trainer {
     sc: StepConfig,
     optimizer: Optimizer,
     data_inputs: Vec<String>,
-    exec: Box<dyn Executor>,
+    exec: Box<DynExecutor>,
     schedule: LrSchedule,
     step: u64,
     /// Shape buckets: batches of any shape a bucket holds, padded to it by the executor.
@@ -121,7 +121,7 @@ impl Trainer {
         weights: Weights,
         schedule: LrSchedule,
         opts: &CompileOptions,
-        make: impl FnOnce(Trace, Vec<(String, HostTensor)>) -> Result<Box<dyn Executor>>,
+        make: impl FnOnce(Trace, Vec<(String, HostTensor)>) -> Result<Box<DynExecutor>>,
     ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
@@ -164,16 +164,16 @@ impl Trainer {
             ));
         }
         let device = match device {
-            DeviceChoice::Cpu => Device::Cpu,
+            DeviceChoice::Cpu => DeviceKind::Cpu,
             DeviceChoice::Cuda => match cuda_unavailable() {
                 Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
-                None => Device::Cuda,
+                None => DeviceKind::Cuda,
             },
             DeviceChoice::Auto => {
                 if cuda_unavailable().is_some() {
-                    Device::Cpu
+                    DeviceKind::Cpu
                 } else {
-                    Device::Cuda
+                    DeviceKind::Cuda
                 }
             }
         };
@@ -197,10 +197,11 @@ impl Trainer {
 
     /// Per shape bucket: steps run, graph captures and their seconds (empty without buckets).
     pub fn bucket_reports(&self) -> Vec<BucketReport> {
-        self.exec.buckets()
+        let Some(b) = &self.buckets else { return Vec::new() };
+        b.shapes().iter().zip(self.exec.buckets()).map(|(&shape, s)| BucketReport::new(shape, &s)).collect()
     }
 
-    pub fn device(&self) -> Device {
+    pub fn device(&self) -> DeviceKind {
         self.exec.device()
     }
 
@@ -266,7 +267,7 @@ impl Trainer {
         let step = self.step + 1;
         let lr = self.schedule.at(step);
         data.extend(self.optimizer.hyper_values(step, lr));
-        let outs = self.exec.run(&data)?;
+        let outs = self.exec.step(&data)?;
         self.step = step;
         let loss = host::item(outs.first().ok_or_else(|| ModelError::Usage("the step returned no loss".into()))?)?;
         let grad_norm = match self.sc.clip {
@@ -280,7 +281,8 @@ impl Trainer {
 
     /// The current parameters.
     pub fn weights(&self) -> Result<Weights> {
-        let mut all: std::collections::HashMap<String, HostTensor> = self.exec.persistent()?.into_iter().collect();
+        let mut all: std::collections::HashMap<String, HostTensor> =
+            self.exec.persistent_values()?.into_iter().collect();
         let mut tensors = Vec::new();
         for spec in param_specs(&self.cfg) {
             let t = all

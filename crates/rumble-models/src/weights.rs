@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::error::{ModelError, Result};
 use crate::host::{self, HostTensor};
 use crate::model::{Init, hf_parts, param_specs};
-use crate::rng::Rng;
+use rumble_core::cpu::Rng;
 
 /// Named host tensors in a fixed order (for a model: `param_specs` order).
 #[derive(Clone, Debug, PartialEq)]

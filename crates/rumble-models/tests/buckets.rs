@@ -1,16 +1,16 @@
-//! Shape buckets on the CPU: a batch padded to its bucket (tokens by the pad token, targets by
+//! BucketShape buckets on the CPU: a batch padded to its bucket (tokens by the pad token, targets by
 //! the ignore index) gives the loss and the gradients of the unpadded batch, and the bucketed
 //! executor trains exactly as one executor per exact shape does, steps of different shapes
 //! alternating over the shared parameters and optimizer states.
 
 use rumble_core::Trace;
+use rumble_core::cpu::Rng;
 use rumble_core::cpu::{HostTensor, eval};
 use rumble_models::buckets::{PAD_TOKEN, pad_batch, pad_data};
 use rumble_models::exec::CpuExecutor;
-use rumble_models::rng::Rng;
 use rumble_models::{
-    Batch, BucketedExecutor, Buckets, Config, Device, DeviceChoice, Executor, LrSchedule, Objective, Optimizer, Shape,
-    StepConfig, Trainer, Weights, build_train_step, host, preset,
+    Batch, BucketShape, BucketedExecutor, Buckets, Config, DeviceChoice, DeviceKind, Executor, LrSchedule, Objective,
+    Optimizer, StepConfig, Trainer, Weights, build_train_step, host, preset,
 };
 
 fn small_cfg() -> Config {
@@ -53,7 +53,7 @@ fn eval_step(trace: &Trace, w: &Weights, b: &Batch) -> Vec<HostTensor> {
 
 #[test]
 fn the_smallest_bucket_that_holds_a_batch_is_chosen() {
-    let shape = |batch, seq| Shape { batch, seq };
+    let shape = |batch, seq| BucketShape { batch, seq };
     let b = Buckets::new(vec![shape(2, 32), shape(4, 16), shape(2, 16)]).unwrap();
     assert_eq!(b.shapes(), &[shape(2, 16), shape(4, 16), shape(2, 32)]);
     assert_eq!(b.choose(2, 16).unwrap(), 0);
@@ -73,11 +73,11 @@ fn the_smallest_bucket_that_holds_a_batch_is_chosen() {
 #[test]
 fn padding_fills_rows_ends_and_extra_rows() {
     let b = Batch { batch: 2, seq: 2, tokens: vec![5, 6, 7, 8], targets: vec![6, 9, 8, 1] };
-    let p = pad_batch(&b, Shape { batch: 3, seq: 3 }).unwrap();
+    let p = pad_batch(&b, BucketShape { batch: 3, seq: 3 }).unwrap();
     let z = PAD_TOKEN;
     assert_eq!(p.tokens, vec![5, 6, z, 7, 8, z, z, z, z]);
     assert_eq!(p.targets, vec![6, 9, -100, 8, 1, -100, -100, -100, -100]);
-    assert!(pad_batch(&b, Shape { batch: 1, seq: 3 }).is_err());
+    assert!(pad_batch(&b, BucketShape { batch: 1, seq: 3 }).is_err());
 }
 
 #[test]
@@ -86,7 +86,7 @@ fn padded_loss_and_gradients_equal_the_unpadded_ones() {
     let w = Weights::init(&cfg, 3).unwrap();
     let mut rng = Rng::new(11);
     for fused in [false, true] {
-        for (b, t, to) in [(2, 11, Shape { batch: 2, seq: 16 }), (1, 7, Shape { batch: 3, seq: 12 })] {
+        for (b, t, to) in [(2, 11, BucketShape { batch: 2, seq: 16 }), (1, 7, BucketShape { batch: 3, seq: 12 })] {
             let data = batch(&mut rng, cfg.vocab_size, b, t);
             let exact = build_train_step(&cfg, &sc(b, t, None, fused)).unwrap().trace;
             let padded = build_train_step(&cfg, &sc(to.batch, to.seq, None, fused)).unwrap().trace;
@@ -148,7 +148,7 @@ fn bucketed_executor_trains_as_exact_shapes_do() {
     let step0 = build_train_step(&cfg, &sc(2, 8, Some(opt), true)).unwrap();
     let mut start = w.tensors.clone();
     start.extend(step0.states.iter().map(|(n, ty)| (n.clone(), host::zeros(ty))));
-    let mut bucketed = BucketedExecutor::new(buckets, traces, start.clone(), Device::Cpu).unwrap();
+    let mut bucketed = BucketedExecutor::new(buckets, traces, start.clone(), DeviceKind::Cpu).unwrap();
     // The reference: a fresh executor of each step's exact shape, given the current state.
     let mut state = start;
     let mut rng = Rng::new(21);
@@ -163,15 +163,15 @@ fn bucketed_executor_trains_as_exact_shapes_do() {
         let exact = build_train_step(&cfg, &sc(b, t, Some(opt), true)).unwrap();
         assert_eq!(exact.data_inputs, ["tokens", "targets", "lr"]);
         let mut reference = CpuExecutor::new(exact.trace, state).unwrap();
-        let want = reference.run(&data).unwrap();
-        state = reference.persistent().unwrap();
-        let got = bucketed.run(&data).unwrap();
+        let want = reference.step(&data).unwrap();
+        state = reference.persistent_values().unwrap();
+        let got = bucketed.step(&data).unwrap();
         let e = rel(&got[0], &want[0]);
         assert!(e < 1e-5, "step {i} ({b}, {t}): loss {:?} vs {:?}", got[0].to_f64(), want[0].to_f64());
         println!("step {i} ({b}, {t}): loss {:.6}, relative error {e:.2e}", want[0].to_f64()[0]);
     }
     let mut worst: f64 = 0.0;
-    let got: std::collections::HashMap<_, _> = bucketed.persistent().unwrap().into_iter().collect();
+    let got: std::collections::HashMap<_, _> = bucketed.persistent_values().unwrap().into_iter().collect();
     for (name, want) in &state {
         let e = rel(&got[name], want);
         assert!(e < 1e-5, "{name} differs by {e:.2e} after {} steps", shapes.len());

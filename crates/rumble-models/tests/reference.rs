@@ -79,7 +79,7 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
     let step = build_train_step(&cfg, &step_config(b, t, true)).unwrap();
     let (trace, _) = passes::run(&step.trace, PIPELINE).unwrap();
     let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Graphed).unwrap();
-    let out = exec.run(&inputs[..2]).unwrap();
+    let out = exec.step(&inputs[..2]).unwrap();
     let what = format!("{name} (CUDA graphed)");
     check_step(&what, &step.trace, &reference, &out[0], |_, n| exec.output(n).unwrap(), rel, rel_grad);
 }
@@ -115,30 +115,25 @@ fn check_step(
     assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count(), "{what}");
 }
 
-#[test]
-fn llama_with_grouped_query_attention_and_tied_embeddings_matches_transformers() {
-    check_case("llama_gqa_tied", 1e-5, 1e-4);
+/// One test per stored case: `name => case directory, tolerance on the loss and logits,
+/// tolerance on the gradients`.
+macro_rules! cases {
+    ($($(#[$doc:meta])* $name:ident => $case:literal, $rel:expr, $rel_grad:expr;)*) => {$(
+        $(#[$doc])*
+        #[test]
+        fn $name() {
+            check_case($case, $rel, $rel_grad);
+        }
+    )*};
 }
 
-#[test]
-fn llama_with_full_heads_untied_matches_transformers() {
-    check_case("llama_mha_untied", 1e-5, 1e-4);
-}
-
-#[test]
-fn qwen2_with_seven_query_heads_per_kv_head_and_tied_embeddings_matches_transformers() {
-    check_case("qwen2_gqa7_tied", 1e-5, 1e-4);
-}
-
-#[test]
-fn qwen2_with_biases_and_head_dim_1_matches_transformers() {
-    check_case("qwen2_head_dim_1", 1e-5, 1e-4);
-}
-
-/// The other direction, in bf16: a checkpoint written by `rumble train` (rumble's config.json
-/// and safetensors) that transformers loaded with `from_pretrained` to make the reference.
-/// rumble rounds every bf16 activation, the reference is float64: bf16-sized tolerances.
-#[test]
-fn rumble_bf16_checkpoint_loads_in_transformers_and_agrees() {
-    check_case("rumble_bf16_untied", 2e-2, 5e-2);
+cases! {
+    llama_with_grouped_query_attention_and_tied_embeddings_matches_transformers => "llama_gqa_tied", 1e-5, 1e-4;
+    llama_with_full_heads_untied_matches_transformers => "llama_mha_untied", 1e-5, 1e-4;
+    qwen2_with_seven_query_heads_per_kv_head_and_tied_embeddings_matches_transformers => "qwen2_gqa7_tied", 1e-5, 1e-4;
+    qwen2_with_biases_and_head_dim_1_matches_transformers => "qwen2_head_dim_1", 1e-5, 1e-4;
+    /// The other direction, in bf16: a checkpoint written by `rumble train` (rumble's config.json
+    /// and safetensors) that transformers loaded with `from_pretrained` to make the reference.
+    /// rumble rounds every bf16 activation, the reference is float64: bf16-sized tolerances.
+    rumble_bf16_checkpoint_loads_in_transformers_and_agrees => "rumble_bf16_untied", 2e-2, 5e-2;
 }

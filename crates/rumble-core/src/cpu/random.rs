@@ -1,45 +1,75 @@
-//! A small seeded random generator (SplitMix64) for test data and weight initialisation:
-//! reproducible everywhere, no dependency.
+//! The one seeded random generator of rumble (test data, weight initialisation, batches): the
+//! rand crate's xoshiro256++, whose output for a seed is fixed by its specification (unlike
+//! `StdRng`'s), so a seed gives the same weights and batches on every platform and build.
+//!
+//! [`Rng::for_name`] gives each named stream (a parameter, the batches, ...) its own generator,
+//! so that adding a stream does not change the others.
+
+use std::hash::Hasher;
+
+use fnv::FnvHasher;
+use rand::distr::uniform::SampleUniform;
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{Rng as _, RngExt as _, SeedableRng};
+use rand_distr::StandardNormal;
 
 #[derive(Clone, Debug)]
-pub struct Rng {
-    state: u64,
-    spare: Option<f64>,
-}
+pub struct Rng(Xoshiro256PlusPlus);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng { state: seed ^ 0x9E37_79B9_7F4A_7C15, spare: None }
+        Rng(Xoshiro256PlusPlus::seed_from_u64(seed))
+    }
+
+    /// The generator of the stream `name` of `seed`.
+    pub fn for_name(seed: u64, name: &str) -> Self {
+        let mut h = FnvHasher::default();
+        h.write(name.as_bytes());
+        Rng::new(seed ^ h.finish().rotate_left(17))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
-    /// Uniform in [0, 1).
+    /// Uniform in `[0, 1)`.
     pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        self.0.random()
     }
 
-    /// Uniform integer in `0..hi` (`hi > 0`).
-    pub fn below(&mut self, hi: u64) -> u64 {
-        self.next_u64() % hi.max(1)
+    /// Uniform integer in `0..hi` (0 when `hi` is 0).
+    pub fn below<T: SampleUniform + PartialOrd + Default>(&mut self, hi: T) -> T {
+        if hi <= T::default() { T::default() } else { self.0.random_range(T::default()..hi) }
     }
 
-    /// Standard normal (Box-Muller).
+    /// A standard normal sample.
     pub fn normal(&mut self) -> f64 {
-        if let Some(s) = self.spare.take() {
-            return s;
+        self.0.sample(StandardNormal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_have_their_law_and_streams_differ() {
+        let mut r = Rng::new(7);
+        let xs: Vec<f64> = (0..20000).map(|_| r.normal()).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "mean {mean} var {var}");
+        let us: Vec<f64> = (0..20000).map(|_| r.uniform()).collect();
+        assert!(us.iter().all(|u| (0.0..1.0).contains(u)));
+        assert!((us.iter().sum::<f64>() / us.len() as f64 - 0.5).abs() < 0.01);
+        let mut seen = [0usize; 7];
+        for _ in 0..7000 {
+            seen[r.below(7usize)] += 1;
         }
-        let u1 = self.uniform().max(f64::MIN_POSITIVE);
-        let u2 = self.uniform();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let t = 2.0 * std::f64::consts::PI * u2;
-        self.spare = Some(r * t.sin());
-        r * t.cos()
+        assert!(seen.iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
+        assert_eq!(r.below(0u64), 0);
+        assert_ne!(Rng::for_name(1, "a").next_u64(), Rng::for_name(1, "b").next_u64());
+        assert_eq!(Rng::for_name(1, "a").next_u64(), Rng::for_name(1, "a").next_u64());
+        assert_eq!(Rng::new(3).next_u64(), Rng::new(3).next_u64());
     }
 }

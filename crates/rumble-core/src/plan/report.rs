@@ -3,7 +3,9 @@
 //! by `Display`, for scripts by [`PlanReport::to_json`] (keys `load_bytes`, `arena_bytes`,
 //! `persistent_bytes`, `peak_bytes`, ...).
 
-use std::fmt::{self, Write as _};
+use std::fmt;
+
+use serde::{Serialize, Serializer};
 
 use super::MemoryPlan;
 use super::lifetimes::{Class, Lifetimes, Storage};
@@ -11,39 +13,46 @@ use super::{ALIGN, Region, align_up};
 use crate::ir::{Def, Trace, ValueId};
 
 /// Bytes of one class of buffers.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ClassBytes {
+    #[serde(serialize_with = "class_name")]
     pub class: Class,
     /// Values of the class that own bytes (views excluded).
     pub values: usize,
     /// Their aligned bytes, summed over the step.
     pub bytes: usize,
     /// Their aligned bytes live at the LOAD step (persistent classes: all of them).
+    #[serde(rename = "at_peak_bytes")]
     pub at_peak: usize,
 }
 
 /// One buffer live at the LOAD step.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PeakBuffer {
     /// `None` for an op's scratch memory.
+    #[serde(serialize_with = "value_text")]
     pub value: Option<ValueId>,
     /// `%12`, or the input's or output's name.
     pub name: String,
     /// The op that defines it (`input` for trace inputs).
     pub op: String,
     /// Its type, `f32[2048,3200]`.
+    #[serde(rename = "type")]
     pub ty: String,
+    #[serde(serialize_with = "class_name")]
     pub class: Class,
     pub phase: String,
     /// Aligned bytes.
     pub bytes: usize,
+    #[serde(rename = "def_step")]
     pub def: usize,
+    #[serde(rename = "last_step")]
     pub last: usize,
     pub offset: usize,
 }
 
 /// What one pass did to LOAD.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PassReport {
     pub pass: String,
     pub load_before: usize,
@@ -59,7 +68,7 @@ pub struct PassReport {
 /// every buffer, scratch included (the op's and the backend's per-node scratch are buffers of
 /// class `scratch`, counted in LOAD), less a whole-step `workspace_bytes` if the plan has one
 /// (0 on CUDA); `peak_bytes = persistent_bytes + arena_bytes + workspace_bytes`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PlanReport {
     pub trace: String,
     pub nodes: usize,
@@ -83,17 +92,24 @@ pub struct PlanReport {
     pub at_peak: Vec<PeakBuffer>,
     pub passes: Vec<PassReport>,
     /// The memory budget asked for (`Remat::Budget`), if any; compare with `peak_bytes`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub budget_bytes: Option<usize>,
     pub plan_millis: f64,
-    /// Predicted milliseconds of one step (`compile::compile`'s cost model), if priced.
+    /// Predicted milliseconds of one step (`compile::compile`'s cost model), if priced. This
+    /// and the four fields after it are in the JSON only when priced (`predicted_step_ms`).
+    #[serde(skip)]
     pub predicted_ms: Option<f64>,
     /// The cost model that priced it.
+    #[serde(skip)]
     pub cost_model: String,
     /// The memory policy (`compile::Budget`) it was chosen under.
+    #[serde(skip)]
     pub budget: String,
     /// What `compile` chose (`linear_cross_entropy chunk 1024 rows (4 chunks)`).
+    #[serde(skip)]
     pub chosen: String,
     /// Every variant weighed: its choices, predicted time and peak (empty if only one).
+    #[serde(skip)]
     pub weighed: Vec<String>,
 }
 
@@ -206,93 +222,50 @@ impl PlanReport {
         if self.load_bytes == 0 { 1.0 } else { self.arena_bytes as f64 / self.load_bytes as f64 }
     }
 
-    /// One JSON object with every field (byte counts as integers).
+    /// One JSON object with every field (byte counts as integers), and `arena_over_load`; under
+    /// a budget, `fits_budget`; if priced, `predicted_step_ms`, `cost_model`, `budget`, `chosen`
+    /// and `weighed`.
     pub fn to_json(&self) -> String {
-        let mut o = Obj::default();
-        o.str("trace", &self.trace);
-        for (k, v) in [
-            ("nodes", self.nodes),
-            ("values", self.values),
-            ("load_bytes", self.load_bytes),
-            ("load_step", self.load_step),
-            ("arena_bytes", self.arena_bytes),
-            ("workspace_bytes", self.workspace_bytes),
-            ("persistent_bytes", self.persistent_bytes),
-            ("peak_bytes", self.peak_bytes),
-            ("no_reuse_bytes", self.no_reuse_bytes),
-            ("views", self.views),
-            ("inplace", self.inplace),
-            ("copy_back", self.copy_back),
-            ("copy_back_bytes", self.copy_back_bytes),
-        ] {
-            o.num(k, v as u64);
+        #[derive(Serialize)]
+        struct Priced<'a> {
+            predicted_step_ms: f64,
+            cost_model: &'a str,
+            budget: &'a str,
+            chosen: &'a str,
+            weighed: &'a [String],
         }
-        o.float("arena_over_load", self.ratio());
-        if let Some(b) = self.budget_bytes {
-            o.num("budget_bytes", b as u64);
-            o.raw("fits_budget", if self.peak_bytes <= b { "true" } else { "false" });
+        #[derive(Serialize)]
+        struct Json<'a> {
+            #[serde(flatten)]
+            report: &'a PlanReport,
+            arena_over_load: f64,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            fits_budget: Option<bool>,
+            #[serde(flatten)]
+            priced: Option<Priced<'a>>,
         }
-        o.str("order", &self.order);
-        let classes: Vec<String> = self
-            .classes
-            .iter()
-            .map(|c| {
-                let mut j = Obj::default();
-                j.str("class", c.class.name());
-                j.num("values", c.values as u64);
-                j.num("bytes", c.bytes as u64);
-                j.num("at_peak_bytes", c.at_peak as u64);
-                j.finish()
-            })
-            .collect();
-        o.raw("classes", &format!("[{}]", classes.join(",")));
-        let peak: Vec<String> = self
-            .at_peak
-            .iter()
-            .map(|p| {
-                let mut j = Obj::default();
-                match p.value {
-                    Some(v) => j.str("value", &v.to_string()),
-                    None => j.raw("value", "null"),
-                }
-                j.str("name", &p.name);
-                j.str("op", &p.op);
-                j.str("type", &p.ty);
-                j.str("class", p.class.name());
-                j.str("phase", &p.phase);
-                j.num("bytes", p.bytes as u64);
-                j.num("def_step", p.def as u64);
-                j.num("last_step", p.last as u64);
-                j.num("offset", p.offset as u64);
-                j.finish()
-            })
-            .collect();
-        o.raw("at_peak", &format!("[{}]", peak.join(",")));
-        let passes: Vec<String> = self
-            .passes
-            .iter()
-            .map(|p| {
-                let mut j = Obj::default();
-                j.str("pass", &p.pass);
-                j.num("load_before", p.load_before as u64);
-                j.num("load_after", p.load_after as u64);
-                j.num("extra_flops", p.extra_flops);
-                j.str("detail", &p.detail);
-                j.float("millis", p.millis);
-                j.finish()
-            })
-            .collect();
-        o.raw("passes", &format!("[{}]", passes.join(",")));
-        o.float("plan_millis", self.plan_millis);
-        if let Some(ms) = self.predicted_ms {
-            o.float("predicted_step_ms", ms);
-            o.str("cost_model", &self.cost_model);
-            o.str("budget", &self.budget);
-            o.str("chosen", &self.chosen);
-            let w: Vec<String> = self.weighed.iter().map(|l| quote(l)).collect();
-            o.raw("weighed", &format!("[{}]", w.join(",")));
-        }
-        o.finish()
+        let fits_budget = self.budget_bytes.map(|b| self.peak_bytes <= b);
+        // Serializing plain structs of numbers and strings cannot fail.
+        let priced = self.predicted_ms.map(|ms| Priced {
+            predicted_step_ms: ms,
+            cost_model: &self.cost_model,
+            budget: &self.budget,
+            chosen: &self.chosen,
+            weighed: &self.weighed,
+        });
+        serde_json::to_string(&Json { report: self, arena_over_load: self.ratio(), fits_budget, priced })
+            .unwrap_or_default()
+    }
+}
+
+fn class_name<S: Serializer>(c: &Class, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(c.name())
+}
+
+fn value_text<S: Serializer>(v: &Option<ValueId>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.serialize_str(&v.to_string()),
+        None => s.serialize_none(),
     }
 }
 
@@ -428,44 +401,4 @@ impl fmt::Display for PlanReport {
         }
         writeln!(f, "  planned in {:.1} ms", self.plan_millis)
     }
-}
-
-/// A JSON object written by hand (the core crate has no serde).
-#[derive(Default)]
-struct Obj(Vec<String>);
-
-impl Obj {
-    fn raw(&mut self, k: &str, v: &str) {
-        self.0.push(format!("{}:{v}", quote(k)));
-    }
-    fn str(&mut self, k: &str, v: &str) {
-        self.raw(k, &quote(v));
-    }
-    fn num(&mut self, k: &str, v: u64) {
-        self.raw(k, &v.to_string());
-    }
-    fn float(&mut self, k: &str, v: f64) {
-        self.raw(k, &if v.is_finite() { format!("{v}") } else { "null".to_string() });
-    }
-    fn finish(self) -> String {
-        format!("{{{}}}", self.0.join(","))
-    }
-}
-
-fn quote(s: &str) -> String {
-    let mut q = String::with_capacity(s.len() + 2);
-    q.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => q.push_str("\\\""),
-            '\\' => q.push_str("\\\\"),
-            '\n' => q.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(q, "\\u{:04x}", c as u32);
-            }
-            c => q.push(c),
-        }
-    }
-    q.push('"');
-    q
 }

@@ -22,7 +22,7 @@ use rumble_core::plan::{MemoryPlan, Region};
 
 use super::graphed::{GraphMode, GraphedExecutor};
 use super::planned::Placed;
-use super::{Executor, MemoryStats, Program};
+use super::{BucketStats, DeviceKind, Executor, MemoryStats, Program};
 use crate::error::{CudaError, Result};
 use crate::memory::{DeviceBuffer, download};
 
@@ -77,22 +77,6 @@ pub fn check_shared_layout(buckets: &[(&Trace, &MemoryPlan)]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// What one bucket has done.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BucketStats {
-    /// The bucket's trace name and per-step input types, e.g. `tokens i64[2, 16]`.
-    pub shape: String,
-    pub arena_bytes: usize,
-    /// Its own plan's peak (persistent + arena, scratch included).
-    pub plan_peak_bytes: usize,
-    /// Times its graphs were captured (0 before its first step, then 1: captures are cached).
-    pub captures: usize,
-    /// Seconds spent placing the program and capturing, instantiating and uploading its graphs.
-    pub capture_secs: f64,
-    /// Steps it has run.
-    pub steps: usize,
 }
 
 struct Bucket {
@@ -238,21 +222,6 @@ impl BucketedGraphs {
         Ok(out)
     }
 
-    /// Per-bucket figures, in bucket order.
-    pub fn stats(&self) -> Vec<BucketStats> {
-        self.buckets
-            .iter()
-            .map(|b| BucketStats {
-                shape: shape_of(&b.prog),
-                arena_bytes: b.prog.plan.arena_bytes,
-                plan_peak_bytes: b.prog.plan.peak_bytes(),
-                captures: b.captures,
-                capture_secs: b.capture_secs,
-                steps: b.steps,
-            })
-            .collect()
-    }
-
     /// Bytes of the one arena (the largest bucket's) and of the persistent region.
     pub fn device_bytes(&self) -> (usize, usize) {
         (self.arena.bytes, self.persistent.bytes)
@@ -273,6 +242,16 @@ fn shape_of(p: &Program) -> String {
 }
 
 impl Executor for BucketedGraphs {
+    type Error = CudaError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.buckets[0].prog.persistent_names()
+    }
+
     fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
         let k = self.bucket_of(inputs)?;
         self.step_bucket(k, inputs)
@@ -301,6 +280,20 @@ impl Executor for BucketedGraphs {
         let dev = &self.buckets[0].prog.dev;
         let now = dev.mem_info().map(|(f, _)| self.free_before.saturating_sub(f)).unwrap_or(0);
         MemoryStats { peak_bytes: held, reserved_bytes: held, device_rise_bytes: self.rise.max(now) }
+    }
+
+    fn buckets(&self) -> Vec<BucketStats> {
+        self.buckets
+            .iter()
+            .map(|b| BucketStats {
+                shape: shape_of(&b.prog),
+                arena_bytes: b.prog.plan.arena_bytes,
+                plan_peak_bytes: b.prog.plan.peak_bytes(),
+                captures: b.captures,
+                capture_secs: b.capture_secs,
+                steps: b.steps,
+            })
+            .collect()
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as drv, sys};
 use rumble_core::cpu::HostTensor;
 
-use super::{Executor, MemoryStats, Program};
+use super::{DeviceKind, Executor, MemoryStats, Program};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Buffers;
 use crate::memory::{Block, CachingAllocator, download};
@@ -185,6 +185,16 @@ impl EagerExecutor {
 }
 
 impl Executor for EagerExecutor {
+    type Error = CudaError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.prog.persistent_names()
+    }
+
     fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
         self.run(inputs, None)
     }

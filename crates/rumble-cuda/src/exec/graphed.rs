@@ -26,7 +26,7 @@ use rumble_core::ir::Phase;
 use rumble_core::plan::align_up;
 
 use super::planned::Placed;
-use super::{Executor, MemoryStats, Program};
+use super::{DeviceKind, Executor, MemoryStats, Program};
 use crate::error::{CudaError, Result, describe};
 use crate::memory::PinnedBuffer;
 
@@ -376,6 +376,16 @@ impl GraphedExecutor {
 }
 
 impl Executor for GraphedExecutor {
+    type Error = CudaError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.placed.prog.persistent_names()
+    }
+
     fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
         self.stage_inputs(inputs)?;
         self.placed.prog.dev.bind()?;

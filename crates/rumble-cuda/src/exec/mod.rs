@@ -45,10 +45,13 @@ use crate::error::{CudaError, Result};
 use crate::launch::Recipe;
 use crate::recipe::prepare;
 
-pub use buckets::{BucketStats, BucketedGraphs, check_shared_layout};
+pub use buckets::{BucketedGraphs, check_shared_layout};
 pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;
+
+// The one executor trait and its figures live in rumble-core; every executor here implements it.
+pub use rumble_core::exec::{BucketStats, DeviceKind, Executor, MemoryStats};
 
 /// A trace ready to run on one device: its plan and every node's prepared launches.
 pub struct Program {
@@ -62,40 +65,6 @@ pub struct Program {
     pub last_use: Vec<Option<usize>>,
     /// Seconds spent preparing (compiling kernels, choosing matmul algorithms).
     pub prepare_secs: f64,
-}
-
-/// Bytes an executor holds, comparable with PyTorch's accounting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MemoryStats {
-    /// Most bytes the framework held at once (arena + persistent for the planned executors,
-    /// every node's scratch and any whole-step workspace being inside the arena; live
-    /// allocator blocks, parameters included, for eager): what `torch.cuda.max_memory_allocated`
-    /// counts.
-    pub peak_bytes: usize,
-    /// Bytes held from the driver at the peak (eager's cache included).
-    pub reserved_bytes: usize,
-    /// The device's own used-memory rise since the executor was created (cuMemGetInfo), which
-    /// also counts graphs, library handles and fragmentation.
-    pub device_rise_bytes: usize,
-}
-
-/// What every executor does.
-pub trait Executor {
-    /// Runs one step on the per-step inputs (the trace's non-persistent inputs, in order) and
-    /// returns the outputs whose role is `Output` (e.g. the loss), in order.
-    fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>>;
-    /// Any trace output of the last step, by name.
-    fn output(&self, name: &str) -> Result<HostTensor>;
-    /// A persistent input's current value, by name.
-    fn persistent(&self, name: &str) -> Result<HostTensor>;
-    fn memory(&self) -> MemoryStats;
-    /// One step launched node by node with device events around each, where the executor
-    /// can (planned): `(node, step of its recipe, milliseconds)` for every launch, in order.
-    /// `None` where it cannot.
-    fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, usize, f64)>>> {
-        let _ = inputs;
-        Ok(None)
-    }
 }
 
 impl Program {
@@ -277,6 +246,11 @@ impl Program {
             }
         }
         Ok(())
+    }
+
+    /// The persistent inputs' names, in trace order ([`Executor::persistent_names`]).
+    pub fn persistent_names(&self) -> Vec<String> {
+        self.trace.inputs.iter().filter(|i| i.role.is_persistent()).map(|i| i.name.clone()).collect()
     }
 
     /// Indices into `trace.inputs` of the persistent inputs and of the per-step inputs.

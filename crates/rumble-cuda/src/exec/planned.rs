@@ -9,7 +9,7 @@ use cudarc::driver::{result as drv, sys};
 use rumble_core::cpu::HostTensor;
 use rumble_core::plan::Region;
 
-use super::{Executor, MemoryStats, Program};
+use super::{DeviceKind, Executor, MemoryStats, Program};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Buffers;
 use crate::memory::{DeviceBuffer, download};
@@ -231,6 +231,16 @@ impl PlannedExecutor {
 }
 
 impl Executor for PlannedExecutor {
+    type Error = CudaError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn persistent_names(&self) -> Vec<String> {
+        self.placed.prog.persistent_names()
+    }
+
     fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, usize, f64)>>> {
         self.upload(inputs)?;
         let pl = &self.placed;

@@ -22,19 +22,19 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 out_dir = sys.argv[1]
+
+
+def config(cls, vocab, hidden, inter, heads, kv_heads, eps, theta, tied):
+    return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=eps, rope_theta=theta,
+               tie_word_embeddings=tied, max_position_embeddings=64)
+
+
 CASES = {
-    "llama_gqa_tied": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                  rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=64),
-    "qwen2_head_dim_1": Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=24, num_hidden_layers=2,
-                                    num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                    rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=64),
-    "llama_mha_untied": LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5,
-                                    rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=64),
-    "qwen2_gqa7_tied": Qwen2Config(vocab_size=80, hidden_size=56, intermediate_size=40, num_hidden_layers=2,
-                                   num_attention_heads=7, num_key_value_heads=1, rms_norm_eps=1e-6,
-                                   rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=64),
+    "llama_gqa_tied": config(LlamaConfig, 64, 32, 48, 4, 2, 1e-6, 10000.0, True),
+    "qwen2_head_dim_1": config(Qwen2Config, 64, 8, 24, 8, 2, 1e-6, 1000000.0, False),
+    "llama_mha_untied": config(LlamaConfig, 96, 48, 64, 4, 4, 1e-5, 500000.0, False),
+    "qwen2_gqa7_tied": config(Qwen2Config, 80, 56, 40, 7, 1, 1e-6, 1000000.0, True),
 }
 B, T = 2, 12
 
