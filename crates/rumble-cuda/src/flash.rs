@@ -11,7 +11,7 @@
 //! kernel of `kernels/attention.cu` (the fallback: f64, head sizes over 256, GPUs before
 //! sm_80, or `RUMBLE_ATTENTION=naive`). One module is compiled per (dtype, padded head size):
 //! the tile sizes of its head-size bucket ([`Tiles`], here and nowhere else) and the launch
-//! shape they give ([`Shape`]) go into the source as `#define`s ([`Variant::source`]), so the
+//! shape they give ([`Launch`]) go into the source as `#define`s ([`Variant::source`]), so the
 //! kernel files hold no tile decision of their own.
 //!
 //! Deterministic: no atomics. The backward is three kernels, delta, then dK/dV (each block
@@ -170,7 +170,7 @@ pub fn wgmma(cc: (i32, i32), knobs: &Knobs) -> bool {
 
 /// The launch shape of a variant's kernels, from its [`Tiles`] (or the FMA tiling).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shape {
+pub struct Launch {
     pub fwd_rows: usize,
     /// Forward: keys per shared stage and per softmax step.
     pub fwd_keys: usize,
@@ -280,7 +280,7 @@ impl Variant {
         format!("{PRELUDE}\n{}{FLASH_COMMON}\n{body}", self.defines())
     }
 
-    pub fn shape(&self) -> Shape {
+    pub fn shape(&self) -> Launch {
         match *self {
             Variant::Mma { dp, wg, .. } => {
                 let t = Tiles::of(dp);
@@ -304,7 +304,7 @@ impl Variant {
                 };
                 // K and V, two stages of Q and dO, and two of lse and delta (f32).
                 let (bk, bq, dc) = (THREADS / 2, t.dkdv_queries, dp.min(128));
-                Shape {
+                Launch {
                     fwd_rows,
                     fwd_keys,
                     fwd_step,
@@ -341,7 +341,7 @@ impl Variant {
                 let dkdv = |nb: usize| (2 * bk * ld + 2 * nb * bq * ld + 2 * bk * (bq + ktx) + 2 * nb * bq) * 4;
                 let nb = |f: &dyn Fn(usize) -> usize| if f(2) <= SMEM_MAX { 2 } else { 1 };
                 let stages = [nb(&fwd), nb(&dq), nb(&dkdv)];
-                Shape {
+                Launch {
                     fwd_rows: fbr,
                     fwd_keys: fbc,
                     fwd_step: fbc,
@@ -444,7 +444,7 @@ fn build(
     dev: &Device,
     knobs: &Knobs,
     variant: Variant,
-    sh: Shape,
+    sh: Launch,
     backward: bool,
     (scale, causal, layout): (f64, bool, HeadLayout),
     [b, hq, hkv, t, s, d]: [usize; 6],

@@ -3,7 +3,7 @@
 
 use super::*;
 
-fn mma(dp: usize, wg: bool) -> Shape {
+fn mma(dp: usize, wg: bool) -> Launch {
     Variant::Mma { dtype: DType::BF16, dp, wg }.shape()
 }
 

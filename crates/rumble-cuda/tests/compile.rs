@@ -130,7 +130,12 @@ fn flash_kernel_resources() {
             if let Some(k) = line.split("entry function '").nth(1) {
                 kernel = k.split('\'').next().unwrap_or("?");
             } else if line.contains("bytes stack frame") {
-                frame = line.split(':').next_back().unwrap_or("").trim().to_string();
+                // "N bytes stack frame, S bytes spill stores, L bytes spill loads"
+                let n: Vec<&str> = line.split_whitespace().filter(|w| w.parse::<u64>().is_ok()).collect();
+                frame = match n[..] {
+                    [stack, stores, loads, ..] => format!("stack {stack}, spill {stores}/{loads}"),
+                    _ => line.trim().to_string(),
+                };
             } else if let Some(r) = line.split("Used ").nth(1) {
                 let regs = r.split(' ').next().unwrap_or("?");
                 parts.push(format!("{} {regs} regs ({frame})", kernel.trim_start_matches("flash_")));
