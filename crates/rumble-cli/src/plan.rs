@@ -70,24 +70,24 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
     let opts = PlanOptions { schedule: !a.no_schedule, remat, ..Default::default() };
     let planned = plan(&trace, &opts)?;
     if a.trace {
-        println!("{}", planned.trace);
+        crate::output::line(&planned.trace)?;
     }
     if let Some(path) = &a.svg {
         write_atomic(path, planned.svg().as_bytes())?;
     }
     if a.json {
-        println!("{}", planned.report.to_json());
+        crate::output::line(planned.report.to_json())?;
         return Ok(());
     }
-    println!(
+    crate::outln!(
         "{} ({}):",
         r.name,
         if sc.optimizer.is_some() { "forward, backward, optimizer" } else { "forward, backward" }
-    );
+    )?;
     for l in &log {
-        println!("  pass {l}");
+        crate::outln!("  pass {l}")?;
     }
-    print!("{}", planned.report);
+    crate::output::text(&planned.report)?;
     Ok(())
 }
 

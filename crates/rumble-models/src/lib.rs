@@ -6,6 +6,7 @@
 //! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
 //! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
 //! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows);
+//! [`guard`] holds the checks on user input (bounded reads, free memory, finite values);
 //! [`buckets`] runs batches of changing shape in one step per bucket shape, padded.
 
 pub mod buckets;
@@ -14,6 +15,7 @@ pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod guard;
 pub mod host;
 pub mod model;
 pub mod optim;
