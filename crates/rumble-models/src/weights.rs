@@ -219,7 +219,10 @@ pub fn parse_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<(String, HostT
         match ty.checked_size_in_bytes() {
             Ok(n) if n == view.data().len() => {}
             Ok(n) => {
-                return Err(bad(format!("tensor `{name}`: {ty} needs {n} bytes, the file gives {}", view.data().len())));
+                return Err(bad(format!(
+                    "tensor `{name}`: {ty} needs {n} bytes, the file gives {}",
+                    view.data().len()
+                )));
             }
             Err(e) => return Err(bad(format!("tensor `{name}`: {e}"))),
         }
