@@ -90,6 +90,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         sc.optimizer = None;
     }
     crate::common::check_weights_fit(&r)?;
+    crate::common::check_step_fits(&r, true)?;
     let weights = Weights::init(&r.config, a.seed)?;
     if a.profile {
         return profile(&a, &r.name, &r.config, &sc, weights);

@@ -120,12 +120,14 @@ impl ModelArgs {
 fn config_from_path(p: &Path) -> Result<(String, Config)> {
     let file: PathBuf = if p.is_dir() { p.join("config.json") } else { p.to_path_buf() };
     let cfg = Config::from_file(&file)?;
-    let name = file
-        .parent()
-        .and_then(|d| d.file_name())
-        .map(|n| n.to_string_lossy().into_owned())
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| "model".into());
+    // A model folder's config.json is named after the folder; any other file after itself.
+    let named = if file.file_name().is_some_and(|n| n == "config.json") {
+        file.parent().and_then(|d| d.file_name())
+    } else {
+        file.file_stem()
+    };
+    let name =
+        named.map(|n| n.to_string_lossy().into_owned()).filter(|n| !n.is_empty()).unwrap_or_else(|| "model".into());
     Ok((name, cfg))
 }
 
@@ -144,6 +146,24 @@ pub fn check_weights_fit(r: &Resolved) -> Result<()> {
     rumble_models::guard::check_host_memory(
         &format!("`{}`: {} parameters and optimizer state", r.name, human(r.config.num_params() as f64)),
         bytes.saturating_mul(copies),
+    )
+}
+
+/// Refuses, before the step is built, micro-batches whose token data (ids and targets, 8 bytes
+/// each) and trace (about 50 nodes a layer forward and backward, a few hundred bytes a node, per
+/// micro-batch) would not fit in the host memory free. `with_data`: the step will run (not
+/// only be planned), so its token data is counted too.
+pub fn check_step_fits(r: &Resolved, with_data: bool) -> Result<()> {
+    let k = r.step.grad_accum as u64;
+    let tokens = (r.step.batch as u64).saturating_mul(r.step.seq as u64);
+    let data = if with_data { tokens.saturating_mul(16).saturating_mul(k) } else { 0 };
+    let nodes = (r.config.num_hidden_layers as u64).saturating_mul(50).saturating_add(50).saturating_mul(k);
+    rumble_models::guard::check_host_memory(
+        &format!(
+            "`{}`: {k} micro-batch(es) of {} x {} tokens (their data and trace)",
+            r.name, r.step.batch, r.step.seq
+        ),
+        data.saturating_add(nodes.saturating_mul(512)),
     )
 }
 

@@ -60,6 +60,7 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
     if a.no_optimizer {
         sc.optimizer = None;
     }
+    crate::common::check_step_fits(&r, false)?;
     let step = build_train_step(&r.config, &sc)?;
     let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
     let remat = match (a.memory_budget, a.remat.as_str()) {

@@ -130,6 +130,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     corpus.check_window(longest, &data_name)?;
     rumble_models::trainer::check_hyper(&r.step, &schedule)?;
     crate::common::check_weights_fit(&r)?;
+    crate::common::check_step_fits(&r, true)?;
     let weights = match &a.init_from {
         Some(p) => Weights::load(p, &cfg)?,
         None => Weights::init(&cfg, a.seed)?,

@@ -225,8 +225,20 @@ impl Config {
             return bad("head_dim", format!("{} heads of {} overflow", self.num_attention_heads, self.head_dim));
         }
         if self.checked_num_params().is_none() {
+            // Name the largest of the sizes that multiply.
+            let (key, _) = [
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("head_dim", self.head_dim),
+                ("num_attention_heads", self.num_attention_heads),
+            ]
+            .into_iter()
+            .max_by_key(|&(_, v)| v)
+            .unwrap_or(("vocab_size", 0));
             return bad(
-                "vocab_size",
+                key,
                 format!(
                     "the parameter count overflows (vocab_size {}, hidden_size {}, intermediate_size {}, {} layers)",
                     self.vocab_size, self.hidden_size, self.intermediate_size, self.num_hidden_layers

@@ -1,0 +1,103 @@
+//! SIGKILL at random times during short training runs into one folder (50 trials): every
+//! checkpoint that survives loads, the loss log reads to its last full line, and the next run
+//! removes the temporary files a killed save left behind.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rumble_models::rng::Rng;
+use rumble_models::{Config, Weights, preset};
+
+fn start(out: &Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_rumble"))
+        .args(["train", "--device", "cpu", "--steps", "3", "--batch", "2", "--seq", "16", "--json", "--overwrite"])
+        .arg("--out")
+        .arg(out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn temps(out: &Path) -> Vec<String> {
+    std::fs::read_dir(out)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains(".tmp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whatever a killed run left in `out` must be usable.
+fn check_survivors(out: &Path, cfg: &Config, trial: usize) {
+    let model = out.join("model.safetensors");
+    if model.exists() {
+        Weights::load(&model, cfg).unwrap_or_else(|e| panic!("trial {trial}: checkpoint unreadable: {e}"));
+    }
+    if out.join("config.json").exists() {
+        Config::from_file(&out.join("config.json")).unwrap_or_else(|e| panic!("trial {trial}: config.json: {e}"));
+    }
+    if let Ok(log) = std::fs::read_to_string(out.join("loss.jsonl")) {
+        let whole = &log[..log.rfind('\n').map_or(0, |i| i + 1)];
+        for l in whole.lines() {
+            serde_json::from_str::<serde_json::Value>(l)
+                .unwrap_or_else(|e| panic!("trial {trial}: log line {l:?}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn sigkill_during_runs_and_saves_loses_nothing_saved() {
+    let out = std::env::temp_dir().join(format!("rumble-sigkill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let cfg = preset("tiny").unwrap().config;
+
+    // One whole run sets the time scale.
+    let t0 = Instant::now();
+    let res = start(&out).wait_with_output().unwrap();
+    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
+    let full = t0.elapsed();
+
+    let mut rng = Rng::new(17);
+    let (mut killed, mut left_temps) = (0, 0);
+    for trial in 0..50 {
+        let before = temps(&out);
+        let mut child = start(&out);
+        let at = full.mul_f64(rng.uniform() * 1.2);
+        let t = Instant::now();
+        let mut done = false;
+        while t.elapsed() < at {
+            if child.try_wait().unwrap().is_some() {
+                done = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !done {
+            child.kill().unwrap(); // SIGKILL
+            killed += 1;
+        }
+        let status = child.wait().unwrap();
+        if done {
+            assert!(status.success(), "trial {trial}: a run that was not killed failed");
+        }
+        // Temporary files of earlier killed runs are gone once a run got past its start.
+        let now = temps(&out);
+        if status.success() {
+            assert!(now.is_empty(), "trial {trial}: {now:?} left after a whole run (before: {before:?})");
+        }
+        left_temps += usize::from(!now.is_empty());
+        check_survivors(&out, &cfg, trial);
+    }
+    // The next run cleans up whatever the last kill left.
+    let res = start(&out).wait_with_output().unwrap();
+    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
+    assert!(temps(&out).is_empty(), "{:?}", temps(&out));
+    check_survivors(&out, &cfg, 50);
+    eprintln!("sigkill: 50 trials, {killed} killed, {left_temps} left a temporary file; run {full:?}");
+    assert!(killed >= 25, "too few kills ({killed}) to mean anything");
+    std::fs::remove_dir_all(&out).unwrap();
+}
