@@ -71,11 +71,18 @@ fn read_safetensors(bytes: &[u8]) {
 }
 
 fn safetensors_seeds() -> Vec<Vec<u8>> {
+    static SEEDS: std::sync::OnceLock<Vec<Vec<u8>>> = std::sync::OnceLock::new();
+    SEEDS.get_or_init(make_safetensors_seeds).clone()
+}
+
+fn make_safetensors_seeds() -> Vec<Vec<u8>> {
     let text = r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 4, "intermediate_size": 4,
         "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 2}"#;
     let cfg = Config::from_json_str(text, "seed.json").unwrap();
     let w = Weights::init(&cfg, 1).unwrap();
-    let dir = std::env::temp_dir().join(format!("rumble-fuzz-seed-{}", std::process::id()));
+    // One folder per thread: the proptest cases and the timed run may make seeds at once.
+    let dir =
+        std::env::temp_dir().join(format!("rumble-fuzz-seed-{}-{:?}", std::process::id(), std::thread::current().id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
     w.save(&path).unwrap();
