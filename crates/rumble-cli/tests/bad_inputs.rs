@@ -2,7 +2,9 @@
 //! holding NaN, a truncated one, a FIFO, a folder, a linked log, a locked run folder) and
 //! option values at 2^31, 2^32, 2^62 and 2^64-1. Every case runs the `rumble` binary under a
 //! time limit and must end with status 1 (or clap's 2), an `error:` line naming the culprit,
-//! no panic or abort, and the files already in `--out` byte-identical afterwards.
+//! no panic or abort, and the files already in `--out` byte-identical afterwards. A step whose
+//! loss is not finite (weights so large the forward overflows) is one of them: the run stops
+//! before any checkpoint, naming the first non-finite parameter.
 //!
 //! Also here: a closed or full stdout (`| head -1`, `> /dev/full`) never panics and keeps the
 //! checkpoint, and a file called `tiny` in the working folder does not shadow the preset.
@@ -103,6 +105,13 @@ fn every_bad_input_is_one_named_error_and_changes_nothing() {
     good.save(&root.join("good.safetensors")).unwrap();
     let bytes = std::fs::read(root.join("good.safetensors")).unwrap();
     std::fs::write(root.join("truncated.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    // Finite weights so large that the first forward overflows: the step's loss is NaN.
+    let mut huge = good.clone();
+    for (_, t) in huge.tensors.iter_mut().filter(|(n, _)| n.contains("embed_tokens")) {
+        let n = t.ty.numel();
+        *t = host::from_f32s(t.ty.dtype, t.ty.dims(), &vec![1e30; n]).unwrap();
+    }
+    huge.save(&root.join("huge.safetensors")).unwrap();
     let fifo = root.join("fifo");
     let c = std::ffi::CString::new(fifo.to_string_lossy().as_bytes()).unwrap();
     // SAFETY: a valid NUL-terminated path.

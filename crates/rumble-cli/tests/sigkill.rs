@@ -1,9 +1,12 @@
-//! SIGKILL at random times during short training runs into one folder (50 trials): every
+//! SIGKILL at random times during short training runs into one folder (50 trials; every other
+//! one aimed at the final save, which starts when the last step's line is printed): every
 //! checkpoint that survives loads, the loss log reads to its last full line, and the next run
 //! removes the temporary files a killed save left behind.
 
+use std::io::BufRead;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rumble_models::rng::Rng;
@@ -14,10 +17,24 @@ fn start(out: &Path) -> std::process::Child {
         .args(["train", "--device", "cpu", "--steps", "3", "--batch", "2", "--seq", "16", "--json", "--overwrite"])
         .arg("--out")
         .arg(out)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap()
+}
+
+/// Reads the run's stdout on a thread; sends once the last step's line is out (the save starts).
+fn watch(child: &mut std::process::Child) -> mpsc::Receiver<()> {
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            if line.contains("\"event\":\"step\"") && line.contains("\"step\":3") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx
 }
 
 fn temps(out: &Path) -> Vec<String> {
@@ -55,18 +72,28 @@ fn sigkill_during_runs_and_saves_loses_nothing_saved() {
     let _ = std::fs::remove_dir_all(&out);
     let cfg = preset("tiny").unwrap().config;
 
-    // One whole run sets the time scale.
+    // One whole run sets the time scale: the run, and the save after its last step.
     let t0 = Instant::now();
-    let res = start(&out).wait_with_output().unwrap();
-    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
-    let full = t0.elapsed();
+    let mut child = start(&out);
+    let saving = watch(&mut child);
+    saving.recv_timeout(Duration::from_secs(300)).expect("the last step's line");
+    let t_save = Instant::now();
+    assert!(child.wait().unwrap().success());
+    let (full, save) = (t0.elapsed(), t_save.elapsed());
 
     let mut rng = Rng::new(17);
     let (mut killed, mut left_temps) = (0, 0);
     for trial in 0..50 {
         let before = temps(&out);
         let mut child = start(&out);
-        let at = full.mul_f64(rng.uniform() * 1.2);
+        let saving = watch(&mut child);
+        let at = if trial % 2 == 0 {
+            full.mul_f64(rng.uniform() * 1.2)
+        } else {
+            // Aimed at the save: wait for the last step's line, then a moment into the save.
+            let _ = saving.recv_timeout(Duration::from_secs(300));
+            save.mul_f64(rng.uniform())
+        };
         let t = Instant::now();
         let mut done = false;
         while t.elapsed() < at {
@@ -93,11 +120,10 @@ fn sigkill_during_runs_and_saves_loses_nothing_saved() {
         check_survivors(&out, &cfg, trial);
     }
     // The next run cleans up whatever the last kill left.
-    let res = start(&out).wait_with_output().unwrap();
-    assert!(res.status.success(), "{}", String::from_utf8_lossy(&res.stderr));
+    assert!(start(&out).wait().unwrap().success());
     assert!(temps(&out).is_empty(), "{:?}", temps(&out));
     check_survivors(&out, &cfg, 50);
-    eprintln!("sigkill: 50 trials, {killed} killed, {left_temps} left a temporary file; run {full:?}");
+    eprintln!("sigkill: 50 trials, {killed} killed, {left_temps} left a temporary file; run {full:?}, save {save:?}");
     assert!(killed >= 25, "too few kills ({killed}) to mean anything");
     std::fs::remove_dir_all(&out).unwrap();
 }

@@ -35,7 +35,9 @@ pub enum ModelError {
 
     /// A training step produced a non-finite loss or gradient norm: the run stops there,
     /// before any checkpoint is written. `culprit` names the first non-finite parameter.
-    #[error("step {step}: {what}; {culprit}; the run stopped before writing a checkpoint")]
+    #[error(
+        "step {step}: {what}; {culprit}; the run stopped before writing a checkpoint (a lower --lr or --clip may help)"
+    )]
     Diverged { step: u64, what: String, culprit: String },
 
     /// More memory is needed than the host or the device has free.
