@@ -95,16 +95,18 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         a.model.config = Some(w);
     }
     let r = a.model.resolve(None)?;
-    run_resolved(&a, r, &mut |line| println!("{line}"))
+    run_resolved(&a, r, &mut |line| crate::output::line(line))
 }
 
 /// Times one resolved workload; each executor's JSON line goes to `emit`.
-pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json::Value)) -> Result<()> {
+pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json::Value) -> Result<()>) -> Result<()> {
     let device: DeviceChoice = a.device.parse()?;
     let mut sc = r.step.clone();
     if !a.train {
         sc.optimizer = None;
     }
+    crate::common::check_weights_fit(&r)?;
+    crate::common::check_step_fits(&r, true)?;
     let weights = Weights::init(&r.config, a.seed)?;
     if a.profile {
         return profile(a, &r.name, &r.config, &sc, weights);
@@ -189,14 +191,14 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
             }
         }
         if !a.json {
-            eprintln!(
+            crate::note!(
                 "{} {executor}: median {median:.2} ms a step ({:.0} tokens/s) over {} steps; build {build_ms:.0} ms",
                 r.name,
                 tokens / median * 1e3,
                 times.len()
             );
         }
-        emit(line);
+        emit(line)?;
     }
     Ok(())
 }
@@ -249,24 +251,23 @@ fn profile(
             .iter()
             .map(|t| json!({"node": t.node, "op": t.op, "kernel": t.kernel, "out": t.out, "phase": t.phase, "ms": round3(t.ms)}))
             .collect();
-        println!(
-            "{}",
-            json!({"workload": name, "executor": "rumble-profile", "device_ms": round3(total), "by_op": ops, "slowest": nodes})
-        );
+        crate::output::line(
+            json!({"workload": name, "executor": "rumble-profile", "device_ms": round3(total), "by_op": ops, "slowest": nodes}),
+        )?;
         return Ok(());
     }
-    println!(
+    crate::outln!(
         "{name}: device time of one step, node by node (planned executor): {total:.3} ms over {} launches",
         times.len()
-    );
-    println!("{:<22} {:<40} {:>6} {:>10} {:>6}", "op", "kernel", "steps", "ms", "%");
+    )?;
+    crate::outln!("{:<22} {:<40} {:>6} {:>10} {:>6}", "op", "kernel", "steps", "ms", "%")?;
     for ((op, k), (n, ms)) in &by_op {
-        println!("{op:<22} {k:<40} {n:>6} {ms:>10.3} {:>5.1}%", 100.0 * ms / total.max(1e-9));
+        crate::outln!("{op:<22} {k:<40} {n:>6} {ms:>10.3} {:>5.1}%", 100.0 * ms / total.max(1e-9))?;
     }
-    println!("\nslowest launches:");
-    println!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9}", "node", "phase", "op", "kernel", "output", "ms");
+    crate::outln!("\nslowest launches:")?;
+    crate::outln!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9}", "node", "phase", "op", "kernel", "output", "ms")?;
     for t in top {
-        println!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9.3}", t.node, t.phase, t.op, t.kernel, t.out, t.ms);
+        crate::outln!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9.3}", t.node, t.phase, t.op, t.kernel, t.out, t.ms)?;
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
-use rumble_models::{Config, Objective, Optimizer, Result, StepConfig, preset};
+use rumble_models::{Config, ModelError, Objective, Optimizer, PRESET_NAMES, Result, StepConfig, preset};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerArg {
@@ -26,7 +26,8 @@ pub enum ObjectiveArg {
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// A preset (tiny, small, seed-llama, seed-qwen2), a config.json file, or a folder holding
-    /// one. Default: tiny, or the config.json beside --init-from.
+    /// one. A preset's name always means the preset, even where a file of that name exists:
+    /// write `./tiny` for the file. Default: tiny, or the config.json beside --init-from.
     #[arg(long, value_name = "FILE|PRESET")]
     pub config: Option<String>,
     /// Sequences per micro-batch (default: the preset's, 1 for a config file).
@@ -72,7 +73,7 @@ impl ModelArgs {
     pub fn resolve(&self, beside: Option<&Path>) -> Result<Resolved> {
         let sibling = beside.and_then(|p| p.parent()).map(|d| d.join("config.json")).filter(|p| p.is_file());
         let (name, config, batch, seq, objective, lr) = match (&self.config, sibling) {
-            (Some(c), _) if Path::new(c).exists() => {
+            (Some(c), _) if !PRESET_NAMES.contains(&c.as_str()) && Path::new(c).exists() => {
                 let (name, cfg) = config_from_path(Path::new(c))?;
                 (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
             }
@@ -111,6 +112,7 @@ impl ModelArgs {
             clip: self.clip,
             fused_loss: !self.materialize_logits,
         };
+        config.check_step_sizes(step.batch, step.seq, step.grad_accum)?;
         Ok(Resolved { name, config, step, lr })
     }
 }
@@ -118,13 +120,51 @@ impl ModelArgs {
 fn config_from_path(p: &Path) -> Result<(String, Config)> {
     let file: PathBuf = if p.is_dir() { p.join("config.json") } else { p.to_path_buf() };
     let cfg = Config::from_file(&file)?;
-    let name = file
-        .parent()
-        .and_then(|d| d.file_name())
-        .map(|n| n.to_string_lossy().into_owned())
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| "model".into());
+    // A model folder's config.json is named after the folder; any other file after itself.
+    let named = if file.file_name().is_some_and(|n| n == "config.json") {
+        file.parent().and_then(|d| d.file_name())
+    } else {
+        file.file_stem()
+    };
+    let name =
+        named.map(|n| n.to_string_lossy().into_owned()).filter(|n| !n.is_empty()).unwrap_or_else(|| "model".into());
     Ok((name, cfg))
+}
+
+/// Refuses, before any weight is allocated, parameters and optimizer state (each a copy of the
+/// parameters for AdamW's two moments, one for SGD's momentum) larger than the host memory free.
+pub fn check_weights_fit(r: &Resolved) -> Result<()> {
+    let copies: u64 = match r.step.optimizer {
+        Some(Optimizer::AdamW { .. }) => 3,
+        Some(Optimizer::Sgd { momentum, .. }) if momentum != 0.0 => 2,
+        _ => 1,
+    };
+    let bytes = r.config.checked_param_bytes().ok_or_else(|| ModelError::TooLarge {
+        what: format!("the parameters of `{}`", r.name),
+        msg: "their size overflows".into(),
+    })? as u64;
+    rumble_models::guard::check_host_memory(
+        &format!("`{}`: {} parameters and optimizer state", r.name, human(r.config.num_params() as f64)),
+        bytes.saturating_mul(copies),
+    )
+}
+
+/// Refuses, before the step is built, micro-batches whose token data (ids and targets, 8 bytes
+/// each) and trace (about 50 nodes a layer forward and backward, a few hundred bytes a node, per
+/// micro-batch) would not fit in the host memory free. `with_data`: the step will run (not
+/// only be planned), so its token data is counted too.
+pub fn check_step_fits(r: &Resolved, with_data: bool) -> Result<()> {
+    let k = r.step.grad_accum as u64;
+    let tokens = (r.step.batch as u64).saturating_mul(r.step.seq as u64);
+    let data = if with_data { tokens.saturating_mul(16).saturating_mul(k) } else { 0 };
+    let nodes = (r.config.num_hidden_layers as u64).saturating_mul(50).saturating_add(50).saturating_mul(k);
+    rumble_models::guard::check_host_memory(
+        &format!(
+            "`{}`: {k} micro-batch(es) of {} x {} tokens (their data and trace)",
+            r.name, r.step.batch, r.step.seq
+        ),
+        data.saturating_add(nodes.saturating_mul(512)),
+    )
 }
 
 /// `12.3 M`-style counts.

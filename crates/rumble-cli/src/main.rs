@@ -2,10 +2,15 @@
 //!
 //! `rumble train` with no arguments trains the `tiny` preset on the corpus shipped in
 //! `data/corpus.txt` (byte-level tokens), on the GPU when one is usable and otherwise the CPU.
+//!
+//! Errors end the command with status 1 and one `error: ...` line naming the culprit (file,
+//! key, tensor, option); no input makes it panic. A closed stdout ends it quietly with status 0.
 
 mod bench;
 mod common;
+mod output;
 mod plan;
+mod rundir;
 mod suite;
 mod train;
 
@@ -35,8 +40,13 @@ fn main() {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
     };
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    match result {
+        Ok(()) => {}
+        // The reader of stdout closed it (`| head -1`): it wanted no more; a quiet success.
+        Err(e) if output::is_broken_pipe(&e) => {}
+        Err(e) => {
+            note!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }

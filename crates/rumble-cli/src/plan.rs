@@ -61,29 +61,30 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
     if a.no_optimizer {
         sc.optimizer = None;
     }
+    crate::common::check_step_fits(&r, false)?;
     let step = build_train_step(&r.config, &sc)?;
     let remat = if a.remat == "auto" { Remat::Auto } else { Remat::Off };
     let opts = CompileOptions { schedule: !a.no_schedule, remat, budget: a.memory_budget, ..Default::default() };
     let planned = compile(&step.trace, &opts)?;
     if a.trace {
-        println!("{}", planned.trace);
+        crate::output::line(&planned.trace)?;
     }
     if let Some(path) = &a.svg {
         write_atomic(path, planned.svg().as_bytes())?;
     }
     if a.json {
-        println!("{}", planned.report.to_json());
+        crate::output::line(planned.report.to_json())?;
         return Ok(());
     }
-    println!(
+    crate::outln!(
         "{} ({}):",
         r.name,
         if sc.optimizer.is_some() { "forward, backward, optimizer" } else { "forward, backward" }
-    );
+    )?;
     for l in &planned.passes {
-        println!("  pass {l}");
+        crate::outln!("  pass {l}")?;
     }
-    print!("{}", planned.report);
+    crate::output::text(&planned.report)?;
     Ok(())
 }
 

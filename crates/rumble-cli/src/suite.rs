@@ -139,7 +139,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
             let line = json!({
                 "case": case.name, "workload": case.name, "executor": "rumble", "error": error, "pending": pending,
             });
-            println!("{line}");
+            crate::output::line(line)?;
             failed.push(case.name.as_str());
         }
     }
@@ -175,6 +175,6 @@ fn run_case(a: &BenchArgs, case: &Case) -> Result<()> {
         if let (Some(l), Some(e)) = (line.as_object_mut(), extra.as_object()) {
             l.extend(e.clone());
         }
-        println!("{line}");
+        crate::output::line(line)
     })
 }

@@ -1,7 +1,10 @@
 //! `rumble train`: builds the step, runs it on the chosen device over corpus windows, shows a
 //! progress bar (or prints JSON lines), and writes a checkpoint and a loss log.
+//!
+//! Every input is checked before the run folder is touched, and the folder before the first
+//! step (`rundir.rs`). A step with a non-finite loss stops the run before any checkpoint. A
+//! closed or full stdout stops the run too, after saving the checkpoint of the steps taken.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -12,6 +15,8 @@ use rumble_models::{Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Resul
 use serde_json::json;
 
 use crate::common::{ModelArgs, human};
+use crate::rundir::{RunDir, RunDirArgs};
+use crate::{note, output};
 
 /// The corpus shipped in the repository (data/corpus.txt), built into the binary.
 const CORPUS: &[u8] = include_bytes!("../../../data/corpus.txt");
@@ -47,9 +52,12 @@ pub struct TrainArgs {
     /// Text to train on, read as bytes (default: the shipped corpus).
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
-    /// Where the checkpoint and the loss log go (default: runs/<model>).
+    /// Where the checkpoint and the loss log go (default: runs/<model>). Must be empty or
+    /// absent unless --overwrite or --resume.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    #[command(flatten)]
+    pub run_dir: RunDirArgs,
     /// Seed of the initialisation and of the batch sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -72,9 +80,21 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
+    if a.steps == 0 {
+        return Err(ModelError::Usage("--steps must be at least 1".into()));
+    }
+    if a.run_dir.resume.is_some() {
+        return Err(ModelError::Usage(
+            "--resume: continuing a run from its checkpoint is not in this build yet (it comes with --save-every)"
+                .into(),
+        ));
+    }
     let device: DeviceChoice = a.device.parse()?;
     let r = a.model.resolve(a.init_from.as_deref())?;
     let cfg = r.config.clone();
+    let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
+    let mode = a.run_dir.mode();
+    crate::rundir::check(&out, mode, a.init_from.as_deref())?;
     let corpus = match &a.data {
         Some(p) => Corpus::from_file(p)?,
         None => Corpus::new(CORPUS.to_vec()),
@@ -85,10 +105,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             r.name, cfg.vocab_size
         )));
     }
-    let weights = match &a.init_from {
-        Some(p) => Weights::load(p, &cfg)?,
-        None => Weights::init(&cfg, a.seed)?,
-    };
+    let data_name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
     let lr = a.lr.unwrap_or(r.lr);
     let schedule = LrSchedule {
         peak: lr,
@@ -106,6 +123,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
         Some(list) => Some(Buckets::seqs(r.step.batch, list)?),
         None => None,
     };
+    // Refused up front: windows longer than the data, hyper-parameters out of their domain,
+    // parameters and optimizer state larger than the memory free.
+    let longest = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).max().unwrap_or(r.step.seq);
+    if let Some(b) = &buckets {
+        for s in b.shapes() {
+            cfg.check_step_sizes(s.batch, s.seq, r.step.grad_accum)?;
+        }
+    }
+    corpus.check_window(longest, &data_name)?;
+    rumble_models::trainer::check_hyper(&r.step, &schedule)?;
+    crate::common::check_weights_fit(&r)?;
+    crate::common::check_step_fits(&r, true)?;
+    let weights = match &a.init_from {
+        Some(p) => Weights::load(p, &cfg)?,
+        None => Weights::init(&cfg, a.seed)?,
+    };
     let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
         Some(b) => {
@@ -116,10 +149,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();
     let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
-    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&r.name));
-    std::fs::create_dir_all(&out).map_err(|e| ModelError::io(&out, e))?;
-    let log_path = out.join("loss.jsonl");
-    let mut log = std::io::BufWriter::new(std::fs::File::create(&log_path).map_err(|e| ModelError::io(&log_path, e))?);
+    let mut run_dir = RunDir::open(&out, mode, a.init_from.as_deref())?;
+    if run_dir.removed_temps > 0 {
+        note!("removed {} temporary file(s) of killed runs from {}", run_dir.removed_temps, out.display());
+    }
+    let log_path = run_dir.log.path.clone();
 
     let start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
@@ -128,10 +162,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         "buckets": bucket_seqs,
     });
     let bar = if a.json {
-        println!("{start}");
+        output::line(&start)?;
         ProgressBar::hidden()
     } else {
-        eprintln!(
+        note!(
             "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}",
             r.name,
             human(cfg.num_params() as f64),
@@ -143,7 +177,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             sc.optimizer.map(|o| o.name()).unwrap_or("-"),
         );
         if buckets.is_some() {
-            eprintln!("shape buckets: seq {bucket_seqs:?}; each step's length drawn from 1..={}", sc.seq);
+            note!("shape buckets: seq {bucket_seqs:?}; each step's length drawn from 1..={}", sc.seq);
         }
         let bar = ProgressBar::new(a.steps);
         let style =
@@ -158,6 +192,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let t0 = Instant::now();
     let mut first_loss = None;
     let mut last = None;
+    // A failed write to stdout or the log stops the run; the checkpoint is still saved.
+    let mut stopped: Option<ModelError> = None;
     for i in 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
         let batches = (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
@@ -166,10 +202,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         let dt = ts.elapsed().as_secs_f64();
         let tps = s.tokens as f64 / dt.max(1e-9);
         first_loss.get_or_insert(s.loss);
-        if !s.loss.is_finite() {
-            bar.abandon();
-            return Err(ModelError::Usage(format!("the loss diverged at step {i} ({}); try a lower --lr", s.loss)));
-        }
         if i == 1 || i == a.steps || i % a.log_every.max(1) == 0 {
             let mut line = json!({
                 "event": "step", "step": s.step, "loss": s.loss, "lr": s.lr, "tokens_per_s": tps.round(),
@@ -181,18 +213,24 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if buckets.is_some() {
                 line["seq"] = json!(seq);
             }
-            writeln!(log, "{line}").map_err(|e| ModelError::io(&log_path, e))?;
-            if a.json {
-                println!("{line}");
+            let written =
+                run_dir.log.line(&line.to_string()).and_then(|_| if a.json { output::line(&line) } else { Ok(()) });
+            if let Err(e) = written {
+                stopped = Some(e);
+                last = Some(s);
+                break;
             }
         }
         bar.set_message(format!("loss {:.4}  {} tok/s", s.loss, human(tps)));
         bar.inc(1);
         last = Some(s);
     }
-    log.flush().map_err(|e| ModelError::io(&log_path, e))?;
     bar.finish();
     trainer.save_checkpoint(&out)?;
+    if let Some(e) = stopped {
+        note!("stopped after step {} ({e}); checkpoint of that step saved in {}", trainer.steps_done(), out.display());
+        return Err(e);
+    }
     let elapsed = t0.elapsed().as_secs_f64();
     let final_loss = last.map(|s| s.loss);
     let reports: Vec<_> = trainer
@@ -204,14 +242,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
         })
         .collect();
     if a.json {
-        println!(
-            "{}",
+        output::line(
             json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "elapsed_s": elapsed,
                    "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"), "loss_log": log_path,
-                   "buckets": reports})
-        );
+                   "buckets": reports}),
+        )?;
     } else {
-        eprintln!(
+        note!(
             "loss {:.4} -> {:.4} in {elapsed:.1} s; checkpoint {} (+ config.json), loss log {}",
             first_loss.unwrap_or(f32::NAN),
             final_loss.unwrap_or(f32::NAN),
@@ -219,7 +256,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             log_path.display()
         );
         for b in trainer.bucket_reports() {
-            eprintln!(
+            note!(
                 "bucket {}: {} steps, {} capture(s) in {:.1} ms, arena {} bytes",
                 b.shape,
                 b.steps,

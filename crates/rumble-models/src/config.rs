@@ -63,7 +63,7 @@ pub struct Config {
 impl Config {
     /// Reads a `config.json` file.
     pub fn from_file(path: &Path) -> Result<Config> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let text = crate::guard::read_metadata(path, "config")?;
         Config::from_json_str(&text, &path.display().to_string())
     }
 
@@ -118,6 +118,66 @@ impl Config {
         s
     }
 
+    /// Number of parameter elements (tied embeddings counted once). Saturates for configs
+    /// that [`Config::validate`] refuses.
+    pub fn num_params(&self) -> usize {
+        self.checked_num_params().unwrap_or(usize::MAX)
+    }
+
+    /// Number of parameter elements, computed with checked arithmetic (no walk over the
+    /// layers, so a config of 10^9 layers answers at once): `None` past `isize::MAX` bytes.
+    /// Equal to the sum over `model::param_specs` (tested).
+    pub fn checked_num_params(&self) -> Option<usize> {
+        use rumble_core::ir::mul_size as mul;
+        let add = |a: usize, b: usize| a.checked_add(b);
+        let (c, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = mul(self.num_attention_heads, self.head_dim)?;
+        let kv = mul(self.num_key_value_heads, self.head_dim)?;
+        // q, k, v (and biases), o, gate_up, down, two norms.
+        let mut layer = mul(add(q, mul(2, kv)?)?, c)?;
+        if self.qkv_bias {
+            layer = add(layer, add(q, mul(2, kv)?)?)?;
+        }
+        layer = add(layer, mul(c, q)?)?;
+        layer = add(layer, mul(mul(3, f)?, c)?)?;
+        layer = add(layer, mul(2, c)?)?;
+        let embeddings = mul(mul(if self.tie_word_embeddings { 1 } else { 2 }, v)?, c)?;
+        let total = add(add(mul(layer, self.num_hidden_layers)?, embeddings)?, c)?;
+        mul(total, self.dtype.size_in_bytes()).map(|_| total)
+    }
+
+    /// Bytes of the parameters in their dtype (`None` when that overflows).
+    pub fn checked_param_bytes(&self) -> Option<usize> {
+        rumble_core::ir::mul_size(self.checked_num_params()?, self.dtype.size_in_bytes())
+    }
+
+    /// Refuses a step of `batch` sequences of `seq` tokens, `grad_accum` micro-batches, whose
+    /// token count or activation sizes (tokens times the widest row: hidden, 2 x intermediate,
+    /// vocabulary; 8 bytes an element at most) overflow. Called before any trace is built, so
+    /// no product of these numbers can wrap anywhere after.
+    pub fn check_step_sizes(&self, batch: usize, seq: usize, grad_accum: usize) -> Result<()> {
+        use rumble_core::ir::mul_size as mul;
+        let too_large = |msg: String| ModelError::TooLarge { what: format!("batch {batch} x seq {seq}"), msg };
+        let tokens = mul(batch, seq).ok_or_else(|| too_large("the token count overflows".into()))?;
+        mul(tokens, grad_accum.max(1))
+            .ok_or_else(|| too_large(format!("the tokens of {grad_accum} micro-batches overflow")))?;
+        let widest = [
+            self.hidden_size,
+            self.intermediate_size.saturating_mul(2),
+            self.vocab_size,
+            self.num_attention_heads.saturating_mul(self.head_dim),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+        mul(tokens, widest).and_then(|n| mul(n, 8)).ok_or_else(|| {
+            too_large(format!(
+                "{tokens} tokens of rows of {widest} elements overflow the largest size (isize::MAX bytes)"
+            ))
+        })?;
+        Ok(())
+    }
+
     /// Checks the relations between fields (also run on presets and hand-built configs).
     pub fn validate(&self, src: &str) -> Result<()> {
         let bad = |key: &str, msg: String| Err(ModelError::config(src, key, msg));
@@ -152,11 +212,38 @@ impl Config {
                 ),
             );
         }
-        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
-            return bad("rms_norm_eps", format!("{} must be positive", self.rms_norm_eps));
+        if !self.rms_norm_eps.is_finite() || self.rms_norm_eps <= 0.0 {
+            return bad("rms_norm_eps", format!("{} must be positive and finite", self.rms_norm_eps));
         }
-        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
-            return bad("rope_theta", format!("{} must be positive", self.rope_theta));
+        if !self.rope_theta.is_finite() || self.rope_theta <= 0.0 {
+            return bad("rope_theta", format!("{} must be positive and finite (the RoPE base)", self.rope_theta));
+        }
+        if !self.initializer_range.is_finite() || self.initializer_range < 0.0 {
+            return bad("initializer_range", format!("{} must be finite and not negative", self.initializer_range));
+        }
+        if self.num_attention_heads.checked_mul(self.head_dim).is_none() {
+            return bad("head_dim", format!("{} heads of {} overflow", self.num_attention_heads, self.head_dim));
+        }
+        if self.checked_num_params().is_none() {
+            // Name the largest of the sizes that multiply.
+            let (key, _) = [
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("head_dim", self.head_dim),
+                ("num_attention_heads", self.num_attention_heads),
+            ]
+            .into_iter()
+            .max_by_key(|&(_, v)| v)
+            .unwrap_or(("vocab_size", 0));
+            return bad(
+                key,
+                format!(
+                    "the parameter count overflows (vocab_size {}, hidden_size {}, intermediate_size {}, {} layers)",
+                    self.vocab_size, self.hidden_size, self.intermediate_size, self.num_hidden_layers
+                ),
+            );
         }
         if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
             return bad("torch_dtype", format!("{} is not a parameter dtype rumble trains", self.dtype));
@@ -427,6 +514,45 @@ mod tests {
         assert_eq!(Config::from_json_str(&text, "q.json").unwrap().num_hidden_layers, 28);
         let text = with("layer_types", json!(vec!["full_attention"; 28]));
         Config::from_json_str(&text, "q.json").unwrap();
+    }
+
+    #[test]
+    fn parameter_count_is_the_sum_over_param_specs() {
+        let mut configs: Vec<Config> =
+            crate::presets::PRESET_NAMES.iter().map(|n| crate::presets::preset(n).unwrap().config).collect();
+        configs.push(Config::from_json_str(QWEN25_7B, "q.json").unwrap());
+        let mut tied = configs[0].clone();
+        tied.tie_word_embeddings = !tied.tie_word_embeddings;
+        configs.push(tied);
+        for c in configs {
+            let walked: usize = crate::model::param_specs(&c).iter().map(|p| p.ty.numel()).sum();
+            assert_eq!(c.checked_num_params(), Some(walked), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn huge_sizes_are_refused_by_key() {
+        for big in [1u64 << 31, 1 << 32, 1 << 62, u64::MAX] {
+            for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"] {
+                let text = with(key, json!(big));
+                match Config::from_json_str(&text, "big.json") {
+                    // 2^31 and 2^32 fit in a count; their sizes are judged by the memory check.
+                    Ok(c) => assert!(big <= 1 << 32 && c.checked_param_bytes().is_some(), "{key}={big}"),
+                    Err(e) => assert!(e.to_string().starts_with("big.json: config key"), "{key}={big}: {e}"),
+                }
+            }
+        }
+        let c = Config::from_json_str(QWEN25_7B, "q.json").unwrap();
+        for (b, t) in [(1usize << 32, 1usize << 32), (1 << 31, 1 << 31), (1 << 62, 1), (usize::MAX, 1)] {
+            let e = c.check_step_sizes(b, t, 1).unwrap_err().to_string();
+            assert!(e.contains(&format!("batch {b} x seq {t}")), "{e}");
+        }
+        c.check_step_sizes(4, 4096, 8).unwrap();
+        assert!(c.check_step_sizes(1 << 20, 1 << 20, 1 << 30).is_err());
+        for (key, v) in [("rope_theta", json!(-1.0)), ("rope_theta", json!(0.0)), ("rms_norm_eps", json!(0.0))] {
+            let e = Config::from_json_str(&with(key, v), "c.json").unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")), "{e}");
+        }
     }
 
     #[test]

@@ -71,6 +71,21 @@ impl CudaExecutor {
         let opts = Program::compile_options(&dev, opts)?;
         let compiled = compile(&trace, &opts)?;
         let report = compiled.report.clone();
+        // Refused before the first allocation when the device lacks the memory: the plan's
+        // peak (eager holds at least LOAD plus the persistent region).
+        let need = match mode {
+            CudaMode::Eager => report.load_bytes.saturating_add(report.persistent_bytes),
+            _ => report.peak_bytes,
+        } as u64;
+        let (free, _) = dev.mem_info()?;
+        if need > free as u64 {
+            return Err(ModelError::OutOfMemory {
+                what: format!("the {} executor of `{}` (the plan's peak)", mode.name(), trace.name),
+                device: "cuda device 0".into(),
+                needed: need,
+                free: free as u64,
+            });
+        }
         let prog = Arc::new(Program::new(dev, compiled.trace, compiled.plan)?);
         let mut given: HashMap<String, HostTensor> = persistent.into_iter().collect();
         let (pers_idx, _) = prog.input_split();

@@ -37,8 +37,23 @@ impl Corpus {
         Corpus { bytes }
     }
 
+    /// Reads a data file whole: a regular file (devices and FIFOs are refused), no larger
+    /// than the host memory free.
     pub fn from_file(path: &Path) -> Result<Corpus> {
-        Ok(Corpus::new(std::fs::read(path).map_err(|e| ModelError::io(path, e))?))
+        Ok(Corpus::new(crate::guard::read_in_memory(path, "data", 1)?))
+    }
+
+    /// Refuses, before a run starts, windows of `seq` tokens this corpus is too short for
+    /// (`source` names the data in the error).
+    pub fn check_window(&self, seq: usize, source: &str) -> Result<()> {
+        if self.bytes.len() <= seq {
+            return Err(ModelError::Usage(format!(
+                "{source}: the data has {} bytes; windows of {seq} tokens need at least {}",
+                self.bytes.len(),
+                seq.saturating_add(1)
+            )));
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -51,11 +66,11 @@ impl Corpus {
 
     /// `batch` windows at random offsets.
     pub fn sample(&self, rng: &mut Rng, batch: usize, seq: usize) -> Result<Batch> {
-        if self.bytes.len() < seq + 1 {
+        if self.bytes.len() <= seq {
             return Err(ModelError::Usage(format!(
                 "the corpus has {} bytes; a window of seq {seq} needs at least {}",
                 self.bytes.len(),
-                seq + 1
+                seq.saturating_add(1)
             )));
         }
         let mut tokens = Vec::with_capacity(batch * seq);

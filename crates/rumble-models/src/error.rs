@@ -27,6 +27,31 @@ pub enum ModelError {
     #[error("{file}: unexpected tensor `{name}`: the config has no such parameter")]
     UnexpectedTensor { file: PathBuf, name: String },
 
+    /// A checkpoint tensor holds NaN or infinity.
+    #[error(
+        "{file}: tensor `{name}` holds {value} at element {index}: rumble neither loads nor saves non-finite weights"
+    )]
+    NonFinite { file: PathBuf, name: String, index: usize, value: f64 },
+
+    /// A training step produced a non-finite loss or gradient norm: the run stops there,
+    /// before any checkpoint is written. `culprit` names the first non-finite parameter.
+    #[error(
+        "step {step}: {what}; {culprit}; the run stopped before writing a checkpoint (a lower --lr or --clip may help)"
+    )]
+    Diverged { step: u64, what: String, culprit: String },
+
+    /// More memory is needed than the host or the device has free.
+    #[error("{what} needs {}, {device} has {} free", crate::guard::fmt_bytes_of(.needed), crate::guard::fmt_bytes_of(.free))]
+    OutOfMemory { what: String, device: String, needed: u64, free: u64 },
+
+    /// A file rumble refuses to read (a device, a FIFO, a folder, too large, not text).
+    #[error("{path}: {msg}")]
+    BadFile { path: PathBuf, msg: String },
+
+    /// A size computed from a config or an option overflows.
+    #[error("{what}: {msg}")]
+    TooLarge { what: String, msg: String },
+
     /// The file is not a readable safetensors file (truncated, bad header).
     #[error("{file}: not a valid safetensors file: {msg}")]
     Safetensors { file: PathBuf, msg: String },

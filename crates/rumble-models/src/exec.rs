@@ -89,6 +89,9 @@ pub struct CpuExecutor {
 
 impl CpuExecutor {
     pub fn new(trace: Trace, persistent: Vec<(String, HostTensor)>) -> Result<CpuExecutor> {
+        // Refused up front when a step cannot fit in the host memory free.
+        let need = crate::guard::cpu_step_bytes(&trace);
+        crate::guard::check_host_memory(&format!("a step of `{}` on the CPU", trace.name), need)?;
         let mut given: std::collections::HashMap<String, HostTensor> = persistent.into_iter().collect();
         let mut inputs = Vec::with_capacity(trace.inputs.len());
         let mut data = Vec::new();

@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod guard;
 pub mod host;
 pub mod model;
 pub mod optim;

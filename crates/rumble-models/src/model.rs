@@ -44,14 +44,6 @@ pub fn hf_parts(name: &str) -> Option<[String; 2]> {
     Some([format!("{layer}mlp.gate_proj.weight"), format!("{layer}mlp.up_proj.weight")])
 }
 
-impl Config {
-    /// Number of parameter elements (tied embeddings counted once). Here, beside the
-    /// parameter list it sums, so that `config` needs nothing of `model`.
-    pub fn num_params(&self) -> usize {
-        param_specs(self).iter().map(|p| p.ty.numel()).sum()
-    }
-}
-
 /// Every parameter of the model in a fixed order (the order of trace inputs and of checkpoint
 /// listings). Tied embeddings appear once, as `model.embed_tokens.weight`; gate and up
 /// projections are packed ([`hf_parts`]).

@@ -58,6 +58,7 @@ pub struct TrainStep {
 
 /// The trace of a forward pass and its loss (output `loss`); no backward.
 pub fn build_forward(cfg: &Config, batch: usize, seq: usize, objective: Objective, fused_loss: bool) -> Result<Trace> {
+    cfg.check_step_sizes(batch, seq, 1)?;
     let g = Graph::new(format!("{}_forward", cfg.arch.model_type()));
     let tokens = g.data("tokens", DType::I64, &[batch, seq])?;
     let targets = match objective {
@@ -79,6 +80,7 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
             sc.batch, sc.seq
         )));
     }
+    cfg.check_step_sizes(sc.batch, sc.seq, k)?;
     if sc.clip.is_some_and(|c| c.is_nan() || c <= 0.0) {
         return Err(ModelError::Usage(format!("clip must be positive, got {:?}", sc.clip)));
     }

@@ -124,6 +124,7 @@ impl Trainer {
         make: impl FnOnce(Trace, Vec<(String, HostTensor)>) -> Result<Box<DynExecutor>>,
     ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
+        check_hyper(&sc, &schedule)?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
         let (trace, _log) = optimize(&trace, &CompileOptions { passes: true, ..opts.clone() })?;
         let mut persistent = weights.tensors;
@@ -158,6 +159,7 @@ impl Trainer {
         opts: &CompileOptions,
     ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
+        check_hyper(&sc, &schedule)?;
         if sc.objective != Objective::CausalLm {
             return Err(ModelError::Usage(
                 "shape buckets need the causal-LM objective (padding would change logits.sum())".into(),
@@ -276,6 +278,18 @@ impl Trainer {
             )?),
             None => None,
         };
+        // The finite check: the loss (and the gradient norm when clipping) are outputs the
+        // step returns anyway, so checking them costs no device work. A non-finite one stops
+        // the run here, before any checkpoint; the parameters are then scanned on the host to
+        // name the first one that went bad.
+        let what = match (loss.is_finite(), grad_norm) {
+            (false, _) => Some(format!("the loss is {loss}")),
+            (true, Some(g)) if !g.is_finite() => Some(format!("the gradient norm is {g}")),
+            _ => None,
+        };
+        if let Some(what) = what {
+            return Err(ModelError::Diverged { step, what, culprit: self.first_non_finite_parameter() });
+        }
         Ok(StepStats { step, loss, grad_norm, lr, tokens: b * t * batches.len() })
     }
 
@@ -294,13 +308,81 @@ impl Trainer {
     }
 
     /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads).
+    /// Refuses (writing nothing) when a parameter holds NaN or infinity, naming it.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
         save_checkpoint(dir, &self.cfg, &self.weights()?)
     }
+
+    /// Names the first parameter (in `param_specs` order) holding a non-finite value, read
+    /// back from the executor; for error messages after a non-finite step.
+    fn first_non_finite_parameter(&self) -> String {
+        match self.weights() {
+            Ok(w) => match crate::guard::first_non_finite_tensor(w.tensors.iter().map(|(n, t)| (n.as_str(), t))) {
+                Some((name, i, v)) => format!("first non-finite parameter: `{name}` ({v} at element {i})"),
+                None => "every parameter is still finite".into(),
+            },
+            Err(e) => format!("the parameters could not be read back ({e})"),
+        }
+    }
+}
+
+/// Refuses hyper-parameters outside their domain, before anything is built: a negative or
+/// non-finite learning rate, weight decay, epsilon; AdamW betas or SGD momentum outside
+/// [0, 1); a clip that is not positive and finite; a warmup longer than the run.
+pub fn check_hyper(sc: &StepConfig, schedule: &LrSchedule) -> Result<()> {
+    let bad = |name: &str, v: f64, domain: &str| Err(ModelError::Usage(format!("{name} must be {domain}, got {v}")));
+    if !schedule.peak.is_finite() || schedule.peak < 0.0 {
+        return bad("the learning rate (--lr)", schedule.peak, "finite and not negative");
+    }
+    if schedule.warmup > schedule.total {
+        return Err(ModelError::Usage(format!(
+            "the warmup ({} steps) is longer than the run ({} steps)",
+            schedule.warmup, schedule.total
+        )));
+    }
+    if let Some(c) = sc.clip
+        && (!c.is_finite() || c <= 0.0)
+    {
+        return bad("the gradient clip (--clip)", c, "positive and finite");
+    }
+    let unit = |v: f64| v.is_finite() && (0.0..1.0).contains(&v);
+    let non_negative = |v: f64| v.is_finite() && v >= 0.0;
+    match sc.optimizer {
+        Some(Optimizer::AdamW { beta1, beta2, eps, weight_decay }) => {
+            if !unit(beta1) {
+                return bad("AdamW beta1", beta1, "in [0, 1)");
+            }
+            if !unit(beta2) {
+                return bad("AdamW beta2", beta2, "in [0, 1)");
+            }
+            if !eps.is_finite() || eps <= 0.0 {
+                return bad("AdamW eps", eps, "positive and finite");
+            }
+            if !non_negative(weight_decay) {
+                return bad("the weight decay (--weight-decay)", weight_decay, "finite and not negative");
+            }
+        }
+        Some(Optimizer::Sgd { momentum, weight_decay }) => {
+            if !unit(momentum) {
+                return bad("the SGD momentum (--momentum)", momentum, "in [0, 1)");
+            }
+            if !non_negative(weight_decay) {
+                return bad("the weight decay (--weight-decay)", weight_decay, "finite and not negative");
+            }
+        }
+        None => {}
+    }
+    Ok(())
 }
 
 /// Writes a Hugging Face model folder: `model.safetensors` and `config.json`, each atomically.
+/// Refuses (writing nothing) weights holding NaN or infinity, naming the first such tensor.
 pub fn save_checkpoint(dir: &Path, cfg: &Config, weights: &Weights) -> Result<()> {
+    if let Some((name, index, value)) =
+        crate::guard::first_non_finite_tensor(weights.tensors.iter().map(|(n, t)| (n.as_str(), t)))
+    {
+        return Err(ModelError::NonFinite { file: dir.join("model.safetensors"), name, index, value });
+    }
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     weights.save(&dir.join("model.safetensors"))?;
     write_atomic(&dir.join("config.json"), cfg.to_json_string().as_bytes())

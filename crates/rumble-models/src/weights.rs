@@ -1,8 +1,8 @@
 //! Model weights on the host: seeded initialisation, and safetensors files with Hugging Face
 //! names and dtypes, so a checkpoint moves between rumble and transformers unchanged.
 //!
-//! Loading checks every tensor against the config (missing, shape, dtype, unexpected) and names
-//! the file and the tensor when something is off. Writes are atomic: a temporary file in the
+//! Loading checks every tensor against the config (missing, shape, dtype, unexpected, NaN or
+//! infinity) and names the file and the tensor when something is off. Writes are atomic: a temporary file in the
 //! same folder, flushed, then renamed over the target, so a crash never leaves half a checkpoint.
 
 use std::collections::HashMap;
@@ -145,7 +145,8 @@ pub fn split_packed(name: &str, t: &HostTensor) -> Vec<(String, HostTensor)> {
         .collect()
 }
 
-/// `t` if it has type `want`, else the error naming the file, the tensor and both types.
+/// `t` if it has type `want` and only finite values, else the error naming the file, the
+/// tensor and both types (or the first non-finite element).
 fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor) -> Result<HostTensor> {
     if t.ty.dims() != want.dims() {
         return Err(ModelError::Shape {
@@ -162,6 +163,9 @@ fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor) -> Result<
             expected: want.dtype.to_string(),
             got: t.ty.dtype.to_string(),
         });
+    }
+    if let Some((index, value)) = crate::guard::first_non_finite(&t) {
+        return Err(ModelError::NonFinite { file: path.into(), name: name.to_string(), index, value });
     }
     Ok(t)
 }
@@ -192,10 +196,18 @@ fn from_st_dtype(d: StDtype) -> Option<DType> {
 }
 
 /// Every tensor of a safetensors file, in the file's name order.
+/// The file must be a regular file, and twice its size (the file and the tensors copied out
+/// of it) must fit in the host memory free.
 pub fn read_safetensors(path: &Path) -> Result<Vec<(String, HostTensor)>> {
-    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+    let bytes = crate::guard::read_in_memory(path, "safetensors", 2)?;
+    parse_safetensors(&bytes, path)
+}
+
+/// Every tensor of the safetensors bytes `bytes` (read from `path`, named in errors), in name
+/// order. Never panics on malformed bytes (fuzzed in `tests/fuzz_readers.rs`).
+pub fn parse_safetensors(bytes: &[u8], path: &Path) -> Result<Vec<(String, HostTensor)>> {
     let bad = |msg: String| ModelError::Safetensors { file: path.into(), msg };
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(describe(&e, bytes.len())))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(describe(&e, bytes.len())))?;
     let mut out = Vec::with_capacity(st.len());
     let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
     names.sort();
@@ -204,6 +216,16 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<(String, HostTensor)>> {
         let dtype = from_st_dtype(view.dtype())
             .ok_or_else(|| bad(format!("tensor `{name}` has dtype {:?}, which rumble does not read", view.dtype())))?;
         let ty = TensorType::new(dtype, view.shape().to_vec());
+        match ty.checked_size_in_bytes() {
+            Ok(n) if n == view.data().len() => {}
+            Ok(n) => {
+                return Err(bad(format!(
+                    "tensor `{name}`: {ty} needs {n} bytes, the file gives {}",
+                    view.data().len()
+                )));
+            }
+            Err(e) => return Err(bad(format!("tensor `{name}`: {e}"))),
+        }
         out.push((name, HostTensor { ty, bytes: view.data().to_vec() }));
     }
     Ok(out)

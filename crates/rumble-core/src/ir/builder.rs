@@ -59,6 +59,7 @@ impl Graph {
         if name.is_empty() || s.trace.input(name).is_some() {
             return Err(Error::msg(format!("trace `{}`: input name `{name}` is empty or taken", s.trace.name)));
         }
+        ty.checked_size_in_bytes().map_err(|e| Error::msg(format!("trace `{}`: input `{name}`: {e}", s.trace.name)))?;
         let id = s.trace.new_value(ty.clone());
         s.trace.inputs.push(TraceInput { value: id, name: name.to_string(), role });
         drop(s);
@@ -78,7 +79,8 @@ impl Graph {
     /// A tensor whose every element is `value`.
     pub fn full(&self, value: f64, dtype: DType, dims: &[usize]) -> Tensor {
         let ty = TensorType::new(dtype, dims.to_vec());
-        self.apply(Op::Full { value, ty }, &[]).expect("full has no operands to mismatch").remove(0)
+        // `full` takes the dims of an existing value (or `[]`): those were checked when it was made.
+        self.apply(Op::Full { value, ty }, &[]).expect("full of an existing value's dims").remove(0)
     }
 
     /// A scalar (`[]`) constant.
@@ -113,11 +115,17 @@ impl Graph {
             }
         }
         let tys: Vec<&TensorType> = args.iter().map(|a| &a.ty).collect();
-        let outs = op.infer(&tys).map_err(|msg| Error::Op {
-            op: op.name().into(),
-            args: tys.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", "),
-            msg,
-        })?;
+        let outs = op
+            .infer(&tys)
+            .and_then(|outs| match outs.iter().find_map(|t| t.checked_size_in_bytes().err()) {
+                Some(e) => Err(format!("output {e}")),
+                None => Ok(outs),
+            })
+            .map_err(|msg| Error::Op {
+                op: op.name().into(),
+                args: tys.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", "),
+                msg,
+            })?;
         let mut s = self.0.borrow_mut();
         let ids: Vec<ValueId> = outs.iter().map(|t| s.trace.new_value(t.clone())).collect();
         let phase = s.phase;

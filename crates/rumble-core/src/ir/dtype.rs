@@ -1,4 +1,11 @@
 //! Element types and static tensor types (`f32[2,16,64]`).
+//!
+//! Sizes are checked: [`Shape::checked_numel`] and [`TensorType::checked_size_in_bytes`] refuse
+//! a shape whose element or byte count does not fit (a byte count must fit in `isize::MAX`, as
+//! every Rust allocation must), with a [`SizeOverflow`] naming the type. The builder and the
+//! verifier check every value with them, so inside a trace that built or verified the plain
+//! [`Shape::numel`] and [`TensorType::size_in_bytes`] cannot wrap; [`total_bytes`] does the same
+//! for sums of sizes (the planner's arena and persistent region).
 
 use std::fmt;
 use std::str::FromStr;
@@ -67,6 +74,39 @@ impl FromStr for DType {
     }
 }
 
+/// A size computation that does not fit: the elements or bytes of `ty` (or a sum of sizes)
+/// exceed `isize::MAX`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SizeOverflow {
+    /// What overflowed: a type such as `f32[4294967296,4294967296]`, or a description.
+    pub what: String,
+}
+
+impl fmt::Display for SizeOverflow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: the size overflows (more than {} bytes)", self.what, isize::MAX)
+    }
+}
+
+impl std::error::Error for SizeOverflow {}
+
+/// The largest byte count of one tensor or one region (what one allocation may hold).
+pub const MAX_BYTES: usize = isize::MAX as usize;
+
+/// `a * b` for sizes, or `None` past [`MAX_BYTES`].
+pub fn mul_size(a: usize, b: usize) -> Option<usize> {
+    a.checked_mul(b).filter(|&x| x <= MAX_BYTES)
+}
+
+/// The sum of `sizes` (bytes), or the overflow naming `what`.
+pub fn total_bytes(sizes: impl IntoIterator<Item = usize>, what: &str) -> Result<usize, SizeOverflow> {
+    let mut total: usize = 0;
+    for s in sizes {
+        total = total.checked_add(s).filter(|&x| x <= MAX_BYTES).ok_or_else(|| SizeOverflow { what: what.into() })?;
+    }
+    Ok(total)
+}
+
 /// A static shape: a list of dimension sizes. `[]` is a scalar.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Shape(pub Vec<usize>);
@@ -84,8 +124,17 @@ impl Shape {
     pub fn dims(&self) -> &[usize] {
         &self.0
     }
+    /// The element count. Wraps for shapes that overflow: code that may meet an unchecked
+    /// shape (one not from a built or verified trace) calls [`Shape::checked_numel`].
     pub fn numel(&self) -> usize {
-        self.0.iter().product()
+        self.0.iter().fold(1usize, |n, &d| n.wrapping_mul(d))
+    }
+    /// The element count, or an overflow when it exceeds `isize::MAX`.
+    pub fn checked_numel(&self) -> Result<usize, SizeOverflow> {
+        self.0
+            .iter()
+            .try_fold(1usize, |n, &d| mul_size(n, d))
+            .ok_or_else(|| SizeOverflow { what: format!("shape {self}") })
     }
     /// Row-major (C order) strides in elements.
     pub fn strides(&self) -> Vec<usize> {
@@ -147,8 +196,17 @@ impl TensorType {
     pub fn numel(&self) -> usize {
         self.shape.numel()
     }
+    /// Bytes of the value. Wraps for types that overflow: see [`TensorType::checked_size_in_bytes`].
     pub fn size_in_bytes(&self) -> usize {
-        self.numel() * self.dtype.size_in_bytes()
+        self.numel().wrapping_mul(self.dtype.size_in_bytes())
+    }
+    /// Bytes of the value, or an overflow naming the type when it exceeds `isize::MAX`.
+    pub fn checked_size_in_bytes(&self) -> Result<usize, SizeOverflow> {
+        self.shape
+            .checked_numel()
+            .ok()
+            .and_then(|n| mul_size(n, self.dtype.size_in_bytes()))
+            .ok_or_else(|| SizeOverflow { what: self.to_string() })
     }
     pub fn dims(&self) -> &[usize] {
         self.shape.dims()
@@ -205,6 +263,25 @@ mod tests {
             assert_eq!(t.to_string().parse::<TensorType>().unwrap(), t);
         }
         assert!("f33[2]".parse::<TensorType>().unwrap_err().contains("f33"));
+    }
+
+    #[test]
+    fn sizes_refuse_overflow() {
+        let f32s = |dims: Vec<usize>| TensorType::new(DType::F32, dims).checked_size_in_bytes();
+        assert_eq!(f32s(vec![1 << 31, 1 << 29]), Ok(1 << 62));
+        assert_eq!(f32s(vec![1 << 40, 0]), Ok(0));
+        assert_eq!(f32s(vec![]), Ok(4));
+        for dims in [vec![1usize << 31, 1 << 31], vec![1 << 32, 1 << 32], vec![1 << 62, 2], vec![usize::MAX]] {
+            let t = TensorType::new(DType::F32, dims);
+            let e = t.checked_size_in_bytes().unwrap_err();
+            assert!(e.to_string().contains(&t.to_string()), "{e}");
+        }
+        // 2^62 two-byte elements: 2^63 bytes, one past isize::MAX.
+        assert!(TensorType::new(DType::BF16, [1 << 31, 1 << 31]).checked_size_in_bytes().is_err());
+        assert_eq!(Shape::new([1usize << 62, 1]).checked_numel(), Ok(1 << 62));
+        assert!(Shape::new([1usize << 62, 4]).checked_numel().is_err());
+        assert!(total_bytes([MAX_BYTES, 1], "arena").unwrap_err().to_string().contains("arena"));
+        assert_eq!(total_bytes([3, 4], "x"), Ok(7));
     }
 
     #[test]

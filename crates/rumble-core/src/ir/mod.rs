@@ -9,7 +9,7 @@ mod trace;
 mod verify;
 
 pub use builder::{Graph, Tensor};
-pub use dtype::{DType, Shape, TensorType};
+pub use dtype::{DType, MAX_BYTES, Shape, SizeOverflow, TensorType, mul_size, total_bytes};
 pub use fused::{FusedBody, FusedInstr};
 pub use op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, UnaryOp, stat_dtype};
 pub use text::{op_attrs, parse};

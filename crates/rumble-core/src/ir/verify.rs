@@ -7,7 +7,9 @@
 //! 3. each node has the op's number of operands and its declared output types equal the op's
 //!    type rule applied to its operand types (shapes and dtypes);
 //! 4. input and output names are unique and non-empty;
-//! 5. `grad_of` names an input whose type equals the gradient's; `update_of` names a
+//! 5. every value's size fits (`TensorType::checked_size_in_bytes`), and so does the sum of all
+//!    of them (so no planner sum of sizes can wrap);
+//! 6. `grad_of` names an input whose type equals the gradient's; `update_of` names a
 //!    persistent input (param or opt_state) of the same type.
 //!
 //! It is cheap (one pass) and can run after every pass.
@@ -20,6 +22,13 @@ use crate::{Error, Result};
 pub fn verify(t: &Trace) -> Result<()> {
     let err = |at: String, msg: String| Error::Verify { trace: t.name.clone(), at, msg };
     let n = t.types.len();
+    let mut sizes = Vec::with_capacity(n);
+    for (i, ty) in t.types.iter().enumerate() {
+        sizes.push(ty.checked_size_in_bytes().map_err(|e| err(format!("value %{i}"), e.to_string()))?);
+    }
+    // Each size rounded up to a generous alignment, so aligned sums cannot wrap either.
+    super::dtype::total_bytes(sizes.iter().map(|s| s.saturating_add(4096)), "all values together")
+        .map_err(|e| err("the trace".into(), e.to_string()))?;
     let mut defined = vec![false; n];
     let define = |defined: &mut Vec<bool>, v: ValueId, at: &dyn Fn() -> String| -> Result<()> {
         if v.index() >= n {
