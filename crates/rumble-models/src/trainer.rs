@@ -19,7 +19,7 @@ use crate::model::param_specs;
 use crate::optim::Optimizer;
 use crate::presets::Objective;
 use crate::step::{StepConfig, TrainStep, build_train_step};
-use crate::weights::{Weights, write_atomic};
+use crate::weights::Weights;
 
 /// The passes a step goes through before it runs: dead code, common subexpressions (the
 /// optimizer's shared scalars, repeated broadcasts), dead code again, elementwise fusion.
@@ -271,9 +271,8 @@ impl Trainer {
     }
 }
 
-/// Writes a Hugging Face model folder: `model.safetensors` and `config.json`, each atomically.
+/// Writes a Hugging Face model folder: `config.json` and `model.safetensors` (sharded with an
+/// index past `save_pretrained`'s default limit), each file atomically.
 pub fn save_checkpoint(dir: &Path, cfg: &Config, weights: &Weights) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    weights.save(&dir.join("model.safetensors"))?;
-    write_atomic(&dir.join("config.json"), cfg.to_json_string().as_bytes())
+    crate::folder::save_folder(dir, cfg, weights, crate::folder::DEFAULT_MAX_SHARD_BYTES).map(|_| ())
 }
