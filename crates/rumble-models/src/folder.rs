@@ -93,9 +93,9 @@ fn read_sharded(index: &Path) -> Result<Stored> {
         let shard = dir.join(f);
         let mut held: HashMap<String, HostTensor> = read_safetensors(&shard)?.into_iter().collect();
         for name in names {
-            let t = held.remove(name).ok_or_else(|| ModelError::Safetensors {
-                file: shard.clone(),
-                msg: format!("{} maps tensor `{name}` to this shard, which does not hold it", index.display()),
+            let t = held.remove(name).ok_or_else(|| ModelError::Data {
+                file: index.into(),
+                msg: format!("`weight_map` puts tensor `{name}` in {f}, which does not hold it"),
             })?;
             out.push((name.to_string(), (shard.clone(), t)));
         }

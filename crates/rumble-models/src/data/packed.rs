@@ -251,7 +251,7 @@ pub struct Dataset {
 }
 
 impl Dataset {
-    /// Reads, tokenizes, splits and packs. Every id must be below `vocab` (the model's).
+    /// Reads `data`, then as [`Dataset::new`].
     pub fn load(
         data: &Path,
         val: &Validation,
@@ -260,13 +260,25 @@ impl Dataset {
         vocab: usize,
         seed: u64,
     ) -> Result<Dataset> {
-        let what = data.display().to_string();
-        let docs = read_documents(data)?;
+        Dataset::new(read_documents(data)?, &data.display().to_string(), val, tok, seq, vocab, seed)
+    }
+
+    /// Tokenizes, splits and packs `docs` (named `what` in errors). Every id must be below
+    /// `vocab` (the model's).
+    pub fn new(
+        docs: Vec<Document>,
+        what: &str,
+        val: &Validation,
+        tok: &Tokenizer,
+        seq: usize,
+        vocab: usize,
+        seed: u64,
+    ) -> Result<Dataset> {
         let (train, val_stream) = match val {
-            Validation::None => (stream(tok, &docs, vocab, &what)?, None),
+            Validation::None => (stream(tok, &docs, vocab, what)?, None),
             Validation::File(p) => {
                 let v = stream(tok, &read_documents(p)?, vocab, &p.display().to_string())?;
-                (stream(tok, &docs, vocab, &what)?, Some((v, p.display().to_string())))
+                (stream(tok, &docs, vocab, what)?, Some((v, p.display().to_string())))
             }
             Validation::Fraction(f) => {
                 if !(*f > 0.0 && *f < 1.0) {
@@ -276,16 +288,16 @@ impl Dataset {
                 if docs.len() > 1 {
                     let n_val = ((docs.len() as f64 * f).round() as usize).clamp(1, docs.len() - 1);
                     let (t, v) = docs.split_at(docs.len() - n_val);
-                    (stream(tok, t, vocab, &what)?, Some((stream(tok, v, vocab, &what)?, label)))
+                    (stream(tok, t, vocab, what)?, Some((stream(tok, v, vocab, what)?, label)))
                 } else {
-                    let mut t = stream(tok, &docs, vocab, &what)?;
+                    let mut t = stream(tok, &docs, vocab, what)?;
                     let cut = t.len() - ((t.len() as f64 * f).round() as usize).min(t.len());
                     let v = t.split_off(cut);
                     (t, Some((v, label)))
                 }
             }
         };
-        let train = Loader::new(train, seq, seed, &what)?;
+        let train = Loader::new(train, seq, seed, what)?;
         let val = match val_stream {
             Some((v, label)) => Some(Loader::new(v, seq, seed, &label)?),
             None => None,
