@@ -80,11 +80,16 @@ struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
 template <typename T>
 __device__ void rope_table(typename Acc<T>::t* __restrict__ tab, i64 t_len, i64 d, const RopeFreqs& f, double sign) {
   typedef typename Acc<T>::t A;
+  // Staged in shared memory once per block: a warp reading 32 different parameter words
+  // would be served one word at a time.
+  __shared__ float inv[ROPE_MAX_HALF];
   i64 half = d / 2, total = t_len * half;
+  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
+  __syncthreads();
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 tt = e / half, j = e % half;
     float t = (float)tt;
-    double ang = (double)(t * f.inv[j]);
+    double ang = (double)(t * inv[j]);
     tab[2 * e] = (A)cos(ang);
     tab[2 * e + 1] = (A)(sign * sin(ang));
   }
