@@ -4,6 +4,11 @@
 //! Every input is checked before the run folder is touched, and the folder before the first
 //! step (`rundir.rs`). A step with a non-finite loss stops the run before any checkpoint. A
 //! closed or full stdout stops the run too, after saving the checkpoint of the steps taken.
+//!
+//! Starting from a Hugging Face model folder (`--init-from DIR`: config.json, the weights,
+//! single or sharded, and the tokenizer), `--data` text or JSONL documents are tokenized and
+//! packed ([`rumble_models::Dataset`]); the checkpoint folder gets the tokenizer files copied
+//! along. Without a tokenizer.json (the tiny preset) text is read as bytes, as before.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,7 +16,12 @@ use std::time::Instant;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rumble_core::cpu::Rng;
-use rumble_models::{Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Result, ScheduleKind, Trainer, Weights};
+use rumble_models::data::Batch;
+use rumble_models::folder::copy_tokenizer_files;
+use rumble_models::{
+    Buckets, Corpus, Dataset, DeviceChoice, Document, Loader, LrSchedule, ModelError, Result, ScheduleKind, Tokenizer,
+    Trainer, Validation, Weights,
+};
 use serde_json::json;
 
 use crate::common::{ModelArgs, human};
@@ -46,12 +56,22 @@ pub struct TrainArgs {
     /// cpu, cuda or auto (cuda when usable, else cpu).
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Start from these weights instead of a random initialisation.
-    #[arg(long, value_name = "CHECKPOINT.safetensors")]
+    /// Start from these weights instead of a random initialisation: a Hugging Face model
+    /// folder (config.json, model.safetensors or model.safetensors.index.json with its shards,
+    /// tokenizer.json) or a .safetensors file (its folder's config.json is used).
+    #[arg(long, value_name = "DIR|FILE.safetensors")]
     pub init_from: Option<PathBuf>,
-    /// Text to train on, read as bytes (default: the shipped corpus).
+    /// Data to train on: a JSONL file (`text`, or `prompt` and `response` with the loss on the
+    /// response) or a text file, tokenized with the model folder's tokenizer.json (bytes
+    /// without one). Default: the shipped corpus.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
+    /// Validation documents (text or JSONL, as --data).
+    #[arg(long, value_name = "FILE", conflicts_with = "val_fraction")]
+    pub val_data: Option<PathBuf>,
+    /// Hold out this fraction of the --data documents for validation (0 < F < 1).
+    #[arg(long, value_name = "F")]
+    pub val_fraction: Option<f64>,
     /// Where the checkpoint and the loss log go (default: runs/<model>). Must be empty or
     /// absent unless --overwrite or --resume.
     #[arg(long, value_name = "DIR")]
@@ -90,22 +110,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
         ));
     }
     let device: DeviceChoice = a.device.parse()?;
-    let r = a.model.resolve(a.init_from.as_deref())?;
+    // A folder's config.json is found as the sibling of a file in it.
+    let beside = a.init_from.as_ref().map(|p| if p.is_dir() { p.join("config.json") } else { p.clone() });
+    let r = a.model.resolve(beside.as_deref())?;
     let cfg = r.config.clone();
     let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
     let mode = a.run_dir.mode();
     crate::rundir::check(&out, mode, a.init_from.as_deref())?;
-    let corpus = match &a.data {
-        Some(p) => Corpus::from_file(p)?,
-        None => Corpus::new(CORPUS.to_vec()),
+    let model_dir = model_folder(a.init_from.as_deref(), a.model.config.as_deref());
+    let tokenizer = match &model_dir {
+        Some(d) => Tokenizer::from_folder(d)?,
+        None => Tokenizer::bytes(),
     };
-    if cfg.vocab_size < 256 {
-        return Err(ModelError::Usage(format!(
-            "byte-level training needs a vocabulary of at least 256, `{}` has {}",
-            r.name, cfg.vocab_size
-        )));
-    }
-    let data_name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
     let lr = a.lr.unwrap_or(r.lr);
     let schedule = LrSchedule {
         peak: lr,
@@ -131,7 +147,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             cfg.check_step_sizes(s.batch, s.seq, r.step.grad_accum)?;
         }
     }
-    corpus.check_window(longest, &data_name)?;
+    // The data is read (and its windows checked) before anything is allocated for the step.
+    let mut data = DataSource::new(&a, &tokenizer, cfg.vocab_size, longest, &r.name)?;
+    data.check_window(longest)?;
     rumble_models::trainer::check_hyper(&r.step, &schedule)?;
     crate::common::check_weights_fit(&r)?;
     crate::common::check_step_fits(&r, true)?;
@@ -155,12 +173,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     let log_path = run_dir.log.path.clone();
 
-    let start = json!({
+    let mut start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
         "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": a.steps,
-        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "corpus_bytes": corpus.len(),
-        "buckets": bucket_seqs,
+        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "buckets": bucket_seqs,
     });
+    data.describe(&mut start, &tokenizer);
     let bar = if a.json {
         output::line(&start)?;
         ProgressBar::hidden()
@@ -187,7 +205,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bar
     };
 
-    let mut rng = Rng::for_name(a.seed, "batches");
     let mut lengths = Rng::for_name(a.seed, "lengths");
     let t0 = Instant::now();
     let mut first_loss = None;
@@ -196,7 +213,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut stopped: Option<ModelError> = None;
     for i in 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
-        let batches = (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
+        let batches = (0..sc.grad_accum).map(|_| data.next(sc.batch, seq)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
@@ -227,6 +244,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     bar.finish();
     trainer.save_checkpoint(&out)?;
+    if let Some(d) = &model_dir {
+        copy_tokenizer_files(d, &out)?;
+    }
     if let Some(e) = stopped {
         note!("stopped after step {} ({e}); checkpoint of that step saved in {}", trainer.steps_done(), out.display());
         return Err(e);
@@ -267,4 +287,100 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The model folder whose tokenizer files a run uses and copies along: `--init-from`'s folder
+/// (or the folder of its file), else `--config`'s folder.
+fn model_folder(init_from: Option<&std::path::Path>, config: Option<&str>) -> Option<PathBuf> {
+    let dir_of = |p: &std::path::Path| -> Option<PathBuf> {
+        if p.is_dir() {
+            Some(p.to_path_buf())
+        } else if p.is_file() {
+            p.parent().map(|d| if d.as_os_str().is_empty() { PathBuf::from(".") } else { d.to_path_buf() })
+        } else {
+            None
+        }
+    };
+    init_from.and_then(dir_of).or_else(|| config.map(std::path::Path::new).and_then(dir_of))
+}
+
+/// Where batches come from: random windows of a byte corpus (the tiny preset's text), or
+/// packed documents through a tokenizer.
+enum DataSource {
+    Corpus { corpus: Corpus, name: String, rng: Rng },
+    Packed { train: Loader, val: Option<Loader> },
+}
+
+impl DataSource {
+    fn new(a: &TrainArgs, tok: &Tokenizer, vocab: usize, seq: usize, model: &str) -> Result<DataSource> {
+        let validation = match (&a.val_data, a.val_fraction) {
+            (Some(p), _) => Validation::File(p.clone()),
+            (None, Some(f)) => Validation::Fraction(f),
+            (None, None) => Validation::None,
+        };
+        let jsonl = a.data.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "jsonl"));
+        if tok.is_bytes() && !jsonl && validation == Validation::None {
+            if vocab < 256 {
+                return Err(ModelError::Usage(format!(
+                    "byte-level training needs a vocabulary of at least 256, `{model}` has {vocab}"
+                )));
+            }
+            let corpus = match &a.data {
+                Some(p) => Corpus::from_file(p)?,
+                None => Corpus::new(CORPUS.to_vec()),
+            };
+            let name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
+            return Ok(DataSource::Corpus { corpus, name, rng: Rng::for_name(a.seed, "batches") });
+        }
+        let Dataset { train, val } = match &a.data {
+            Some(path) => Dataset::load(path, &validation, tok, seq, vocab, a.seed)?,
+            None => {
+                // The shipped corpus as one document, through the model's tokenizer.
+                let doc = Document::Text(String::from_utf8_lossy(CORPUS).into_owned());
+                Dataset::new(vec![doc], "the shipped corpus", &validation, tok, seq, vocab, a.seed)?
+            }
+        };
+        Ok(DataSource::Packed { train, val })
+    }
+
+    /// Refuses windows of `seq` tokens longer than a byte corpus (packed documents are checked
+    /// when they are loaded).
+    fn check_window(&self, seq: usize) -> Result<()> {
+        match self {
+            DataSource::Corpus { corpus, name, .. } => corpus.check_window(seq, name),
+            DataSource::Packed { .. } => Ok(()),
+        }
+    }
+
+    /// One micro-batch of `batch` rows of `seq` tokens (packed windows are cut to `seq`, for
+    /// shape buckets).
+    fn next(&mut self, batch: usize, seq: usize) -> Result<Batch> {
+        match self {
+            DataSource::Corpus { corpus, rng, .. } => corpus.sample(rng, batch, seq),
+            DataSource::Packed { train, .. } => {
+                let b = train.next_batch(batch);
+                if b.seq == seq {
+                    return Ok(b);
+                }
+                let cut = |v: &[i64]| v.chunks(b.seq).flat_map(|row| row[..seq].to_vec()).collect();
+                Ok(Batch { batch, seq, tokens: cut(&b.tokens), targets: cut(&b.targets) })
+            }
+        }
+    }
+
+    /// Adds what the data is to the start line.
+    fn describe(&self, start: &mut serde_json::Value, tok: &Tokenizer) {
+        match self {
+            DataSource::Corpus { corpus, .. } => start["corpus_bytes"] = json!(corpus.len()),
+            DataSource::Packed { train, val } => {
+                start["tokenizer"] = json!(tok.file().map(|f| f.display().to_string()).unwrap_or("bytes".into()));
+                start["data_tokens"] = json!(train.tokens());
+                start["data_windows"] = json!(train.windows());
+                if let Some(v) = val {
+                    start["val_tokens"] = json!(v.tokens());
+                    start["val_windows"] = json!(v.windows());
+                }
+            }
+        }
+    }
 }

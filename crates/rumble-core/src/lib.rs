@@ -18,4 +18,4 @@ pub mod plan;
 pub mod testing;
 
 pub use error::{Error, Result};
-pub use ir::{DType, Graph, HeadLayout, Shape, Tensor, TensorType, Trace, ValueId};
+pub use ir::{DType, Graph, HeadLayout, RopeScaling, Shape, Tensor, TensorType, Trace, ValueId};

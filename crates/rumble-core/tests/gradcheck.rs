@@ -6,7 +6,7 @@
 
 use rumble_core::autodiff;
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{DType, Graph, HeadLayout, Tensor, TensorType};
+use rumble_core::ir::{DType, Graph, HeadLayout, RopeScaling, Tensor, TensorType};
 use rumble_core::{Result, Trace};
 
 struct Input {
@@ -202,6 +202,15 @@ fn norms_rope_softmax_swiglu() {
     });
     gradcheck("rope", vec![diff("x", randn(&[2, 3, 5, 8], r))], &|t| t[0].rope(10000.0));
     gradcheck("rope bthd", vec![diff("x", randn(&[2, 5, 3, 8], r))], &|t| t[0].rope_in(HeadLayout::Bthd, 10000.0));
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 16.0,
+    };
+    gradcheck("rope llama3", vec![diff("x", randn(&[2, 5, 3, 8], r))], &|t| {
+        t[0].rope_scaled(HeadLayout::Bthd, 10000.0, llama3)
+    });
     gradcheck("softmax", vec![diff("x", randn(&[3, 7], r))], &|t| t[0].softmax());
     gradcheck("log_softmax", vec![diff("x", randn(&[3, 7], r))], &|t| t[0].log_softmax());
     gradcheck("swiglu", vec![diff("g", randn(&[4, 6], r)), diff("u", randn(&[4, 6], r))], &|t| t[0].swiglu(&t[1]));

@@ -3,7 +3,8 @@
 use rumble_core::autodiff;
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{
-    DType, Graph, HeadLayout, InputRole, Node, Op, OutputRole, Tensor, TensorType, UnaryOp, ValueId, parse, verify,
+    DType, Graph, HeadLayout, InputRole, Node, Op, OutputRole, RopeScaling, Tensor, TensorType, UnaryOp, ValueId,
+    parse, verify,
 };
 use rumble_core::passes;
 use rumble_core::testing::{TinyLlama, random_inputs};
@@ -74,8 +75,22 @@ fn head_layouts_in_the_text_form_and_the_verifier() {
                %3: f32[1,2,3,4] = rope(%1) theta=10000.0 inverse=false\n  output %3 \"o\"\n}\n";
     let t = parse(old).unwrap();
     assert_eq!(t.nodes[0].op, Op::Attention { scale: 0.5, causal: true, layout: HeadLayout::Bhtd });
-    assert_eq!(t.nodes[1].op, Op::Rope { theta: 1e4, inverse: false, layout: HeadLayout::Bhtd });
+    let rope = Op::Rope { theta: 1e4, inverse: false, layout: HeadLayout::Bhtd, scaling: RopeScaling::None };
+    assert_eq!(t.nodes[1].op, rope);
     assert_eq!(t.to_string(), old);
+    // A scaled rope prints its scaling and reads it back; a bad one is named.
+    let scaled = old.replace("inverse=false", "inverse=false scaling=llama3:8.0:1.0:4.0:8192.0");
+    let t = parse(&scaled).unwrap();
+    let Op::Rope { scaling, .. } = t.nodes[1].op else { panic!("{:?}", t.nodes[1].op) };
+    let want = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    assert_eq!((scaling, t.to_string()), (want, scaled.clone()));
+    let e = parse_err(&old.replace("inverse=false", "inverse=false scaling=yarn:2.0"));
+    assert!(e.contains("bad value `yarn:2.0` for attribute `scaling`"), "{e}");
     let e = parse_err(&old.replace("causal=true", "causal=true layout=tbhd"));
     assert!(e.contains("bad value `tbhd` for attribute `layout`") && e.contains("bthd"), "{e}");
 

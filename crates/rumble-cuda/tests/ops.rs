@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::{away_from_zero, compare, gpu, positive, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, HeadLayout, Op, ReduceOp, TensorType, UnaryOp};
+use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, HeadLayout, Op, ReduceOp, RopeScaling, TensorType, UnaryOp};
 use rumble_core::plan::plan_naive;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
@@ -247,11 +247,18 @@ fn matmul_and_composite_ops_match_cpu() {
         let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
         cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
         cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+        let llama3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64.0,
+        };
         for (inverse, layout) in [false, true].into_iter().flat_map(|i| HeadLayout::ALL.map(|l| (i, l))) {
-            // [B, H, T, D] or [B, T, H, D]: 3 heads, 37 positions.
+            // [B, H, T, D] or [B, T, H, D]: 3 heads, 37 positions; scaled when inverse.
             let dims = if layout == HeadLayout::Bhtd { [2, 3, 37, 64] } else { [2, 37, 3, 64] };
+            let scaling = if inverse { llama3 } else { RopeScaling::None };
             let c = Case {
-                op: Op::Rope { theta: 10000.0, inverse, layout },
+                op: Op::Rope { theta: 10000.0, inverse, layout, scaling },
                 inputs: vec![randn(t(d, &dims), r)],
                 tol_floor: 2e-6,
             };

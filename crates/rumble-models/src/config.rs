@@ -2,14 +2,15 @@
 //!
 //! Two architectures: `LlamaForCausalLM` and `Qwen2ForCausalLM` (LLaMA plus q/k/v biases).
 //! Both the transformers 4 spelling (`rope_theta`, `torch_dtype`) and the transformers 5 one
-//! (`rope_parameters`, `dtype`) are read. Keys that change the computation in a way rumble does
-//! not implement (`rope_scaling`, a sliding window in use, `attention_bias` on LLaMA, another
+//! (`rope_parameters`, `dtype`) are read; RoPE scaling of type `linear` and `llama3` (Llama 3.1+)
+//! is read from either. Keys that change the computation in a way rumble does not implement
+//! (another RoPE scaling, a sliding window in use, `attention_bias` on LLaMA, another
 //! activation...) are refused with an error naming the key; keys that do not change the
 //! computation of a training step (token ids, `use_cache`...) are ignored.
 
 use std::path::Path;
 
-use rumble_core::DType;
+use rumble_core::{DType, RopeScaling};
 use serde_json::{Map, Value, json};
 
 use crate::error::{ModelError, Result};
@@ -50,6 +51,8 @@ pub struct Config {
     pub head_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
+    /// RoPE's frequency scaling (`rope_scaling` / `rope_parameters`: `linear` or `llama3`).
+    pub rope_scaling: RopeScaling,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2 always; LLaMA never, here).
     pub qkv_bias: bool,
@@ -95,8 +98,21 @@ impl Config {
         m.insert("hidden_act".into(), json!("silu"));
         m.insert("rms_norm_eps".into(), json!(self.rms_norm_eps));
         m.insert("rope_theta".into(), json!(self.rope_theta));
-        m.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": self.rope_theta}));
-        m.insert("rope_scaling".into(), Value::Null);
+        // transformers 5 reads rope_parameters, transformers 4 rope_scaling and rope_theta.
+        let mut rope = json!({"rope_type": "default"});
+        match self.rope_scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => rope = json!({"rope_type": "linear", "factor": factor}),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                rope = json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings as u64});
+            }
+        }
+        let scaling = if self.rope_scaling == RopeScaling::None { Value::Null } else { rope.clone() };
+        rope["rope_theta"] = json!(self.rope_theta);
+        m.insert("rope_parameters".into(), rope);
+        m.insert("rope_scaling".into(), scaling);
         m.insert("tie_word_embeddings".into(), json!(self.tie_word_embeddings));
         m.insert("initializer_range".into(), json!(self.initializer_range));
         m.insert("max_position_embeddings".into(), json!(self.max_position_embeddings));
@@ -334,28 +350,67 @@ impl Reader<'_> {
         }
     }
 
-    fn rope_theta(&self) -> Result<f64> {
-        if self.get("rope_scaling").is_some() {
-            return Err(self.err("rope_scaling", "RoPE scaling is not supported; only default RoPE"));
-        }
-        if let Some(p) = self.get("rope_parameters") {
-            let key = "rope_parameters";
-            let obj = p.as_object().ok_or_else(|| self.err(key, "expected an object"))?;
-            if let Some(t) = obj.get("rope_type").filter(|t| !t.is_null())
-                && t.as_str() != Some("default")
-            {
-                return Err(self.err("rope_parameters.rope_type", format!("{t} is not supported; only \"default\"")));
-            }
+    /// `rope_theta` and the scaling, from `rope_parameters` (transformers 5) or `rope_scaling`
+    /// plus `rope_theta` (transformers 4).
+    fn rope(&self) -> Result<(f64, RopeScaling)> {
+        let mut theta = self.f64_or("rope_theta", 10000.0)?;
+        let mut scaling = RopeScaling::None;
+        for key in ["rope_scaling", "rope_parameters"] {
+            let Some(p) = self.get(key) else { continue };
+            let obj = p.as_object().ok_or_else(|| self.err(key, format!("expected an object, got {p}")))?;
             if let Some(f) = obj.get("partial_rotary_factor").and_then(Value::as_f64)
                 && f != 1.0
             {
-                return Err(self.err("rope_parameters.partial_rotary_factor", format!("{f}: only 1.0")));
+                return Err(self.err(&format!("{key}.partial_rotary_factor"), format!("{f}: only 1.0")));
             }
             if let Some(t) = obj.get("rope_theta").filter(|t| !t.is_null()) {
-                return t.as_f64().ok_or_else(|| self.err("rope_parameters.rope_theta", format!("not a number: {t}")));
+                theta =
+                    t.as_f64().ok_or_else(|| self.err(&format!("{key}.rope_theta"), format!("not a number: {t}")))?;
             }
+            // rope_parameters (read last) wins over the legacy rope_scaling.
+            scaling = self.rope_scaling(key, obj)?;
         }
-        self.f64_or("rope_theta", 10000.0)
+        Ok((theta, scaling))
+    }
+
+    /// The scaling one `rope_scaling` / `rope_parameters` object asks for.
+    fn rope_scaling(&self, key: &str, obj: &Map<String, Value>) -> Result<RopeScaling> {
+        let (type_key, kind) = match (obj.get("rope_type"), obj.get("type")) {
+            (Some(t), _) if !t.is_null() => ("rope_type", t),
+            (_, Some(t)) if !t.is_null() => ("type", t),
+            _ => return Ok(RopeScaling::None),
+        };
+        let num = |name: &str| -> Result<f64> {
+            let full = format!("{key}.{name}");
+            let v = obj.get(name).filter(|v| !v.is_null()).ok_or_else(|| self.err(&full, "missing"))?;
+            match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+                _ => Err(self.err(&full, format!("expected a positive number, got {v}"))),
+            }
+        };
+        match kind.as_str() {
+            Some("default") => Ok(RopeScaling::None),
+            Some("linear") => Ok(RopeScaling::Linear { factor: num("factor")? }),
+            Some("llama3") => {
+                let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+                if high <= low {
+                    return Err(self.err(
+                        &format!("{key}.high_freq_factor"),
+                        format!("{high} must be above low_freq_factor {low}"),
+                    ));
+                }
+                Ok(RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?,
+                })
+            }
+            _ => Err(self.err(
+                &format!("{key}.{type_key}"),
+                format!("{kind} is not supported (\"default\", \"linear\" or \"llama3\")"),
+            )),
+        }
     }
 
     fn dtype(&self) -> Result<DType> {
@@ -404,6 +459,7 @@ impl Reader<'_> {
                 return Err(self.err("layer_types", format!("{t} layers are not supported; only full_attention")));
             }
         }
+        let (rope_theta, rope_scaling) = self.rope()?;
         let hidden = self.usize_req("hidden_size")?;
         let heads = self.usize_req("num_attention_heads")?;
         let head_dim = match self.get("head_dim") {
@@ -426,7 +482,8 @@ impl Reader<'_> {
             num_key_value_heads: self.usize_or("num_key_value_heads", heads)?,
             head_dim,
             rms_norm_eps: self.f64_or("rms_norm_eps", 1e-6)?,
-            rope_theta: self.rope_theta()?,
+            rope_theta,
+            rope_scaling,
             tie_word_embeddings: self.bool_or("tie_word_embeddings", false)?,
             qkv_bias,
             dtype: self.dtype()?,
@@ -483,6 +540,31 @@ mod tests {
         let c = Config::from_json_str(text, "c.json").unwrap();
         assert_eq!((c.rope_theta, c.dtype, c.num_key_value_heads, c.head_dim), (500000.0, DType::BF16, 4, 16));
         assert!(c.tie_word_embeddings && !c.qkv_bias);
+    }
+
+    #[test]
+    fn reads_rope_scaling_in_both_spellings() {
+        let llama3 = json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192});
+        let want = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        let v4 = with_all(&[("rope_scaling", llama3.clone()), ("rope_theta", json!(500000.0))]);
+        let mut p = llama3;
+        p["rope_theta"] = json!(500000.0);
+        let v5 = with_all(&[("rope_parameters", p), ("rope_theta", Value::Null)]);
+        for text in [v4, v5] {
+            let c = Config::from_json_str(&text, "l.json").unwrap();
+            assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, want));
+            assert_eq!(Config::from_json_str(&c.to_json_string(), "back").unwrap(), c);
+        }
+        let linear = with("rope_scaling", json!({"type": "linear", "factor": 2.0}));
+        let c = Config::from_json_str(&linear, "l.json").unwrap();
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(Config::from_json_str(&c.to_json_string(), "back").unwrap(), c);
     }
 
     #[test]
@@ -558,13 +640,18 @@ mod tests {
     #[test]
     fn unsupported_features_name_the_key() {
         let cases = [
-            (with("rope_scaling", json!({"type": "yarn", "factor": 4.0})), "`rope_scaling`"),
+            (with("rope_scaling", json!({"type": "yarn", "factor": 4.0})), "`rope_scaling.type`"),
+            (with("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "`rope_scaling.low_freq_factor`"),
+            (with("rope_scaling", json!({"rope_type": "linear", "factor": -1.0})), "`rope_scaling.factor`"),
             (with_all(&[("use_sliding_window", json!(true)), ("max_window_layers", json!(4))]), "`use_sliding_window`"),
             (with("architectures", json!(["MistralForCausalLM"])), "`architectures`"),
             (with("hidden_act", json!("gelu")), "`hidden_act`"),
             (with("num_key_value_heads", json!(5)), "`num_key_value_heads`"),
             (with("torch_dtype", json!("float8_e4m3fn")), "`torch_dtype`"),
-            (with("rope_parameters", json!({"rope_type": "llama3", "rope_theta": 1.0})), "`rope_parameters.rope_type`"),
+            (
+                with("rope_parameters", json!({"rope_type": "dynamic", "rope_theta": 1.0})),
+                "`rope_parameters.rope_type`",
+            ),
             (with("vocab_size", json!("many")), "`vocab_size`"),
             (with("layer_types", json!(["full_attention", "sliding_attention"])), "`layer_types`"),
             (with("head_dim", json!(3)), "`head_dim`"),

@@ -1,6 +1,9 @@
-//! Byte-level training data: a text corpus read as bytes (token id = byte value, vocab 256),
-//! cut into random windows of `T + 1` bytes: the first `T` are the tokens, the last `T` the
-//! next-token targets.
+//! Training data. Here: the byte-level corpus of the tiny preset, read as bytes (token id = byte
+//! value, vocab 256) and cut into random windows of `T + 1` bytes: the first `T` are the tokens,
+//! the last `T` the next-token targets. [`packed`]: text and JSONL documents through a
+//! tokenizer, packed into windows, with validation splits and a resumable position.
+
+pub mod packed;
 
 use std::path::Path;
 

@@ -59,6 +59,14 @@ pub enum ModelError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
 
+    /// A tokenizer file that cannot be read, or text or ids it cannot encode or decode.
+    #[error("{file}: tokenizer: {msg}")]
+    Tokenizer { file: PathBuf, msg: String },
+
+    /// A data file (text or JSONL) with a record rumble cannot use.
+    #[error("{file}: {msg}")]
+    Data { file: PathBuf, msg: String },
+
     /// An unknown preset, device or option value.
     #[error("{0}")]
     Usage(String),

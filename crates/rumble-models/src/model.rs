@@ -2,7 +2,8 @@
 //!
 //! It follows Hugging Face transformers' `modeling_llama.py` and `modeling_qwen2.py` (v5):
 //! pre-norm blocks; RMSNorm with statistics in f32, the result cast back, then times the weight;
-//! rotate-half RoPE on q and k; grouped-query causal attention scaled by `head_dim^-0.5`; a SwiGLU
+//! rotate-half RoPE on q and k (inverse frequencies rescaled as `rope_scaling` says:
+//! `modeling_rope_utils`' linear and llama3); grouped-query causal attention scaled by `head_dim^-0.5`; a SwiGLU
 //! MLP (`down(silu(gate(x)) * up(x))`); a final RMSNorm and the `lm_head` (or the embedding table
 //! again when embeddings are tied). Parameter names are exactly Hugging Face's, so checkpoints
 //! move between rumble and transformers unchanged.
@@ -126,13 +127,14 @@ fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tenso
 /// identical columns `x * (cos t - sin t)` (since `rotate_half(x) == -x`), so q.k doubles. We
 /// keep one column and let the caller double the attention scale: same result, half the bytes.
 /// `cos t - sin t` is column 0 of `rope(ones (1, T, 1, 2))`.
-fn rotary(x: &Tensor, theta: f64) -> Result<(Tensor, f64)> {
+fn rotary(x: &Tensor, cfg: &Config) -> Result<(Tensor, f64)> {
     let (b, t, h, d) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
+    let (theta, scaling) = (cfg.rope_theta, cfg.rope_scaling);
     if d != 1 {
-        return Ok((x.rope_in(HeadLayout::Bthd, theta)?, 1.0)); // (B, T, H, D)
+        return Ok((x.rope_scaled(HeadLayout::Bthd, theta, scaling)?, 1.0)); // (B, T, H, D)
     }
     let ones = x.graph().full(1.0, x.dtype(), &[1, t, 1, 2]); // (1, T, 1, 2)
-    let factor = ones.rope_in(HeadLayout::Bthd, theta)?.slice(3, 0, 1)?; // (1, T, 1, 1): cos t - sin t
+    let factor = ones.rope_scaled(HeadLayout::Bthd, theta, scaling)?.slice(3, 0, 1)?; // (1, T, 1, 1): cos t - sin t
     Ok((x.mul(&factor.broadcast_to(&[b, t, h, 1])?)?, 2.0)) // (B, T, H, 1)
 }
 
@@ -152,8 +154,8 @@ fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize
     let q = heads(linear(&h, params, &p("self_attn.q_proj"), cfg.qkv_bias)?, hq)?; // (B, T, Hq, D)
     let k = heads(linear(&h, params, &p("self_attn.k_proj"), cfg.qkv_bias)?, hkv)?; // (B, T, Hkv, D)
     let v = heads(linear(&h, params, &p("self_attn.v_proj"), cfg.qkv_bias)?, hkv)?; // (B, T, Hkv, D)
-    let (q, grow) = rotary(&q, cfg.rope_theta)?; // (B, T, Hq, D)
-    let (k, _) = rotary(&k, cfg.rope_theta)?; // (B, T, Hkv, D)
+    let (q, grow) = rotary(&q, cfg)?; // (B, T, Hq, D)
+    let (k, _) = rotary(&k, cfg)?; // (B, T, Hkv, D)
     let scale = grow / (d as f64).sqrt();
     let (o, _lse) = Tensor::attention_in(HeadLayout::Bthd, &q, &k, &v, scale, true)?; // (B, T, Hq, D), lse (B, Hq, T)
     let o = o.reshape(&[b * t, hq * d])?; // (B*T, Hq*D)

@@ -4,7 +4,7 @@
 //! `shared/anchors/README.md` (PyTorch and Thunder numbers on an H200); `tiny` trains on a CPU in
 //! seconds and is what `rumble train` runs by default.
 
-use rumble_core::DType;
+use rumble_core::{DType, RopeScaling};
 
 use crate::config::{Arch, Config};
 use crate::error::{ModelError, Result};
@@ -56,6 +56,7 @@ pub fn preset(name: &str) -> Result<Preset> {
         head_dim: hidden / heads,
         rms_norm_eps: 1e-6,
         rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
         tie_word_embeddings: false,
         qkv_bias: false,
         dtype,
@@ -112,6 +113,7 @@ pub fn preset(name: &str) -> Result<Preset> {
                 head_dim: 1,
                 rms_norm_eps: 1e-6,
                 rope_theta: 1e6,
+                rope_scaling: RopeScaling::None,
                 tie_word_embeddings: false,
                 qkv_bias: true,
                 dtype: DType::BF16,

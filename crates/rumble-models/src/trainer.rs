@@ -20,7 +20,7 @@ use crate::model::param_specs;
 use crate::optim::Optimizer;
 use crate::presets::Objective;
 use crate::step::{StepConfig, TrainStep, build_train_step};
-use crate::weights::{Weights, write_atomic};
+use crate::weights::Weights;
 
 /// How the learning rate moves over a run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -375,15 +375,14 @@ pub fn check_hyper(sc: &StepConfig, schedule: &LrSchedule) -> Result<()> {
     Ok(())
 }
 
-/// Writes a Hugging Face model folder: `model.safetensors` and `config.json`, each atomically.
-/// Refuses (writing nothing) weights holding NaN or infinity, naming the first such tensor.
+/// Writes a Hugging Face model folder: `config.json` and `model.safetensors` (sharded with an
+/// index past `save_pretrained`'s default limit), each file atomically. Refuses (writing
+/// nothing) weights holding NaN or infinity, naming the first such tensor.
 pub fn save_checkpoint(dir: &Path, cfg: &Config, weights: &Weights) -> Result<()> {
     if let Some((name, index, value)) =
         crate::guard::first_non_finite_tensor(weights.tensors.iter().map(|(n, t)| (n.as_str(), t)))
     {
         return Err(ModelError::NonFinite { file: dir.join("model.safetensors"), name, index, value });
     }
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    weights.save(&dir.join("model.safetensors"))?;
-    write_atomic(&dir.join("config.json"), cfg.to_json_string().as_bytes())
+    crate::folder::save_folder(dir, cfg, weights, crate::folder::DEFAULT_MAX_SHARD_BYTES).map(|_| ())
 }

@@ -1,8 +1,13 @@
 //! Model weights on the host: seeded initialisation, and safetensors files with Hugging Face
 //! names and dtypes, so a checkpoint moves between rumble and transformers unchanged.
 //!
-//! Loading checks every tensor against the config (missing, shape, dtype, unexpected, NaN or
-//! infinity) and names the file and the tensor when something is off. Writes are atomic: a temporary file in the
+//! A checkpoint is a single `.safetensors` file or a Hugging Face model folder: `config.json`
+//! with `model.safetensors`, or with shards listed by `model.safetensors.index.json`
+//! (`weight_map`: tensor name -> shard file), as `save_pretrained` writes past its
+//! `max_shard_size` (see [`crate::folder`], which also writes them).
+//!
+//! Loading checks every tensor against the config (missing, shape, dtype, unexpected, NaN or infinity) and names
+//! the file and the tensor when something is off (NaN or infinity too). Writes are atomic: a temporary file in the
 //! same folder, flushed, then renamed over the target, so a crash never leaves half a checkpoint.
 
 use std::collections::HashMap;
@@ -14,6 +19,7 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::folder::read_checkpoint;
 use crate::host::{self, HostTensor};
 use crate::model::{Init, hf_parts, param_specs};
 use rumble_core::cpu::Rng;
@@ -56,53 +62,58 @@ impl Weights {
         Ok(Weights { tensors })
     }
 
-    /// Reads a checkpoint for `cfg`: every parameter must be there with its exact shape and
-    /// dtype, a packed one ([`hf_parts`]) either under its own name or as its Hugging Face
-    /// parts (stacked here). A tied model accepts (and ignores) a stored `lm_head.weight`;
-    /// rotary buffers (`*.rotary_emb.inv_freq`) of old checkpoints are ignored; any other extra
-    /// tensor is an error, since it means the config and the file disagree.
+    /// Reads a checkpoint for `cfg` (a safetensors file or a model folder, see
+    /// [`crate::folder::read_checkpoint`]): every parameter must be there with its exact shape and dtype.
     pub fn load(path: &Path, cfg: &Config) -> Result<Weights> {
-        let mut stored: HashMap<String, HostTensor> = read_safetensors(path)?.into_iter().collect();
+        Weights::load_as(path, cfg, OnDtypeMismatch::Error)
+    }
+
+    /// As [`Weights::load`]; a stored tensor of another float dtype than the config's is
+    /// cast to it when `on_mismatch` says so (round to nearest even), else it is an error
+    /// naming the tensor. A packed parameter ([`hf_parts`]) is found under its own name or as
+    /// its Hugging Face parts (stacked here). A tied model accepts (and ignores) a stored
+    /// `lm_head.weight`; rotary buffers (`*.rotary_emb.inv_freq`) of old checkpoints are
+    /// ignored; any other extra tensor is an error, since it means the config and the file
+    /// disagree.
+    pub fn load_as(path: &Path, cfg: &Config, on_mismatch: OnDtypeMismatch) -> Result<Weights> {
+        let (index_file, stored) = read_checkpoint(path)?;
+        let mut stored: HashMap<String, (PathBuf, HostTensor)> = stored.into_iter().collect();
+        let missing = |name: &str, ty: &TensorType| ModelError::MissingTensor {
+            file: index_file.clone(),
+            name: name.to_string(),
+            expected: ty.to_string(),
+        };
         let mut tensors = Vec::new();
         for spec in param_specs(cfg) {
             let t = match (stored.remove(&spec.name), hf_parts(&spec.name)) {
-                (Some(t), _) => checked(path, &spec.name, &spec.ty, t)?,
+                (Some((file, t)), _) => checked(&file, &spec.name, &spec.ty, t, on_mismatch)?,
                 (None, Some(parts)) => {
                     let mut dims = spec.ty.dims().to_vec();
                     dims[0] /= parts.len();
                     let part_ty = spec.ty.with_shape(dims);
                     let mut bytes = Vec::with_capacity(spec.ty.size_in_bytes());
                     for part in parts {
-                        let t = stored.remove(&part).ok_or_else(|| ModelError::MissingTensor {
-                            file: path.into(),
-                            name: part.clone(),
-                            expected: part_ty.to_string(),
-                        })?;
-                        bytes.extend(checked(path, &part, &part_ty, t)?.bytes);
+                        let (file, t) = stored.remove(&part).ok_or_else(|| missing(&part, &part_ty))?;
+                        bytes.extend(checked(&file, &part, &part_ty, t, on_mismatch)?.bytes);
                     }
                     HostTensor { ty: spec.ty.clone(), bytes }
                 }
-                (None, None) => {
-                    return Err(ModelError::MissingTensor {
-                        file: path.into(),
-                        name: spec.name,
-                        expected: spec.ty.to_string(),
-                    });
-                }
+                (None, None) => return Err(missing(&spec.name, &spec.ty)),
             };
             tensors.push((spec.name, t));
         }
-        let mut extra: Vec<String> = stored
-            .into_keys()
-            .filter(|n| {
+        let mut extra: Vec<(String, PathBuf)> = stored
+            .into_iter()
+            .filter(|(n, _)| {
                 let ignorable =
                     n.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && n == "lm_head.weight");
                 !ignorable
             })
+            .map(|(n, (file, _))| (n, file))
             .collect();
         extra.sort();
-        if let Some(name) = extra.into_iter().next() {
-            return Err(ModelError::UnexpectedTensor { file: path.into(), name });
+        if let Some((name, file)) = extra.into_iter().next() {
+            return Err(ModelError::UnexpectedTensor { file, name });
         }
         Ok(Weights { tensors })
     }
@@ -145,9 +156,19 @@ pub fn split_packed(name: &str, t: &HostTensor) -> Vec<(String, HostTensor)> {
         .collect()
 }
 
-/// `t` if it has type `want` and only finite values, else the error naming the file, the
-/// tensor and both types (or the first non-finite element).
-fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor) -> Result<HostTensor> {
+/// What loading does with a stored float tensor whose dtype is not the model's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnDtypeMismatch {
+    /// An error naming the file and the tensor.
+    #[default]
+    Error,
+    /// Cast to the model's dtype (float to float only).
+    Cast,
+}
+
+/// `t` if it has type `want` (cast to it if allowed) and only finite values, else the error
+/// naming the file, the tensor and both types (or the first non-finite element).
+fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor, on: OnDtypeMismatch) -> Result<HostTensor> {
     if t.ty.dims() != want.dims() {
         return Err(ModelError::Shape {
             file: path.into(),
@@ -157,13 +178,20 @@ fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor) -> Result<
         });
     }
     if t.ty.dtype != want.dtype {
-        return Err(ModelError::DType {
-            file: path.into(),
-            name: name.to_string(),
-            expected: want.dtype.to_string(),
-            got: t.ty.dtype.to_string(),
-        });
+        if !(on == OnDtypeMismatch::Cast && t.ty.dtype.is_float() && want.dtype.is_float()) {
+            return Err(ModelError::DType {
+                file: path.into(),
+                name: name.to_string(),
+                expected: want.dtype.to_string(),
+                got: t.ty.dtype.to_string(),
+            });
+        }
     }
+    // The finite check runs on the stored values (a cast to bf16 could overflow to infinity too).
+    if let Some((index, value)) = crate::guard::first_non_finite(&t) {
+        return Err(ModelError::NonFinite { file: path.into(), name: name.to_string(), index, value });
+    }
+    let t = if t.ty.dtype != want.dtype { HostTensor::from_f64(want.dtype, want.dims(), &t.to_f64())? } else { t };
     if let Some((index, value)) = crate::guard::first_non_finite(&t) {
         return Err(ModelError::NonFinite { file: path.into(), name: name.to_string(), index, value });
     }

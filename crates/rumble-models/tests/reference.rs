@@ -137,3 +137,42 @@ cases! {
     /// rumble rounds every bf16 activation, the reference is float64: bf16-sized tolerances.
     rumble_bf16_checkpoint_loads_in_transformers_and_agrees => "rumble_bf16_untied", 2e-2, 5e-2;
 }
+
+/// Llama 3.1's RoPE scaling: frequencies kept, blended and divided (transformers'
+/// `_compute_llama3_parameters`). The same weights with the scaling dropped must not match,
+/// so the check sees the scaling.
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    check_case("llama3_rope_scaled", 1e-5, 1e-4);
+    assert_scaling_matters("llama3_rope_scaled");
+}
+
+#[test]
+fn linear_rope_scaling_matches_transformers() {
+    check_case("llama_rope_linear", 1e-5, 1e-4);
+    assert_scaling_matters("llama_rope_linear");
+}
+
+/// The case's logits with plain RoPE are far from transformers' scaled ones.
+fn assert_scaling_matters(name: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference").join(name);
+    let mut cfg = Config::from_file(&dir.join("config.json")).unwrap();
+    assert_ne!(cfg.rope_scaling, rumble_core::RopeScaling::None, "{name}");
+    cfg.rope_scaling = rumble_core::RopeScaling::None;
+    let weights = Weights::load(&dir.join("model.safetensors"), &cfg).unwrap();
+    let reference: HashMap<String, HostTensor> =
+        read_safetensors(&dir.join("reference.safetensors")).unwrap().into_iter().collect();
+    let ids = &reference["input_ids"];
+    let g = Graph::new("logits");
+    let tok = g.data("tokens", DType::I64, ids.ty.dims()).unwrap();
+    let params = Params::declare(&g, &cfg).unwrap();
+    g.output(&model::logits(&cfg, &params, &tok).unwrap(), "logits").unwrap();
+    let mut inputs = vec![ids.clone()];
+    inputs.extend(weights.tensors.iter().map(|(_, w)| w.clone()));
+    let got = eval(&g.finish().unwrap(), &inputs).unwrap()[0].to_f64();
+    let want = reference["logits"].to_f64();
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    eprintln!("{name} without scaling: max error {:.2e} of scale", worst / scale);
+    assert!(worst > 1e-3 * scale, "{name}: plain RoPE agrees too ({worst:e} of {scale:e})");
+}

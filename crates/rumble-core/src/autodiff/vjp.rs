@@ -199,8 +199,8 @@ pub fn vjp(
             let dw = r.pop();
             vec![r.pop(), dw]
         }
-        Op::Rope { theta, inverse, layout } => {
-            let op = Op::Rope { theta: *theta, inverse: !inverse, layout: *layout };
+        Op::Rope { theta, inverse, layout, scaling } => {
+            let op = Op::Rope { theta: *theta, inverse: !inverse, layout: *layout, scaling: *scaling };
             vec![Some(args[0].graph().apply(op, &[&ct])?.remove(0))]
         }
         Op::Softmax => vec![Some(y.graph().apply(Op::SoftmaxBackward, &[y, &ct])?.remove(0))],

@@ -45,9 +45,9 @@ pub fn rms_norm_backward<A: Real>(x: &[A], w: &[A], dy: &[A], eps: f64) -> (Vec<
 
 /// Rotate-half RoPE on `[B, H, T, D]` (`[B, T, H, D]` in layout `bthd`) at positions `0..T`:
 /// for `j < D/2`, `out[j] = x[j] cos - x[j + D/2] sin` and `out[j + D/2] = x[j + D/2] cos +
-/// x[j] sin`, with angle `t * theta^(-2j/D)` (inverse frequencies in f32, as Hugging Face
-/// computes them).
-pub fn rope<A: Real>(dims: &[usize], x: &[A], theta: f64, inverse: bool, layout: HeadLayout) -> Vec<A> {
+/// x[j] sin`, with angle `t * inv_freq[j]` rounded to f32 (as Hugging Face computes it; the
+/// table comes from `RopeScaling::inv_freq`).
+pub fn rope<A: Real>(dims: &[usize], x: &[A], inv_freq: &[f32], inverse: bool, layout: HeadLayout) -> Vec<A> {
     let [_, h, t_len, d] = layout.bhtd(dims);
     // Rows of D between consecutive positions: 1 (bhtd) or H (bthd).
     let per_pos = match layout {
@@ -55,13 +55,12 @@ pub fn rope<A: Real>(dims: &[usize], x: &[A], theta: f64, inverse: bool, layout:
         HeadLayout::Bthd => h,
     };
     let half = d / 2;
-    let inv_freq: Vec<f64> = (0..half).map(|j| (1.0 / (theta as f32).powf((2 * j) as f32 / d as f32)) as f64).collect();
     let sign = if inverse { -1.0 } else { 1.0 };
     let mut out = vec![A::zero(); x.len()];
     for (row_i, (row, o)) in x.chunks(d).zip(out.chunks_mut(d)).enumerate() {
-        let t = ((row_i / per_pos) % t_len) as f64;
+        let t = ((row_i / per_pos) % t_len) as f32;
         for j in 0..half {
-            let ang = (t as f32 * inv_freq[j] as f32) as f64;
+            let ang = (t * inv_freq[j]) as f64;
             let (s, c) = (A::of(sign * ang.sin()), A::of(ang.cos()));
             o[j] = row[j] * c - row[j + half] * s;
             o[j + half] = row[j + half] * c + row[j] * s;

@@ -153,8 +153,9 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let (dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);
             Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
         }
-        Op::Rope { theta, inverse, layout } => {
-            one(out(&composite::rope::<A>(at[0].dims(), &f(0), *theta, *inverse, *layout)))
+        Op::Rope { theta, inverse, layout, scaling } => {
+            let inv_freq = scaling.inv_freq(*theta, layout.bhtd(at[0].dims())[3]);
+            one(out(&composite::rope::<A>(at[0].dims(), &f(0), &inv_freq, *inverse, *layout)))
         }
         Op::Softmax => one(out(&composite::softmax::<A>(at[0].shape.last(), &f(0), false))),
         Op::LogSoftmax => one(out(&composite::softmax::<A>(at[0].shape.last(), &f(0), true))),

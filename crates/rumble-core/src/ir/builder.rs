@@ -16,7 +16,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::dtype::{DType, Shape, TensorType};
-use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, UnaryOp};
+use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, RopeScaling, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 
@@ -333,7 +333,11 @@ impl Tensor {
     }
     /// RoPE of `self` in `layout` (`[B, T, H, D]` for `Bthd`: positions along axis 1).
     pub fn rope_in(&self, layout: HeadLayout, theta: f64) -> Result<Tensor> {
-        self.graph.apply1(Op::Rope { theta, inverse: false, layout }, &[self])
+        self.rope_scaled(layout, theta, RopeScaling::None)
+    }
+    /// RoPE of `self` in `layout` with inverse frequencies rescaled by `scaling`.
+    pub fn rope_scaled(&self, layout: HeadLayout, theta: f64, scaling: RopeScaling) -> Result<Tensor> {
+        self.graph.apply1(Op::Rope { theta, inverse: false, layout, scaling }, &[self])
     }
     pub fn softmax(&self) -> Result<Tensor> {
         self.graph.apply1(Op::Softmax, &[self])

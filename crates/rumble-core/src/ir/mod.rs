@@ -11,7 +11,7 @@ mod verify;
 pub use builder::{Graph, Tensor};
 pub use dtype::{DType, MAX_BYTES, Shape, SizeOverflow, TensorType, mul_size, total_bytes};
 pub use fused::{FusedBody, FusedInstr};
-pub use op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, UnaryOp, stat_dtype};
+pub use op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, RopeScaling, UnaryOp, stat_dtype};
 pub use text::{op_attrs, parse};
 pub use trace::{Def, InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 pub use verify::verify;

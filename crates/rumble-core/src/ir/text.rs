@@ -20,7 +20,7 @@ use std::fmt::{self, Write as _};
 
 use super::dtype::{DType, Shape, TensorType};
 use super::fused::{FusedBody, FusedInstr};
-use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, UnaryOp};
+use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, RopeScaling, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 
@@ -43,9 +43,10 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::ScatterAdd { rows } => vec![("rows", rows.to_string())],
         Op::Matmul { ta, tb } => vec![("ta", ta.to_string()), ("tb", tb.to_string())],
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps } => vec![("eps", f(*eps))],
-        Op::Rope { theta, inverse, layout } => {
+        Op::Rope { theta, inverse, layout, scaling } => {
             let mut a = vec![("theta", f(*theta)), ("inverse", inverse.to_string())];
             a.extend(layout_attr(*layout));
+            a.extend(scaling.text().map(|s| ("scaling", s)));
             a
         }
         Op::CrossEntropy { ignore_index } | Op::CrossEntropyBackward { ignore_index } => {
@@ -111,6 +112,15 @@ impl<'a> Attrs<'a> {
     fn ty(&self, key: &str) -> Result<TensorType, String> {
         self.get(key)?.parse()
     }
+    /// `scaling`, none when absent.
+    fn rope_scaling(&self) -> Result<RopeScaling, String> {
+        match self.map.get("scaling") {
+            None => Ok(RopeScaling::None),
+            Some(v) => RopeScaling::parse(v).ok_or_else(|| {
+                format!("bad value `{v}` for attribute `scaling` (linear:F or llama3:F:LOW:HIGH:ORIGINAL)")
+            }),
+        }
+    }
     /// `layout`, `bhtd` when absent.
     fn layout(&self) -> Result<HeadLayout, String> {
         let Some(v) = self.map.get("layout") else {
@@ -164,7 +174,12 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "matmul" => Op::Matmul { ta: a.bool("ta")?, tb: a.bool("tb")? },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
         "rms_norm_backward" => Op::RmsNormBackward { eps: a.f64("eps")? },
-        "rope" => Op::Rope { theta: a.f64("theta")?, inverse: a.bool("inverse")?, layout: a.layout()? },
+        "rope" => Op::Rope {
+            theta: a.f64("theta")?,
+            inverse: a.bool("inverse")?,
+            layout: a.layout()?,
+            scaling: a.rope_scaling()?,
+        },
         "softmax" => Op::Softmax,
         "softmax_backward" => Op::SoftmaxBackward,
         "log_softmax" => Op::LogSoftmax,

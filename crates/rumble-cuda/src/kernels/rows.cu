@@ -69,20 +69,27 @@ __device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* part, T* __restric
 }
 
 // Rotate-half RoPE on [B, H, T, D]; angle t * inv_freq_j in f32 (as Hugging Face), sin/cos in f64.
+// The inverse frequencies come from the host (RopeScaling::inv_freq in rumble-core: plain or
+// rescaled RoPE, one table for every backend), passed by value.
 // Two kernels: rope_table computes each (position, frequency) pair's cos and sign * sin once
 // into the node's scratch (t_len x half pairs of A), rope applies them to every row: the same
 // numbers as computing them per element, with 1 / (B * H) of the trigonometry.
+#define ROPE_MAX_HALF 256
+struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
+
 template <typename T>
-__device__ void rope_table(typename Acc<T>::t* __restrict__ tab, i64 t_len, i64 d, double theta, double sign) {
+__device__ void rope_table(typename Acc<T>::t* __restrict__ tab, i64 t_len, i64 d, const RopeFreqs& f, double sign) {
   typedef typename Acc<T>::t A;
+  // Staged in shared memory once per block: a warp reading 32 different parameter words
+  // would be served one word at a time.
+  __shared__ float inv[ROPE_MAX_HALF];
   i64 half = d / 2, total = t_len * half;
+  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
+  __syncthreads();
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 tt = e / half, j = e % half;
     float t = (float)tt;
-    // theta^(-2j/D) as f32: the f32 exponent, pow in f64 rounded once (as a correctly
-    // rounded powf would give, and the CPU reference computes).
-    float inv = 1.0f / (float)pow((double)(float)theta, (double)((float)(2 * j) / (float)d));
-    double ang = (double)(t * inv);
+    double ang = (double)(t * inv[j]);
     tab[2 * e] = (A)cos(ang);
     tab[2 * e + 1] = (A)(sign * sin(ang));
   }
@@ -351,8 +358,8 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
   extern "C" __global__ void rms_norm_backward_dw_sum_##SUF(const Acc<T>::t* part, T* dw, i64 groups, i64 d) {  \
     rms_norm_bwd_dw_sum<T>(part, dw, groups, d);                                                                \
   }                                                                                                             \
-  extern "C" __global__ void rope_table_##SUF(typename Acc<T>::t* tab, i64 t_len, i64 d, double theta, double sign) { \
-    rope_table<T>(tab, t_len, d, theta, sign);                                                                      \
+  extern "C" __global__ void rope_table_##SUF(typename Acc<T>::t* tab, i64 t_len, i64 d, RopeFreqs f, double sign) {  \
+    rope_table<T>(tab, t_len, d, f, sign);                                                                          \
   }                                                                                                                 \
   extern "C" __global__ void rope_##SUF(const T* x, T* y, const typename Acc<T>::t* tab, i64 rows, i64 t_len, i64 d, \
                                         i64 per_pos) {                                                          \

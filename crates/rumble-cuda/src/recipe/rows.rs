@@ -66,7 +66,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd],
             )?;
         }
-        Op::Rope { theta, inverse, layout } => {
+        Op::Rope { theta, inverse, layout, scaling } => {
             let [_, h, t, d] = layout.bhtd(at[0].dims());
             // Rows of D between consecutive positions: 1 in [B, H, T, D], H in [B, T, H, D].
             let per_pos = match layout {
@@ -80,8 +80,9 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 let acc = if dt == DType::F64 { 8 } else { 4 };
                 let tab = b.scratch(t * half * 2 * acc);
                 let sign = if *inverse { -1.0 } else { 1.0 };
+                let freqs = rope_freqs(&scaling.inv_freq(*theta, d))?;
                 let args =
-                    vec![Arg::Scratch(tab), Arg::I64(t as i64), Arg::I64(d as i64), Arg::F64(*theta), Arg::F64(sign)];
+                    vec![Arg::Scratch(tab), Arg::I64(t as i64), Arg::I64(d as i64), Arg::Blob(freqs), Arg::F64(sign)];
                 b.k(KernelFile::Rows, format!("rope_table_{}", sfx(dt)), grid_for(dev, t * half, 256), 256, 0, args)?;
                 let args = vec![
                     Arg::In(0),
@@ -335,4 +336,25 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         });
     }
     Ok(())
+}
+
+/// Inverse frequencies the RoPE kernels take by value (`RopeFreqs` in rows.cu: head sizes up
+/// to 512).
+const ROPE_MAX_HALF: usize = 256;
+
+/// The `RopeFreqs` struct of rows.cu as 8-byte words: f32 `inv` entries, two a word (little
+/// endian), zero past the table.
+fn rope_freqs(inv: &[f32]) -> Result<Vec<u64>> {
+    if inv.len() > ROPE_MAX_HALF {
+        return Err(CudaError::Unsupported(format!(
+            "rope on head size {} (at most {})",
+            2 * inv.len(),
+            2 * ROPE_MAX_HALF
+        )));
+    }
+    let mut w = vec![0u64; ROPE_MAX_HALF / 2];
+    for (i, f) in inv.iter().enumerate() {
+        w[i / 2] |= (f.to_bits() as u64) << (32 * (i % 2));
+    }
+    Ok(w)
 }

@@ -2,7 +2,8 @@
 
 For each case it builds a small transformers model (LLaMA with grouped-query attention and tied
 embeddings, and with full heads, untied; Qwen2 with q/k/v biases and head_dim 1, and with 7 query
-heads per key/value head and tied embeddings), sets every parameter to random values (norm
+heads per key/value head and tied embeddings; LLaMA with `llama3` and with `linear` RoPE scaling,
+their thresholds set so that the 12 positions see kept, blended and divided frequencies), sets every parameter to random values (norm
 weights and biases included, so nothing is trivially one or zero), and writes with
 `save_pretrained` (transformers' own config.json and model.safetensors). It then runs the model
 in float64 on fixed token ids with `labels = input_ids` and stores the loss, the logits and every
@@ -12,7 +13,7 @@ It also takes folders that rumble wrote (`rumble train --out DIR`): transformers
 `from_pretrained` and the same reference is written beside them, which checks the other direction
 (rumble's config.json and safetensors, bf16 included, read by transformers).
 
-usage: python make_reference.py OUT_DIR [RUMBLE_CHECKPOINT_DIR ...]   (needs torch, transformers,
+usage: python make_reference.py OUT_DIR [--only CASE,...] [RUMBLE_CHECKPOINT_DIR ...]   (needs torch, transformers,
 safetensors)
 """
 import json, os, sys
@@ -35,7 +36,22 @@ CASES = {
     "qwen2_head_dim_1": config(Qwen2Config, 64, 8, 24, 8, 2, 1e-6, 1000000.0, False),
     "llama_mha_untied": config(LlamaConfig, 96, 48, 64, 4, 4, 1e-5, 500000.0, False),
     "qwen2_gqa7_tied": config(Qwen2Config, 80, 56, 40, 7, 1, 1e-6, 1000000.0, True),
+    # head_dim 8: wavelengths 2 pi x [1, 10, 100, 1000]; kept below 16, divided above 64, blended between.
+    "llama3_rope_scaled": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 64},
+                                      tie_word_embeddings=True, max_position_embeddings=512),
+    "llama_rope_linear": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                     rope_parameters={"rope_type": "linear", "rope_theta": 100.0, "factor": 4.0},
+                                     tie_word_embeddings=True, max_position_embeddings=256),
 }
+# `--only a,b` makes only those cases (committed ones stay as they were made).
+if len(sys.argv) > 2 and sys.argv[2] == "--only":
+    CASES = {k: v for k, v in CASES.items() if k in sys.argv[3].split(",")}
+    sys.argv[2:] = sys.argv[4:]
 B, T = 2, 12
 
 

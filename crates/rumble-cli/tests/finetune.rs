@@ -1,0 +1,114 @@
+//! Fine-tuning a Hugging Face model folder with `rumble train`, as a user would. The fixture
+//! (`finetune/`, made by `finetune/make_fixture.py` with transformers and tokenizers) is a
+//! small LLaMA written by `save_pretrained` in two shards with their index, a byte-level BPE
+//! tokenizer.json, and JSONL data (prompt/response pairs and text records). The run must read
+//! the folder, tokenize and pack the data, lower the loss, and write a folder that rumble and
+//! transformers read back (the transformers check runs where `RUMBLE_PYTHON`, default
+//! `python3`, imports torch and transformers: `finetune/check_load.py`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/finetune")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rumble-finetune-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Runs `rumble train ARGS --json` and returns its JSON lines.
+fn train(args: &[&str]) -> Vec<Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).arg("train").args(args).arg("--json").output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "rumble train {args:?} failed:\n{stderr}");
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
+}
+
+fn losses(lines: &[Value]) -> Vec<f64> {
+    lines.iter().filter(|l| l["event"] == "step").map(|l| l["loss"].as_f64().unwrap()).collect()
+}
+
+#[test]
+fn a_sharded_hugging_face_folder_fine_tunes_on_jsonl_and_loads_back() {
+    let fx = fixture();
+    let (model, data, val) = (fx.join("model"), fx.join("data.jsonl"), fx.join("val.jsonl"));
+    assert!(model.join("model.safetensors.index.json").is_file() && !model.join("model.safetensors").exists());
+    let out = tmp("run");
+    let common = ["--batch", "4", "--seq", "32", "--lr", "3e-3", "--device", "cpu", "--seed", "1"];
+    let lines = train(
+        &[
+            &["--init-from", model.to_str().unwrap(), "--data", data.to_str().unwrap()][..],
+            &["--val-data", val.to_str().unwrap(), "--steps", "60", "--out", out.to_str().unwrap()],
+            &common,
+        ]
+        .concat(),
+    );
+    let start = &lines[0];
+    assert!(start["tokenizer"].as_str().unwrap().ends_with("tokenizer.json"), "{start}");
+    assert!(start["data_windows"].as_u64().unwrap() > 100 && start["val_windows"].as_u64().unwrap() > 5, "{start}");
+    let l = losses(&lines);
+    let (first, last5) = (l[0], l[l.len() - 5..].iter().sum::<f64>() / 5.0);
+    eprintln!("loss {first:.3} -> {last5:.3} (mean of the last 5 steps)");
+    // From about ln 320 = 5.77 (a random model) to well below.
+    assert!(first > 5.0 && last5 < 0.6 * first, "loss {first} -> {last5}");
+
+    // The checkpoint is a model folder with the tokenizer files copied along.
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(out.join(f).is_file(), "{f} missing in {}", out.display());
+    }
+    // It trains on from where the run ended.
+    let out2 = tmp("again");
+    let again = train(
+        &[
+            &["--init-from", out.to_str().unwrap(), "--data", data.to_str().unwrap()][..],
+            &["--steps", "2", "--warmup", "0", "--lr", "1e-6", "--out", out2.to_str().unwrap()],
+            &common[..4],
+            &common[6..],
+        ]
+        .concat(),
+    );
+    let resumed = losses(&again)[0];
+    assert!(resumed < 0.7 * first, "a fine-tuned folder starts at loss {resumed}");
+
+    // transformers reads the result (where it is installed).
+    let python = std::env::var("RUMBLE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_hf =
+        Command::new(&python).args(["-c", "import torch, transformers"]).output().is_ok_and(|o| o.status.success());
+    if !has_hf {
+        eprintln!("transformers check skipped: `{python}` cannot import torch and transformers (set RUMBLE_PYTHON)");
+        return;
+    }
+    let check = Command::new(&python).arg(fx.join("check_load.py")).arg(&out).arg(&fx).output().unwrap();
+    let report = String::from_utf8_lossy(&check.stdout);
+    eprintln!("transformers: {report}");
+    assert!(check.status.success(), "{report}\n{}", String::from_utf8_lossy(&check.stderr));
+}
+
+#[test]
+fn data_flags_give_clear_errors() {
+    let fx = fixture();
+    let model = fx.join("model");
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_rumble"))
+            .args(["train", "--init-from", model.to_str().unwrap(), "--steps", "1", "--device", "cpu", "--seq", "16"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let bad = tmp("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"prompt\": 1, \"response\": \"r\"}\n").unwrap();
+    let e = run(&["--data", bad.to_str().unwrap()]);
+    assert!(e.contains("bad.jsonl") && e.contains("line 2") && e.contains("`prompt` must be a string"), "{e}");
+    let data = fx.join("data.jsonl");
+    let e = run(&["--data", data.to_str().unwrap(), "--val-fraction", "1.5"]);
+    assert!(e.contains("--val-fraction 1.5"), "{e}");
+    let e = run(&["--data", fx.join("nope.jsonl").to_str().unwrap()]);
+    assert!(e.contains("nope.jsonl"), "{e}");
+}
