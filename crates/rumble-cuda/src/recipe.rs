@@ -171,6 +171,9 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
             return fused_recipe(dev, op.name(), &f, out_n);
         }
         Op::Fused(body) => return fused_recipe(dev, op.name(), &Fused::of_body(body)?, out_n),
+        Op::RopeAt { .. } | Op::CacheWrite | Op::AttentionCached { .. } | Op::Sample { .. } => {
+            return crate::decode::recipe(dev, op, at, ot);
+        }
         Op::LinearCrossEntropy { ignore_index, chunk } => linear_ce(&mut b, at, *ignore_index, *chunk, false)?,
         Op::LinearCrossEntropyBackward { ignore_index, chunk } => linear_ce(&mut b, at, *ignore_index, *chunk, true)?,
         Op::Reshape { .. } => b.steps.push(Step::Copy { src: 0, dst: 0, bytes: at[0].size_in_bytes() }),

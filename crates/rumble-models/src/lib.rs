@@ -6,7 +6,8 @@
 //! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
 //! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
 //! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows);
-//! [`buckets`] runs batches of changing shape in one step per bucket shape, padded.
+//! [`buckets`] runs batches of changing shape in one step per bucket shape, padded;
+//! [`generate`] samples text with a KV cache (prefill and decode traces).
 
 pub mod buckets;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod exec;
+pub mod generate;
 pub mod host;
 pub mod model;
 pub mod optim;

@@ -26,6 +26,7 @@ pub fn class_color(c: Class) -> &'static str {
     match c {
         Class::Param => "#4e79a7",
         Class::OptState => "#9c755f",
+        Class::State => "#edc948",
         Class::Input => "#59a14f",
         Class::Saved => "#f28e2b",
         Class::Gradient => "#e15759",
@@ -282,7 +283,7 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
             fmt_bytes(cb.at_peak)
         );
     }
-    for class in [Class::Param, Class::OptState] {
+    for class in [Class::Param, Class::OptState, Class::State] {
         let Some(cb) = report.classes.iter().find(|c| c.class == class && c.values > 0) else { continue };
         ry += 20.0;
         let _ = writeln!(
