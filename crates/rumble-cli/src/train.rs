@@ -65,6 +65,12 @@ pub struct TrainArgs {
     /// smallest bucket that holds it (padded targets are ignored by the loss). Replaces --seq.
     #[arg(long, value_name = "SEQ,SEQ,...")]
     pub buckets: Option<String>,
+    /// Every N steps print a short greedy sample after --prompt (CPU, byte-level models).
+    #[arg(long, value_name = "N", requires = "prompt")]
+    pub sample_every: Option<u64>,
+    /// The prompt of --sample-every's samples.
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -178,6 +184,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if a.json {
                 println!("{line}");
             }
+        }
+        if let (Some(n), Some(p)) = (a.sample_every, &a.prompt)
+            && n > 0
+            && (i % n == 0 || i == a.steps)
+        {
+            let text = crate::generate::sample_text(&cfg, &trainer.weights()?, p, 64)?;
+            let line = json!({"event": "sample", "step": i, "prompt": p, "text": text});
+            if a.json { println!("{line}") } else { bar.println(format!("step {i}: {p}{text}")) }
         }
         bar.set_message(format!("loss {:.4}  {} tok/s", s.loss, human(tps)));
         bar.inc(1);
