@@ -35,6 +35,7 @@ pub fn fixed_sources() -> Vec<(&'static str, String)> {
     [("layout", LAYOUT), ("reduce", REDUCE), ("rows", ROWS), ("attention", ATTENTION)]
         .into_iter()
         .map(|(n, body)| (n, format!("{PRELUDE}\n{body}")))
+        .chain(std::iter::once(("decode", crate::decode::source())))
         .collect()
 }
 
