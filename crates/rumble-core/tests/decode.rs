@@ -169,6 +169,6 @@ fn text_form_types_and_vjp() {
     assert!(e.contains("positions must be [B] = [2]"), "{e}");
     // No VJP: a clear error naming the op.
     let loss = xr.sum_all().unwrap();
-    let e = backward(&loss, &[&x]).err().expect("no VJP").to_string();
+    let e = backward(&loss, &[&x]).expect_err("no VJP").to_string();
     assert!(e.contains("rope_at") && e.contains("inference only"), "{e}");
 }
