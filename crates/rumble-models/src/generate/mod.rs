@@ -59,7 +59,8 @@ impl GenConfig {
         if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
             return Err(ModelError::Usage("generate: every prompt needs at least one token".into()));
         }
-        let need = longest + max_new;
+        // At least one position past the prompt, so the prefill never has the decode step's shape.
+        let need = longest + max_new.max(1);
         let max_length = max_length.unwrap_or(need);
         if need > max_length {
             return Err(ModelError::Usage(format!(
