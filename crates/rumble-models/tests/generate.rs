@@ -14,8 +14,18 @@ use rumble_models::generate::{GenConfig, Generator, Sampling};
 use rumble_models::model::{self, Params};
 use rumble_models::{Config, DeviceChoice, Weights};
 
+/// The reference folders: `RUMBLE_REFERENCE_DIR`, else this crate's `tests/reference` (from
+/// the build's path, or relative to a repository root as on the GPU machine).
+fn reference_root() -> PathBuf {
+    if let Some(d) = std::env::var_os("RUMBLE_REFERENCE_DIR") {
+        return PathBuf::from(d);
+    }
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference");
+    if built.is_dir() { built } else { PathBuf::from("crates/rumble-models/tests/reference") }
+}
+
 fn fixture(name: &str) -> (Config, Weights) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference").join(name);
+    let dir = reference_root().join(name);
     let cfg = Config::from_file(&dir.join("config.json")).unwrap();
     let w = Weights::load(&dir.join("model.safetensors"), &cfg).unwrap();
     (cfg, w)
@@ -97,7 +107,7 @@ fn cpu_generate_equals_the_full_forward_qwen2_gqa7() {
 /// line of `generate/CASE.txt` holds the prompt ids, the second the 64 new ids.
 #[test]
 fn greedy_tokens_equal_transformers_generate() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference/generate");
+    let root = reference_root().join("generate");
     let mut checked = 0;
     for name in ["llama_gqa_tied", "llama_mha_untied", "qwen2_gqa7_tied", "qwen2_head_dim_1"] {
         let Ok(text) = std::fs::read_to_string(root.join(format!("{name}.txt"))) else { continue };
