@@ -1,4 +1,4 @@
-//! `rumble`: train a LLaMA-family model, show a step's memory plan, or time steps.
+//! `rumble`: train a LLaMA-family model, show a step's memory plan, time steps, or generate text.
 //!
 //! `rumble train` with no arguments trains the `tiny` preset on the corpus shipped in
 //! `data/corpus.txt` (byte-level tokens), on the GPU when one is usable and otherwise the CPU.
@@ -8,6 +8,7 @@
 
 mod bench;
 mod common;
+mod generate;
 mod output;
 mod plan;
 mod rundir;
@@ -31,6 +32,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Time training steps of a workload on random tokens.
     Bench(bench::BenchArgs),
+    /// Generate text from a model folder (KV cache; decode steps replayed as CUDA graphs).
+    Generate(generate::GenerateArgs),
 }
 
 fn main() {
@@ -39,6 +42,7 @@ fn main() {
         Command::Train(a) => train::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Generate(a) => generate::run(a),
     };
     match result {
         Ok(()) => {}

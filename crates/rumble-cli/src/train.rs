@@ -97,6 +97,12 @@ pub struct TrainArgs {
     /// (the default); see `rumble plan --memory-budget`.
     #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
     pub memory_budget: rumble_core::compile::Budget,
+    /// Every N steps print a short greedy sample after --prompt (CPU, byte-level models).
+    #[arg(long, value_name = "N", requires = "prompt")]
+    pub sample_every: Option<u64>,
+    /// The prompt of --sample-every's samples.
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -237,6 +243,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 last = Some(s);
                 break;
             }
+        }
+        if let (Some(n), Some(p)) = (a.sample_every, &a.prompt)
+            && n > 0
+            && (i % n == 0 || i == a.steps)
+        {
+            let text = crate::generate::sample_text(&cfg, &trainer.weights()?, p, 64)?;
+            let line = json!({"event": "sample", "step": i, "prompt": p, "text": text});
+            if a.json { println!("{line}") } else { bar.println(format!("step {i}: {p}{text}")) }
         }
         bar.set_message(format!("loss {:.4}  {} tok/s", s.loss, human(tps)));
         bar.inc(1);

@@ -15,6 +15,7 @@
 //! fixed when the executor was built.
 
 pub mod compile;
+pub mod decode;
 pub mod device;
 pub mod error;
 pub mod exec;

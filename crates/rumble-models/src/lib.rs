@@ -8,7 +8,8 @@
 //! `rumble_core::exec::Executor`: [`exec`] (the CPU one, and the choice of one), [`cuda`] (the
 //! CUDA one), [`buckets`] (one step per shape bucket, batches padded to it) -> [`trainer`]
 //! (steps, learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows;
-//! text and JSONL documents through a [`tokenizer`]); [`guard`] holds the checks on user input.
+//! text and JSONL documents through a [`tokenizer`]); [`guard`] holds the checks on user input;
+//! [`generate`] samples text with a KV cache (prefill and decode traces).
 
 pub mod buckets;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod data;
 pub mod error;
 pub mod exec;
 pub mod folder;
+pub mod generate;
 pub mod guard;
 pub mod host;
 pub mod model;

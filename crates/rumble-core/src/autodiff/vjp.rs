@@ -238,6 +238,10 @@ pub fn vjp(
         Op::Fused(_) => {
             return Err(Error::Autodiff("fused ops have no VJP: fuse after differentiating".into()));
         }
+        // Decoding ops: inference only.
+        Op::RopeAt { .. } | Op::CacheWrite | Op::AttentionCached { .. } | Op::Sample { .. } => {
+            return Err(Error::Autodiff(format!("{}: a decoding op, inference only: no VJP", op.name())));
+        }
         Op::RmsNormBackward { .. }
         | Op::SoftmaxBackward
         | Op::LogSoftmaxBackward

@@ -14,6 +14,7 @@ pub mod arena;
 mod attention;
 mod composite;
 mod convert;
+pub mod decode;
 mod elementwise;
 mod layout;
 mod matmul;
@@ -202,6 +203,24 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             Ok(vec![out(&o), write_float(ot[1].dtype, &lse)])
         }
         Op::Fused(body) => run_fused(body, args),
+        Op::RopeAt { theta, layout } => {
+            let pos = read_int(at[1].dtype, args[1]);
+            one(out(&decode::rope_at::<A>(at[0].dims(), &f(0), &pos, *theta, *layout)?))
+        }
+        Op::CacheWrite => {
+            let pos = read_int(at[2].dtype, args[2]);
+            let esize = at[0].dtype.size_in_bytes();
+            one(decode::cache_write(at[0].dims(), args[0], at[1].dims()[1], args[1], &pos, esize)?)
+        }
+        Op::AttentionCached { scale } => {
+            let pos = read_int(at[3].dtype, args[3]);
+            one(out(&decode::attention_cached::<A>(at[0].dims(), at[1].dims(), &f(0), &f(1), &f(2), &pos, *scale)?))
+        }
+        Op::Sample { temperature, top_k, top_p } => {
+            let key = read_int(at[1].dtype, args[1]);
+            let ids = decode::sample::<A>(at[0].dims()[1], &f(0), &key, *temperature, *top_k, *top_p);
+            one(write_int(ot[0].dtype, &ids))
+        }
         Op::AttentionBackward { scale, causal, layout } => {
             let g = attention::Grads::<A> {
                 q: f(0),

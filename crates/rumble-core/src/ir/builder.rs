@@ -379,6 +379,27 @@ impl Tensor {
         let lse = outs.pop().expect("attention has two outputs");
         Ok((outs.pop().expect("attention has two outputs"), lse))
     }
+
+    /// RoPE of `self` in `layout` with row `t` of sequence `b` at position `pos[b] + t`
+    /// (`pos` int `[B]`).
+    pub fn rope_at(&self, pos: &Tensor, layout: HeadLayout, theta: f64) -> Result<Tensor> {
+        self.graph.apply1(Op::RopeAt { theta, layout }, &[self, pos])
+    }
+    /// `self` (a cache `[B, S, H, D]`) with rows `pos[b] .. pos[b] + T` replaced by `new
+    /// [B, T, H, D]`.
+    pub fn cache_write(&self, new: &Tensor, pos: &Tensor) -> Result<Tensor> {
+        self.graph.apply1(Op::CacheWrite, &[self, new, pos])
+    }
+    /// Attention of queries `q [B, T, Hq, D]` over caches `k, v [B, S, Hkv, D]`, query `t` of
+    /// sequence `b` seeing keys `0 ..= pos[b] + t`.
+    pub fn attention_cached(q: &Tensor, k: &Tensor, v: &Tensor, pos: &Tensor, scale: f64) -> Result<Tensor> {
+        q.graph.apply1(Op::AttentionCached { scale }, &[q, k, v, pos])
+    }
+    /// One token id per row of logits `self [B, V]` (i64 `[B]`), drawn with `key = (seed,
+    /// step)` (int `[2]`); see `Op::Sample`.
+    pub fn sample(&self, key: &Tensor, temperature: f64, top_k: usize, top_p: f64) -> Result<Tensor> {
+        self.graph.apply1(Op::Sample { temperature, top_k, top_p }, &[self, key])
+    }
 }
 
 #[cfg(test)]

@@ -298,6 +298,32 @@ pub enum Op {
     /// A chain of elementwise ops run as one kernel (made by the fusion pass; see
     /// `ir::fused`).
     Fused(Box<FusedBody>),
+    // Decoding (inference only: no VJP). Type rules in `ir::decode`.
+    /// RoPE like `rope`, but row `t` of sequence `b` sits at position `pos[b] + t`:
+    /// `(x, pos int [B]) -> x`, x `[B, T, H, D]` in layout `bthd` (`[B, H, T, D]` in `bhtd`),
+    /// D even. One decode step's new token is rotated at its sequence's own position.
+    RopeAt { theta: f64, layout: HeadLayout },
+    /// A KV-cache write: `(cache [B, S, H, D], new [B, T, H, D], pos int [B]) -> cache` with
+    /// rows `pos[b] .. pos[b] + T` of sequence `b` replaced by `new[b]`, every other element
+    /// kept. `pos[b] + T > S` is an error (the CPU says so; a device kernel skips such rows).
+    /// The planner may compute the result over the cache (`Op::may_overwrite`), and then a
+    /// backend writes the `T` new rows only.
+    CacheWrite,
+    /// Attention of `T` new queries per sequence over a cache: `(q [B, T, Hq, D],
+    /// k [B, S, Hkv, D], v [B, S, Hkv, D], pos int [B]) -> o [B, T, Hq, D]` (sequence-major);
+    /// query `t` of sequence `b` sees keys `0 ..= pos[b] + t` (fewer when that passes `S`),
+    /// query head `h` reads key/value head `h / (Hq / Hkv)`. Scores and softmax in f32 (f64
+    /// for f64).
+    AttentionCached { scale: f64 },
+    /// Draws the next token of each row: `(logits [B, V] float, key int [2]) -> ids i64 [B]`,
+    /// `key = (seed, step)`. `temperature == 0`: the argmax (lowest index among equals).
+    /// Otherwise, with `z = logits / temperature` and `w = exp(z - max z)`: `top_k > 0` keeps
+    /// `i` iff fewer than `top_k` tokens have `z_j > z_i`; `top_p < 1` then keeps `i` iff the
+    /// kept tokens with `z_j > z_i` hold less than `top_p` of the kept mass; the token is the
+    /// first kept `i` (index order) whose running kept sum of `w` passes `u * total`, with `u`
+    /// in [0, 1) from a counter-based hash of (seed, step, row) (`cpu::decode::uniform`), so a
+    /// replayed step with another `key` draws anew and the same key draws the same.
+    Sample { temperature: f64, top_k: usize, top_p: f64 },
 }
 
 impl UnaryOp {
@@ -410,6 +436,10 @@ impl Op {
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
             Op::Fused(_) => "fused",
+            Op::RopeAt { .. } => "rope_at",
+            Op::CacheWrite => "cache_write",
+            Op::AttentionCached { .. } => "attention_cached",
+            Op::Sample { .. } => "sample",
         }
     }
 
@@ -441,14 +471,17 @@ impl Op {
             | Op::SoftmaxBackward
             | Op::LogSoftmaxBackward
             | Op::CrossEntropy { .. }
+            | Op::RopeAt { .. }
+            | Op::Sample { .. }
             | Op::Swiglu => 2,
             Op::Where
             | Op::RmsNormBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::SwigluBackward
             | Op::LinearCrossEntropy { .. }
+            | Op::CacheWrite
             | Op::Attention { .. } => 3,
-            Op::LinearCrossEntropyBackward { .. } => 4,
+            Op::LinearCrossEntropyBackward { .. } | Op::AttentionCached { .. } => 4,
             Op::AttentionBackward { .. } => 6,
             Op::Concat { .. } | Op::Fused(_) => return None,
         })
@@ -468,6 +501,16 @@ impl Op {
                 | Op::Compare(_)
                 | Op::Where
         )
+    }
+
+    /// True if the result may be computed over operand `i` (same buffer): pointwise ops over
+    /// any operand of the result's shape, `cache_write` over its cache (operand 0) only. The
+    /// planner does so when the operand dies at this node; kernels must allow it.
+    pub fn may_overwrite(&self, i: usize) -> bool {
+        match self {
+            Op::CacheWrite => i == 0,
+            op => op.is_elementwise() || matches!(op, Op::Fused(_)),
+        }
     }
 
     /// Bytes of scratch memory a backend may use while running this op (planned as a temporary
@@ -769,6 +812,12 @@ impl Op {
                 }
                 Ok(vec![q.clone(), k.clone(), v.clone()])
             }
+            Op::RopeAt { layout, .. } => super::decode::rope_at(args[0], args[1], *layout),
+            Op::CacheWrite => super::decode::cache_write(args[0], args[1], args[2]),
+            Op::AttentionCached { .. } => super::decode::attention_cached(args[0], args[1], args[2], args[3]),
+            Op::Sample { temperature, top_k: _, top_p } => {
+                super::decode::sample(args[0], args[1], *temperature, *top_p)
+            }
         }
     }
 }
@@ -778,11 +827,11 @@ pub fn stat_dtype(d: DType) -> DType {
     if d == DType::F64 { DType::F64 } else { DType::F32 }
 }
 
-fn float(t: &TensorType) -> Result<(), String> {
+pub(super) fn float(t: &TensorType) -> Result<(), String> {
     if t.dtype.is_float() { Ok(()) } else { Err(format!("needs a float dtype, got {}", t.dtype)) }
 }
 
-fn int(t: &TensorType) -> Result<(), String> {
+pub(super) fn int(t: &TensorType) -> Result<(), String> {
     if t.dtype.is_int() { Ok(()) } else { Err(format!("indices must be i32 or i64, got {}", t.dtype)) }
 }
 

@@ -61,6 +61,16 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             a
         }
         Op::Fused(body) => vec![("shape", body.shape.to_string())],
+        Op::RopeAt { theta, layout } => {
+            let mut a = vec![("theta", f(*theta))];
+            a.extend(layout_attr(*layout));
+            a
+        }
+        Op::AttentionCached { scale } => vec![("scale", f(*scale))],
+        Op::Sample { temperature, top_k, top_p } => {
+            vec![("temperature", f(*temperature)), ("top_k", top_k.to_string()), ("top_p", f(*top_p))]
+        }
+        Op::CacheWrite => vec![],
         Op::Unary(_)
         | Op::Binary(_)
         | Op::Compare(_)
@@ -200,6 +210,10 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "attention_backward" => {
             Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")?, layout: a.layout()? }
         }
+        "rope_at" => Op::RopeAt { theta: a.f64("theta")?, layout: a.layout()? },
+        "cache_write" => Op::CacheWrite,
+        "attention_cached" => Op::AttentionCached { scale: a.f64("scale")? },
+        "sample" => Op::Sample { temperature: a.f64("temperature")?, top_k: a.usize("top_k")?, top_p: a.f64("top_p")? },
         // The body follows on the next lines; `Parser` fills it in.
         "fused" => Op::Fused(Box::new(FusedBody {
             shape: Shape::new(a.list("shape")?),

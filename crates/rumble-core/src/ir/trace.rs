@@ -60,11 +60,20 @@ pub enum InputRole {
     Saved,
     /// An incoming cotangent (inputs of a split backward trace).
     Cotangent,
+    /// Persistent state that is not a parameter (a KV cache): kept between runs like a
+    /// parameter, rewritten by its `Update` output.
+    State,
 }
 
 impl InputRole {
-    pub const ALL: [InputRole; 5] =
-        [InputRole::Input, InputRole::Param, InputRole::OptState, InputRole::Saved, InputRole::Cotangent];
+    pub const ALL: [InputRole; 6] = [
+        InputRole::Input,
+        InputRole::Param,
+        InputRole::OptState,
+        InputRole::Saved,
+        InputRole::Cotangent,
+        InputRole::State,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             InputRole::Input => "input",
@@ -72,11 +81,12 @@ impl InputRole {
             InputRole::OptState => "opt_state",
             InputRole::Saved => "saved",
             InputRole::Cotangent => "cotangent",
+            InputRole::State => "state",
         }
     }
     /// Lives across steps (outside the transient arena).
     pub fn is_persistent(self) -> bool {
-        matches!(self, InputRole::Param | InputRole::OptState)
+        matches!(self, InputRole::Param | InputRole::OptState | InputRole::State)
     }
 }
 

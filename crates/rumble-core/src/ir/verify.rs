@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 
-use super::trace::{InputRole, OutputRole, Trace, ValueId};
+use super::trace::{OutputRole, Trace, ValueId};
 use crate::{Error, Result};
 
 pub fn verify(t: &Trace) -> Result<()> {
@@ -86,12 +86,10 @@ pub fn verify(t: &Trace) -> Result<()> {
                 if t.ty(of) != t.ty(out.value) {
                     return Err(err(at(), format!("type {} differs from its input's {}", t.ty(out.value), t.ty(of))));
                 }
-                if matches!(out.role, OutputRole::Update { .. })
-                    && !matches!(inp.role, InputRole::Param | InputRole::OptState)
-                {
+                if matches!(out.role, OutputRole::Update { .. }) && !inp.role.is_persistent() {
                     return Err(err(
                         at(),
-                        format!("update_of names \"{}\", which is not a param or opt_state", inp.name),
+                        format!("update_of names \"{}\", which is not a param, opt_state or state", inp.name),
                     ));
                 }
             }

@@ -75,7 +75,14 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
         Op::Reduce { .. } | Op::ScatterAdd { .. } => inp,
         Op::RmsNorm { .. } => 4 * out,
         Op::RmsNormBackward { .. } => 8 * inp,
-        Op::Rope { .. } => 3 * out,
+        Op::Rope { .. } | Op::RopeAt { .. } => 3 * out,
+        Op::CacheWrite => 0,
+        Op::Sample { .. } => 8 * inp,
+        Op::AttentionCached { .. } => {
+            // q [B, T, Hq, D] over at most S keys.
+            let (q, k) = (args[0].dims(), args[1].dims());
+            4 * (q[0] * q[1] * q[2] * k[1] * q[3]) as u64
+        }
         Op::Softmax | Op::LogSoftmax => 5 * out,
         Op::SoftmaxBackward | Op::LogSoftmaxBackward => 4 * out,
         Op::Swiglu => 5 * out,

@@ -11,7 +11,8 @@
 //!    `slice`, a `permute` of size-1 axes, a `broadcast` adding size-1 axes) of `s`, lies in
 //!    `s`'s region at `s`'s offset plus the view's byte offset, and within `s`'s bytes;
 //! 4. in place: a value with `inplace_of = a` is a result of a pointwise node (elementwise or
-//!    fused) reading `a` unbroadcast (same shape), has `a`'s exact slot and element size, and
+//!    fused; or a `cache_write` over its cache, `Op::may_overwrite`) reading `a` unbroadcast
+//!    (same shape), has `a`'s exact slot and element size, and
 //!    every operand of that node that touches those bytes reads them with the same layout;
 //! 5. the arena: any two storage groups (a value owning bytes plus every view of it, or a
 //!    node's scratch, live at its step) whose byte ranges meet are never live at the same step,
@@ -162,8 +163,9 @@ impl<'a> Checker<'a> {
         for (i, a) in self.plan.inplace_of.iter().enumerate() {
             let Some(a) = *a else { continue };
             let nd = self.node[i].map(|k| &self.trace.nodes[k]);
-            let pointwise = |op: &Op| op.is_elementwise() || matches!(op, Op::Fused(_));
-            let Some(nd) = nd.filter(|nd| pointwise(&nd.op) && nd.args.contains(&a)) else {
+            // Pointwise ops over any operand; `cache_write` over its cache (`Op::may_overwrite`).
+            let over = |op: &Op, args: &[ValueId]| args.iter().enumerate().any(|(k, &x)| x == a && op.may_overwrite(k));
+            let Some(nd) = nd.filter(|nd| over(&nd.op, &nd.args)) else {
                 return Err(err(format!("%{i} is marked in place over {a}, but is not pointwise on it")));
             };
             if self.trace.ty(a).shape != self.trace.types[i].shape {

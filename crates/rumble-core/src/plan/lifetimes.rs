@@ -30,6 +30,8 @@ pub enum Class {
     Param,
     /// Optimizer state (persistent).
     OptState,
+    /// Other persistent state: a KV cache (input role `state`).
+    State,
     /// Per-step data fed to the trace.
     Input,
     /// A forward value read by the backward (or an input of a split backward trace).
@@ -46,9 +48,10 @@ pub enum Class {
 }
 
 impl Class {
-    pub const ALL: [Class; 8] = [
+    pub const ALL: [Class; 9] = [
         Class::Param,
         Class::OptState,
+        Class::State,
         Class::Input,
         Class::Saved,
         Class::Gradient,
@@ -60,6 +63,7 @@ impl Class {
         match self {
             Class::Param => "parameter",
             Class::OptState => "optimizer_state",
+            Class::State => "state",
             Class::Input => "input",
             Class::Saved => "saved_for_backward",
             Class::Gradient => "gradient",
@@ -146,6 +150,11 @@ impl Default for LifetimeOptions {
 /// an operand read unbroadcast (same shape) with the same element size.
 pub fn is_pointwise(op: &Op) -> bool {
     op.is_elementwise() || matches!(op, Op::Fused(_))
+}
+
+/// True if the op may compute a result over some operand (`Op::may_overwrite`).
+fn may_overwrite_any(op: &Op) -> bool {
+    is_pointwise(op) || matches!(op, Op::CacheWrite)
 }
 
 /// Byte offset into its operand at which a view op's result starts, or `None` if the op
@@ -263,7 +272,7 @@ pub fn lifetimes_with_scratch(trace: &Trace, opts: LifetimeOptions, backend: &[u
             if view[o.index()].is_some() || b.values[o.index()].storage != Storage::Buffer(usize::MAX) {
                 continue;
             }
-            let over = if opts.inplace && is_pointwise(&node.op) { b.arena_inplace(i, o) } else { None };
+            let over = if opts.inplace && may_overwrite_any(&node.op) { b.arena_inplace(i, o) } else { None };
             match over {
                 Some((arg, buf)) => {
                     b.values[o.index()].inplace_of = Some(arg);
@@ -363,8 +372,11 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
 
     /// An operand of node `node` whose arena buffer `o` may continue in place.
     fn arena_inplace(&self, node: usize, o: ValueId) -> Option<(ValueId, usize)> {
-        for &a in &self.trace.nodes[node].args {
+        for (k, &a) in self.trace.nodes[node].args.iter().enumerate() {
             let (r, _) = self.resolve(a);
+            if !self.trace.nodes[node].op.may_overwrite(k) {
+                continue;
+            }
             let Storage::Buffer(buf) = self.values[r.index()].storage else { continue };
             let b = self.buffers.get(buf)?;
             let is_output = self.trace.outputs.iter().any(|out| out.value == r);
@@ -393,15 +405,15 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
     fn chain_to(&self, p: ValueId, cur: ValueId, chain: &mut Vec<(ValueId, ValueId)>, depth: usize) -> bool {
         let Some(node) = (self.node_of)(cur) else { return false };
         let nd = &self.trace.nodes[node];
-        if depth > 16 || !is_pointwise(&nd.op) || self.view[cur.index()].is_some() {
+        if depth > 16 || !may_overwrite_any(&nd.op) || self.view[cur.index()].is_some() {
             return false;
         }
         if self.values[cur.index()].storage != Storage::Buffer(usize::MAX) {
             return false; // already placed
         }
-        for &a in &nd.args {
+        for (k, &a) in nd.args.iter().enumerate() {
             let (r, _) = self.resolve(a);
-            if !self.overwritable(node, a, cur, r) {
+            if !nd.op.may_overwrite(k) || !self.overwritable(node, a, cur, r) {
                 continue;
             }
             chain.push((a, cur));
@@ -450,6 +462,7 @@ fn classify(trace: &Trace, defs: &[Option<Def>], root: &dyn Fn(ValueId) -> Value
         class[inp.value.index()] = match inp.role {
             InputRole::Param => Class::Param,
             InputRole::OptState => Class::OptState,
+            InputRole::State => Class::State,
             InputRole::Input => Class::Input,
             InputRole::Saved => Class::Saved,
             InputRole::Cotangent => Class::Gradient,

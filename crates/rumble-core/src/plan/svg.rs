@@ -26,6 +26,7 @@ pub fn class_color(c: Class) -> &'static str {
     match c {
         Class::Param => "#4e79a7",
         Class::OptState => "#9c755f",
+        Class::State => "#edc948",
         Class::Input => "#59a14f",
         Class::Saved => "#f28e2b",
         Class::Gradient => "#e15759",
@@ -45,10 +46,10 @@ fn phase_color(p: Phase) -> &'static str {
 
 /// Live arena bytes of each class at each step `0..=end` (a buffer counts once per step, for
 /// the member live there: the later one where two meet).
-pub fn live_by_class(trace: &Trace, lt: &Lifetimes) -> Vec<[usize; 8]> {
+pub fn live_by_class(trace: &Trace, lt: &Lifetimes) -> Vec<[usize; Class::ALL.len()]> {
     let steps = lt.end + 1;
-    let mut diff = vec![[0i64; 8]; steps + 1];
-    let scratch = Class::ALL.iter().position(|&c| c == Class::Scratch).unwrap_or(7);
+    let mut diff = vec![[0i64; Class::ALL.len()]; steps + 1];
+    let scratch = Class::ALL.iter().position(|&c| c == Class::Scratch).unwrap_or(Class::ALL.len() - 1);
     for b in lt.buffers.iter().filter(|b| b.region == Region::Arena) {
         if b.scratch_of.is_some() {
             diff[b.start][scratch] += b.aligned() as i64;
@@ -66,12 +67,12 @@ pub fn live_by_class(trace: &Trace, lt: &Lifetimes) -> Vec<[usize; 8]> {
             diff[stop + 1][c] -= bytes;
         }
     }
-    let mut acc = [0i64; 8];
+    let mut acc = [0i64; Class::ALL.len()];
     diff[..steps]
         .iter()
         .map(|d| {
-            let mut row = [0usize; 8];
-            for c in 0..8 {
+            let mut row = [0usize; Class::ALL.len()];
+            for c in 0..Class::ALL.len() {
                 acc[c] += d[c];
                 row[c] = acc[c].max(0) as usize;
             }
@@ -282,7 +283,7 @@ pub fn timeline(trace: &Trace, lt: &Lifetimes, report: &PlanReport) -> String {
             fmt_bytes(cb.at_peak)
         );
     }
-    for class in [Class::Param, Class::OptState] {
+    for class in [Class::Param, Class::OptState, Class::State] {
         let Some(cb) = report.classes.iter().find(|c| c.class == class && c.values > 0) else { continue };
         ry += 20.0;
         let _ = writeln!(

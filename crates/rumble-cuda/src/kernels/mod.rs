@@ -23,10 +23,14 @@ pub enum KernelFile {
     Rows,
     /// The per-row attention kernels, the fallback of the flash ones (`attention.cu`).
     Attention,
+    /// Decoding: RoPE at a position, KV-cache writes, attention over the cache, sampling
+    /// (`decode.cu`).
+    Decode,
 }
 
 impl KernelFile {
-    pub const ALL: [KernelFile; 4] = [KernelFile::Layout, KernelFile::Reduce, KernelFile::Rows, KernelFile::Attention];
+    pub const ALL: [KernelFile; 5] =
+        [KernelFile::Layout, KernelFile::Reduce, KernelFile::Rows, KernelFile::Attention, KernelFile::Decode];
 
     /// The module name (the file's stem).
     pub fn name(self) -> &'static str {
@@ -35,6 +39,7 @@ impl KernelFile {
             KernelFile::Reduce => "reduce",
             KernelFile::Rows => "rows",
             KernelFile::Attention => "attention",
+            KernelFile::Decode => "decode",
         }
     }
 
@@ -44,6 +49,7 @@ impl KernelFile {
             KernelFile::Reduce => include_str!("reduce.cu"),
             KernelFile::Rows => include_str!("rows.cu"),
             KernelFile::Attention => include_str!("attention.cu"),
+            KernelFile::Decode => include_str!("decode.cu"),
         }
     }
 

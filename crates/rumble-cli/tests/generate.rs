@@ -1,0 +1,84 @@
+//! `rumble generate` as a user runs it, on the CPU: after `rumble train` (with samples every
+//! few steps), generation streams the prompt and its continuation, agrees with the JSON form,
+//! decodes a JSONL batch, and refuses bad input with a one-line error.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn rumble(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn json_lines(stdout: &str) -> Vec<Value> {
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
+}
+
+#[test]
+fn train_then_generate_streams_and_batches() {
+    let dir = std::env::temp_dir().join(format!("rumble-cli-{}-generate", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = dir.to_str().unwrap();
+    let (ok, stdout, stderr) = rumble(&[
+        "train",
+        "--steps",
+        "4",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--json",
+        "--out",
+        o,
+        "--device",
+        "cpu",
+        "--sample-every",
+        "2",
+        "--prompt",
+        "The town",
+    ]);
+    assert!(ok, "{stderr}");
+    let samples: Vec<Value> = json_lines(&stdout).into_iter().filter(|l| l["event"] == "sample").collect();
+    assert_eq!(samples.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 4]);
+    assert!(samples.iter().all(|s| s["text"].as_str().is_some_and(|t| !t.is_empty())), "{samples:?}");
+
+    let base = ["generate", "--model", o, "--prompt", "The town", "--max-new-tokens", "24", "--device", "cpu"];
+    let (ok, streamed, stderr) = rumble(&base);
+    assert!(ok, "{stderr}");
+    let (ok, js, stderr) = rumble(&[&base[..], &["--json"]].concat());
+    assert!(ok, "{stderr}");
+    let line = &json_lines(&js)[0];
+    let tokens: Vec<u8> = line["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u8).collect();
+    assert_eq!(tokens.len(), 24);
+    let mut want = b"The town".to_vec();
+    want.extend(&tokens);
+    want.push(b'\n');
+    assert_eq!(streamed.as_bytes(), &want[..], "stdout is the prompt, then each token's byte as it comes");
+
+    let file = dir.join("prompts.jsonl");
+    std::fs::write(&file, "{\"prompt\": \"The town\"}\n\n{\"prompt\": \"A much longer prompt than that\"}\n").unwrap();
+    let (ok, out, stderr) = rumble(&[
+        "generate",
+        "--model",
+        o,
+        "--prompts",
+        file.to_str().unwrap(),
+        "--max-new-tokens",
+        "24",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{stderr}");
+    let ls = json_lines(&out);
+    assert_eq!(ls.len(), 2);
+    assert_eq!(ls[0]["tokens"], line["tokens"], "a batched, padded prompt decodes as it does alone (greedy)");
+    assert_eq!(ls[1]["prompt"], "A much longer prompt than that");
+
+    let (ok, _, stderr) = rumble(&["generate", "--model", o, "--prompt", "x", "--top-p", "0", "--device", "cpu"]);
+    assert!(!ok && stderr.contains("top_p must be in (0, 1]"), "{stderr}");
+    std::fs::write(&file, "{\"text\": 1}\n").unwrap();
+    let (ok, _, stderr) = rumble(&["generate", "--model", o, "--prompts", file.to_str().unwrap(), "--device", "cpu"]);
+    assert!(!ok && stderr.contains("prompts.jsonl:1: needs a \"prompt\" string"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

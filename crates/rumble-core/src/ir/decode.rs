@@ -1,0 +1,90 @@
+//! Type rules of the decoding ops (`rope_at`, `cache_write`, `attention_cached`, `sample`):
+//! the ops a generation step needs on top of the training ops. Their specs are the variants'
+//! doc comments in `op.rs`; messages name the shapes each op expects.
+
+use super::dtype::{DType, TensorType};
+use super::op::{HeadLayout, float, int};
+
+/// `pos` must be an int `[B]` for a batch of `b`.
+fn positions(pos: &TensorType, b: usize) -> Result<(), String> {
+    int(pos)?;
+    if pos.dims() != [b] {
+        return Err(format!("positions must be [B] = [{b}], got {}", pos.shape));
+    }
+    Ok(())
+}
+
+pub(super) fn rope_at(x: &TensorType, pos: &TensorType, layout: HeadLayout) -> Result<Vec<TensorType>, String> {
+    float(x)?;
+    if x.rank() != 4 || !x.dims()[3].is_multiple_of(2) {
+        return Err(format!(
+            "layout {} needs {} with D even, got {}",
+            layout.name(),
+            layout.pattern("H", "T"),
+            x.shape
+        ));
+    }
+    positions(pos, x.dims()[0])?;
+    Ok(vec![x.clone()])
+}
+
+pub(super) fn cache_write(cache: &TensorType, new: &TensorType, pos: &TensorType) -> Result<Vec<TensorType>, String> {
+    float(cache)?;
+    let (c, n) = (cache.dims(), new.dims());
+    if cache.rank() != 4 || new.rank() != 4 || cache.dtype != new.dtype || c[0] != n[0] || c[2..] != n[2..] {
+        return Err(format!("needs cache [B, S, H, D] and new [B, T, H, D] of one dtype, got {cache} and {new}"));
+    }
+    if n[1] > c[1] {
+        return Err(format!("{} new rows do not fit a cache of {} positions", n[1], c[1]));
+    }
+    positions(pos, c[0])?;
+    Ok(vec![cache.clone()])
+}
+
+pub(super) fn attention_cached(
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+    pos: &TensorType,
+) -> Result<Vec<TensorType>, String> {
+    float(q)?;
+    if q.rank() != 4 || k.rank() != 4 || k != v || q.dtype != k.dtype {
+        return Err(format!("needs q [B, T, Hq, D] and k, v [B, S, Hkv, D] of one dtype, got q {q}, k {k}, v {v}"));
+    }
+    let ([b, _, hq, d], [kb, _, hkv, kd]) = (dims4(q), dims4(k));
+    if b != kb || d != kd {
+        return Err(format!("batch or head size differ: q {} vs k {}", q.shape, k.shape));
+    }
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(format!("{hq} query heads are not a multiple of {hkv} key/value heads"));
+    }
+    positions(pos, b)?;
+    Ok(vec![q.clone()])
+}
+
+fn dims4(t: &TensorType) -> [usize; 4] {
+    [t.dims()[0], t.dims()[1], t.dims()[2], t.dims()[3]]
+}
+
+pub(super) fn sample(
+    logits: &TensorType,
+    key: &TensorType,
+    temperature: f64,
+    top_p: f64,
+) -> Result<Vec<TensorType>, String> {
+    float(logits)?;
+    if logits.rank() != 2 || logits.dims()[1] == 0 {
+        return Err(format!("needs logits [B, V] with V > 0, got {}", logits.shape));
+    }
+    int(key)?;
+    if key.dims() != [2] {
+        return Err(format!("key must be [2] (seed, step), got {}", key.shape));
+    }
+    if !(temperature >= 0.0 && temperature.is_finite()) {
+        return Err(format!("temperature must be finite and >= 0, got {temperature}"));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(format!("top_p must be in (0, 1], got {top_p}"));
+    }
+    Ok(vec![TensorType::new(DType::I64, [logits.dims()[0]])])
+}

@@ -1,0 +1,259 @@
+// The decoding ops (specs in rumble_core's ir/op.rs, CPU reference in cpu/decode.rs):
+// rope_at, cache_write, attention_cached and sample. Positions and sampling keys are i64.
+
+// RoPE at per-sequence positions: rows of d, row r = ((b * n1 + i1) * n2 + i2) with the position
+// index t = i1 (layout bthd: n1 = T, n2 = H) or i2 (bhtd: n1 = H, n2 = T); position pos[b] + t.
+template <typename T>
+__device__ void rope_at(const T* __restrict__ x, const i64* __restrict__ pos, T* __restrict__ y, i64 rows, i64 n1,
+                        i64 n2, int seq_first, i64 d, double theta) {
+  typedef typename Acc<T>::t A;
+  i64 half = d / 2, total = rows * half;
+  for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+    i64 row = e / half, j = e % half;
+    i64 i2 = row % n2, i1 = (row / n2) % n1, b = row / (n1 * n2);
+    float p = (float)(pos[b] + (seq_first ? i1 : i2));
+    float inv = 1.0f / (float)pow((double)(float)theta, (double)((float)(2 * j) / (float)d));
+    double ang = (double)(p * inv);
+    A c = (A)cos(ang), s = (A)sin(ang);
+    A u = ldf(x[row * d + j]), v = ldf(x[row * d + j + half]);
+    stf(&y[row * d + j], u * c - v * s);
+    stf(&y[row * d + j + half], v * c + u * s);
+  }
+}
+
+// cache [B, S, R] (R = H * D elements a position) gets rows pos[b] .. pos[b] + t_len of new
+// [B, T, R]. A row outside the cache is skipped and reported (code 1, the position).
+template <typename T>
+__device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, const i64* __restrict__ pos, i64 b_len,
+                            i64 s, i64 t_len, i64 r, int* status, int tag) {
+  i64 total = b_len * t_len * r;
+  for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+    i64 c = e % r, t = (e / r) % t_len, b = e / (r * t_len);
+    i64 p = pos[b] + t;
+    if (p < 0 || p >= s) {
+      if (c == 0) report(status, tag, 1, p);
+      continue;
+    }
+    cache[(b * s + p) * r + c] = nw[e];
+  }
+}
+
+// One block per (b, t, query head): scores of the visible keys a tile at a time (a thread per
+// key), an online softmax across tiles, then p.v with threads split into d-wide groups over the
+// keys, the groups' partial sums added in a fixed order. d <= blockDim.x <= 256.
+#define AC_TILE 1024
+template <typename T>
+__device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                 const i64* __restrict__ pos, T* __restrict__ o, i64 t_len, i64 hq, i64 s, i64 hkv,
+                                 i64 d, double scale) {
+  __shared__ float qs[256];
+  __shared__ float sc[AC_TILE];
+  __shared__ float part[256];
+  __shared__ float buf[32];
+  i64 bh = blockIdx.x;
+  i64 h = bh % hq, t = (bh / hq) % t_len, b = bh / (hq * t_len);
+  i64 kvh = h / (hq / hkv);
+  i64 n = pos[b] + t + 1;
+  if (n > s) n = s;
+  if (n < 0) n = 0;
+  const T* qr = q + ((b * t_len + t) * hq + h) * d;
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) qs[c] = ld(qr[c]);
+  __syncthreads();
+  i64 groups = blockDim.x / d;
+  i64 c = threadIdx.x % d, g = threadIdx.x / d;
+  float m = -F32_INF, l = 0.0f, acc = 0.0f;
+  const i64 kstride = hkv * d;
+  const T* kb = k + (b * s * hkv + kvh) * d;
+  const T* vb = v + (b * s * hkv + kvh) * d;
+  for (i64 j0 = 0; j0 < n; j0 += AC_TILE) {
+    i64 tn = n - j0 < AC_TILE ? n - j0 : AC_TILE;
+    float mt = -F32_INF;
+    for (i64 j = threadIdx.x; j < tn; j += blockDim.x) {
+      const T* kr = kb + (j0 + j) * kstride;
+      float dot = 0.0f;
+      for (i64 e = 0; e < d; ++e) dot += qs[e] * ld(kr[e]);
+      float sj = (float)scale * dot;
+      sc[j] = sj;
+      mt = fmaxf(mt, sj);
+    }
+    mt = block_max(mt, buf);
+    float mn = fmaxf(m, mt);
+    float corr = m == -F32_INF ? 0.0f : expf(m - mn);
+    float lt = 0.0f;
+    for (i64 j = threadIdx.x; j < tn; j += blockDim.x) {
+      float p = expf(sc[j] - mn);
+      sc[j] = p;
+      lt += p;
+    }
+    lt = block_sum(lt, buf);
+    l = l * corr + lt;
+    acc *= corr;
+    m = mn;
+    if (g < groups) {
+      for (i64 j = g; j < tn; j += groups) acc += sc[j] * ld(vb[(j0 + j) * kstride + c]);
+    }
+    __syncthreads();
+  }
+  part[threadIdx.x] = g < groups ? acc : 0.0f;
+  __syncthreads();
+  if (threadIdx.x < d) {
+    float sum = 0.0f;
+    for (i64 gg = 0; gg < groups; ++gg) sum += part[gg * d + threadIdx.x];
+    stf(&o[((b * t_len + t) * hq + h) * d + threadIdx.x], (typename Acc<T>::t)(l > 0.0f ? sum / l : 0.0f));
+  }
+}
+
+// SplitMix64's finaliser and the sampler's uniform number (cpu::decode::uniform).
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+// An order-preserving key of a float (larger float, larger key).
+__device__ __forceinline__ unsigned fkey(float f) {
+  unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// One block per row of logits [rows, v]. Greedy: the argmax, lowest index among equals.
+// Otherwise z = x / temperature; top-k keeps z at or above the k-th largest (a search over the
+// float keys); top-p keeps z whose kept mass strictly above is under top_p of the kept total;
+// the draw walks the kept weights exp(z - max) in index order (each thread a contiguous chunk).
+template <typename T>
+__device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64* __restrict__ ids, i64 v,
+                       double temperature, i64 top_k, double top_p) {
+  __shared__ float fbuf[32];
+  __shared__ float tsum[1024];
+  __shared__ int pick;
+  i64 row = blockIdx.x;
+  const T* xr = x + row * v;
+  if (temperature == 0.0) {
+    float best = -F32_INF;
+    i64 bi = v;
+    for (i64 i = threadIdx.x; i < v; i += blockDim.x) {
+      float z = ld(xr[i]);
+      if (z != z) continue;
+      if (bi == v || z > best) { best = z; bi = i; }
+    }
+    __shared__ float bv[1024];
+    __shared__ i64 bx[1024];
+    bv[threadIdx.x] = best;
+    bx[threadIdx.x] = bi;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+      if (threadIdx.x < w) {
+        float ov = bv[threadIdx.x + w];
+        i64 oi = bx[threadIdx.x + w];
+        if (oi < v && (bx[threadIdx.x] == v || ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bx[threadIdx.x]))) {
+          bv[threadIdx.x] = ov;
+          bx[threadIdx.x] = oi;
+        }
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) ids[row] = bx[0] == v ? 0 : bx[0];
+    return;
+  }
+  float inv_t = (float)(1.0 / temperature);
+  float m = -F32_INF;
+  for (i64 i = threadIdx.x; i < v; i += blockDim.x) m = fmaxf(m, ld(xr[i]) * inv_t);
+  m = block_max(m, fbuf);
+  // Top-k: the largest key kk with at least k values at or above it.
+  unsigned kk = 0;
+  if (top_k > 0 && top_k < v) {
+    for (int bit = 31; bit >= 0; --bit) {
+      unsigned cand = kk | (1u << bit);
+      float cnt = 0.0f;
+      for (i64 i = threadIdx.x; i < v; i += blockDim.x) cnt += fkey(ld(xr[i]) * inv_t) >= cand ? 1.0f : 0.0f;
+      cnt = block_sum(cnt, fbuf);
+      if (cnt >= (float)top_k) kk = cand;
+    }
+  }
+  float total = 0.0f;
+  for (i64 i = threadIdx.x; i < v; i += blockDim.x) {
+    float z = ld(xr[i]) * inv_t;
+    if (fkey(z) >= kk) total += expf(z - m);
+  }
+  total = block_sum(total, fbuf);
+  // Top-p: keep key > xp, xp the largest key whose kept mass strictly above is >= top_p.
+  unsigned xp = 0;
+  int use_p = top_p < 1.0;
+  if (use_p) {
+    float need = (float)top_p * total;
+    for (int bit = 31; bit >= 0; --bit) {
+      unsigned cand = xp | (1u << bit);
+      float mass = 0.0f;
+      for (i64 i = threadIdx.x; i < v; i += blockDim.x) {
+        float z = ld(xr[i]) * inv_t;
+        unsigned kz = fkey(z);
+        if (kz >= kk && kz > cand) mass += expf(z - m);
+      }
+      mass = block_sum(mass, fbuf);
+      if (mass >= need) xp = cand;
+    }
+  }
+  // The draw, in index order: each thread sums its chunk, thread 0 scans the chunk sums.
+  i64 chunk = (v + blockDim.x - 1) / blockDim.x;
+  i64 lo = threadIdx.x * chunk, hi = lo + chunk < v ? lo + chunk : v;
+  float mine = 0.0f;
+  i64 last = -1;
+  for (i64 i = lo; i < hi; ++i) {
+    float z = ld(xr[i]) * inv_t;
+    unsigned kz = fkey(z);
+    if (kz >= kk && (!use_p || kz > xp)) { mine += expf(z - m); last = i; }
+  }
+  tsum[threadIdx.x] = mine;
+  if (threadIdx.x == 0) pick = 0x7fffffff;
+  __syncthreads();
+  __shared__ float kept_total;
+  if (threadIdx.x == 0) {
+    float run = 0.0f;
+    for (int i = 0; i < (int)blockDim.x; ++i) { float s = tsum[i]; tsum[i] = run; run += s; }
+    kept_total = run;
+  }
+  __syncthreads();
+  double u = (double)(mix64(mix64(mix64((unsigned long long)key[0]) ^ (unsigned long long)key[1]) ^
+                            (unsigned long long)row) >> 11) * (1.0 / 9007199254740992.0);
+  float target = (float)(u * (double)kept_total);
+  if (mine > 0.0f && tsum[threadIdx.x] + mine > target) {
+    float run = tsum[threadIdx.x];
+    for (i64 i = lo; i < hi; ++i) {
+      float z = ld(xr[i]) * inv_t;
+      unsigned kz = fkey(z);
+      if (kz >= kk && (!use_p || kz > xp)) {
+        run += expf(z - m);
+        if (run > target) { atomicMin(&pick, (int)i); break; }
+      }
+    }
+  }
+  __syncthreads();
+  // Rounding left the target past every kept weight: the last kept token.
+  __shared__ int last_kept;
+  if (threadIdx.x == 0) last_kept = -1;
+  __syncthreads();
+  if (last >= 0) atomicMax(&last_kept, (int)last);
+  __syncthreads();
+  if (threadIdx.x == 0) ids[row] = pick != 0x7fffffff ? pick : (last_kept >= 0 ? last_kept : 0);
+}
+
+#define DECODE(T, SUF)                                                                                          \
+  extern "C" __global__ void rope_at_##SUF(const T* x, const i64* pos, T* y, i64 rows, i64 n1, i64 n2,         \
+                                           int seq_first, i64 d, double theta) {                                \
+    rope_at<T>(x, pos, y, rows, n1, n2, seq_first, d, theta);                                                   \
+  }                                                                                                             \
+  extern "C" __global__ void cache_write_##SUF(T* cache, const T* nw, const i64* pos, i64 b_len, i64 s,         \
+                                               i64 t_len, i64 r, int* status, int tag) {                        \
+    cache_write<T>(cache, nw, pos, b_len, s, t_len, r, status, tag);                                            \
+  }                                                                                                             \
+  extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
+                                                    i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, double scale) {   \
+    attention_cached<T>(q, k, v, pos, o, t_len, hq, s, hkv, d, scale);                                          \
+  }                                                                                                             \
+  extern "C" __global__ void sample_##SUF(const T* x, const i64* key, i64* ids, i64 v, double temperature,      \
+                                          i64 top_k, double top_p) {                                            \
+    sample<T>(x, key, ids, v, temperature, top_k, top_p);                                                       \
+  }
+DECODE(float, f32)
+DECODE(bf16, bf16)
+DECODE(f16, f16)

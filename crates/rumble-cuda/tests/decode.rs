@@ -1,0 +1,88 @@
+//! The decoding ops' kernels (`kernels/decode.cu`) against the CPU reference, one node at a
+//! time in the planned executor over a poisoned arena: RoPE at positions, the cache write (not
+//! in place here: the copy, then the rows), attention over a cache prefix, and the sampler
+//! (greedy exactly; with temperature, top-k and top-p the same token on these well-separated
+//! rows). Skipped without a GPU.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{compare, gpu, randn, tolerance};
+use rumble_core::cpu::{self, HostTensor, Rng};
+use rumble_core::ir::{DType, Graph, HeadLayout, Op, TensorType};
+use rumble_core::plan::plan_naive;
+use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
+
+fn one_node(dev: &Arc<Device>, op: Op, inputs: &[HostTensor]) -> (HostTensor, HostTensor) {
+    let g = Graph::new(format!("case_{}", op.name()));
+    let ins: Vec<_> =
+        inputs.iter().enumerate().map(|(i, h)| g.data(&format!("x{i}"), h.ty.dtype, h.ty.dims()).unwrap()).collect();
+    let refs: Vec<_> = ins.iter().collect();
+    let y = g.apply(op, &refs).unwrap().remove(0);
+    g.output(&y, "y").unwrap();
+    let trace = g.finish().unwrap();
+    let want = cpu::eval(&trace, inputs).unwrap().remove(0);
+    let prog = Arc::new(Program::compile(dev.clone(), trace, |t, ws| Ok(plan_naive(t, ws))).unwrap());
+    let mut ex = PlannedExecutor::new(prog, &[]).unwrap();
+    ex.poison(0xff).unwrap();
+    ex.step(inputs).unwrap();
+    (ex.output("y").unwrap(), want)
+}
+
+fn ids(vals: &[i64]) -> HostTensor {
+    HostTensor::from_i64(DType::I64, &[vals.len()], vals).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decoding_ops_match_cpu() {
+    let dev = gpu();
+    let mut rng = Rng::new(11);
+    let t = |d: DType, dims: &[usize]| TensorType::new(d, dims.to_vec());
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        let tol = tolerance(d).max(if d == DType::F32 { 1e-5 } else { 0.0 });
+        let check = |op: Op, inputs: Vec<HostTensor>| {
+            let name = op.name();
+            let (got, want) = one_node(&dev, op, &inputs);
+            let r = compare(&got, &want, tol).unwrap_or_else(|e| panic!("{name} {d}: {e}"));
+            println!("{name:<18} {d:<5} rel {:.2e} max {:.2e}", r.0, r.1);
+        };
+        for layout in HeadLayout::ALL {
+            let dims = if layout == HeadLayout::Bthd { [3, 2, 4, 16] } else { [3, 4, 2, 16] };
+            check(Op::RopeAt { theta: 1e4, layout }, vec![randn(t(d, &dims), &mut rng), ids(&[0, 7, 130])]);
+        }
+        let cache = randn(t(d, &[3, 20, 2, 8]), &mut rng);
+        check(Op::CacheWrite, vec![cache.clone(), randn(t(d, &[3, 4, 2, 8]), &mut rng), ids(&[0, 9, 16])]);
+        check(Op::CacheWrite, vec![cache, randn(t(d, &[3, 1, 2, 8]), &mut rng), ids(&[19, 0, 5])]);
+        for (tq, hd) in [(1, 64), (3, 64), (1, 1), (2, 128)] {
+            let q = randn(t(d, &[2, tq, 6, hd]), &mut rng);
+            let (k, v) = (randn(t(d, &[2, 1500, 2, hd]), &mut rng), randn(t(d, &[2, 1500, 2, hd]), &mut rng));
+            check(Op::AttentionCached { scale: 0.125 }, vec![q, k, v, ids(&[1200, 37])]);
+        }
+        // Rows with one clear winner each, so every sampler setting agrees with the CPU.
+        let (rows, vocab) = (4, 5000);
+        let mut logits: Vec<f64> = (0..rows * vocab).map(|_| rng.normal()).collect();
+        for r in 0..rows {
+            logits[r * vocab + (r * 977 + 13) % vocab] = 40.0;
+        }
+        let lg = HostTensor::from_f64(d, &[rows, vocab], &logits).unwrap();
+        let key = HostTensor::from_i64(DType::I64, &[2], &[3, 9]).unwrap();
+        for (temperature, top_k, top_p) in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0), (1.0, 0, 0.9), (1.3, 20, 0.5)]
+        {
+            let op = Op::Sample { temperature, top_k, top_p };
+            let (got, want) = one_node(&dev, op, &[lg.clone(), key.clone()]);
+            assert_eq!(got.to_i64(), want.to_i64(), "sample T={temperature} k={top_k} p={top_p} {d}");
+        }
+    }
+    // Ties go to the lowest index, as on the CPU.
+    let tied = HostTensor::from_f64(
+        DType::F32,
+        &[1, 3000],
+        &(0..3000).map(|i| if i % 1000 == 7 { 2.0 } else { 0.0 }).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let key = HostTensor::from_i64(DType::I64, &[2], &[0, 0]).unwrap();
+    let (got, _) = one_node(&dev, Op::Sample { temperature: 0.0, top_k: 0, top_p: 1.0 }, &[tied, key]);
+    assert_eq!(got.to_i64(), [7]);
+}

@@ -1,0 +1,321 @@
+//! Text generation with a KV cache: a prefill of the prompts, then one decode step per token,
+//! sampling on the device so the host reads only the new token ids.
+//!
+//! [`trace`] builds the two traces (prefill for the prompts' length bucket, decode for one
+//! token per sequence); [`Generator`] runs them on the CPU reference (`cpu::eval`) or on CUDA as
+//! two shape buckets of `rumble_cuda::BucketedGraphs`: the parameters and the KV cache in one
+//! persistent region, prefill and decode in one arena, the decode step captured once and
+//! replayed for every token (its positions and sampling key are inputs, not constants).
+//! Prompts of different lengths share a batch: each is padded at its end to the bucket, and
+//! each sequence decodes at its own position (`pos`), so padding is never attended to.
+//! [`tokens`] is where a tokenizer plugs in (byte-level for now).
+
+pub mod tokens;
+pub mod trace;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rumble_core::cpu::HostTensor;
+use rumble_core::ir::{InputRole, OutputRole};
+use rumble_core::{DType, Trace};
+use rumble_cuda::{BucketedGraphs, GraphMode, Program};
+
+use crate::config::Config;
+use crate::error::{ModelError, Result};
+use crate::exec::{DeviceChoice, cuda_unavailable};
+use crate::host;
+use rumble_core::exec::DeviceKind;
+
+pub use trace::{Sampling, StepShape, cache_names};
+
+/// What a [`Generator`] is built for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenConfig {
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Rows of the prefill (the prompts are padded at their end to this many tokens).
+    pub prompt_rows: usize,
+    /// Positions the KV cache holds: prompt plus new tokens never pass it.
+    pub max_length: usize,
+    pub sampling: Sampling,
+    /// Return each step's `(B, V)` logits too (tests; costs a download per token).
+    pub logits: bool,
+}
+
+impl GenConfig {
+    /// For `prompts`: the prefill bucket is the next power of two of the longest prompt (at
+    /// least 8; at most `max_length`), the cache holds `max_length` positions (the longest
+    /// prompt plus `max_new` when `None`).
+    pub fn for_prompts(
+        prompts: &[Vec<i64>],
+        max_new: usize,
+        max_length: Option<usize>,
+        sampling: Sampling,
+    ) -> Result<Self> {
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+            return Err(ModelError::Usage("generate: every prompt needs at least one token".into()));
+        }
+        // At least one position past the prompt, so the prefill never has the decode step's shape.
+        let need = longest + max_new.max(1);
+        let max_length = max_length.unwrap_or(need);
+        if need > max_length {
+            return Err(ModelError::Usage(format!(
+                "generate: the longest prompt ({longest} tokens) plus {max_new} new tokens needs {need} positions, \
+                 --max-length is {max_length}"
+            )));
+        }
+        let prompt_rows = longest.next_power_of_two().max(8).min(max_length);
+        Ok(GenConfig { batch: prompts.len(), prompt_rows, max_length, sampling, logits: false })
+    }
+}
+
+/// What a generation produced and how long it took.
+#[derive(Clone, Debug, Default)]
+pub struct Generated {
+    /// The new tokens of each sequence (up to and including its end-of-sequence token).
+    pub tokens: Vec<Vec<i64>>,
+    /// Each step's logits `(B, V)` as f32, when asked for ([`GenConfig::logits`]).
+    pub logits: Vec<Vec<f32>>,
+    /// Seconds from the start of the prefill to its tokens on the host.
+    pub first_token_s: f64,
+    /// Seconds of the decode steps, and how many ran.
+    pub decode_s: f64,
+    pub decode_steps: usize,
+}
+
+/// Runs the prefill and decode traces of one model, keeping the parameters and the KV cache.
+pub struct Generator {
+    cfg: Config,
+    opts: GenConfig,
+    engine: Engine,
+    /// Names of the step inputs, `tokens pos last key`, checked once.
+    build_secs: f64,
+}
+
+enum Engine {
+    /// `cpu::eval` on each trace; inputs held per trace, caches copied between them.
+    Cpu {
+        traces: Vec<Trace>,
+        inputs: Vec<Vec<HostTensor>>,
+    },
+    Cuda(Box<BucketedGraphs>),
+}
+
+/// One trace made a program for the GPU through the one compile entry point
+/// (`rumble_core::compile`: passes, schedule, plan with each node's backend scratch).
+fn compile(dev: &Arc<rumble_cuda::Device>, trace: &Trace) -> Result<Arc<Program>> {
+    let opts = Program::compile_options(dev, &rumble_core::compile::CompileOptions::default())?;
+    let compiled = rumble_core::compile::compile(trace, &opts)?;
+    Ok(Arc::new(Program::new(dev.clone(), compiled.trace, compiled.plan)?))
+}
+
+impl Generator {
+    /// Builds the traces for `opts` and loads `weights` (by name, `param_specs` order or any)
+    /// and a zero KV cache onto `device`.
+    pub fn new(
+        cfg: &Config,
+        weights: Vec<(String, HostTensor)>,
+        opts: GenConfig,
+        device: DeviceChoice,
+    ) -> Result<Self> {
+        let t0 = Instant::now();
+        let shape =
+            |prefill: bool, rows: usize| StepShape { batch: opts.batch, rows, max_length: opts.max_length, prefill };
+        let traces = vec![
+            trace::build(cfg, shape(true, opts.prompt_rows), &opts.sampling, opts.logits)?,
+            trace::build(cfg, shape(false, 1), &opts.sampling, opts.logits)?,
+        ];
+        let mut given: HashMap<String, HostTensor> = weights.into_iter().collect();
+        for inp in traces[0].inputs.iter().filter(|i| i.role == InputRole::State) {
+            given.insert(inp.name.clone(), host::zeros(traces[0].ty(inp.value)));
+        }
+        let use_cuda = match device {
+            DeviceChoice::Cpu => false,
+            DeviceChoice::Cuda => match cuda_unavailable() {
+                Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
+                None => true,
+            },
+            DeviceChoice::Auto => cuda_unavailable().is_none(),
+        };
+        let persistent = |t: &Trace| -> Result<Vec<(usize, HostTensor)>> {
+            let mut out = Vec::new();
+            for (i, inp) in t.inputs.iter().enumerate().filter(|(_, i)| i.role.is_persistent()) {
+                let v = given.get(&inp.name).ok_or_else(|| {
+                    ModelError::Usage(format!("generate: no value given for {} `{}`", inp.role.name(), inp.name))
+                })?;
+                crate::exec::check_type(t, &inp.name, t.ty(inp.value), v)?;
+                out.push((i, v.clone()));
+            }
+            Ok(out)
+        };
+        let engine = if use_cuda {
+            let dev = rumble_cuda::Device::new(0)?;
+            let progs = traces.iter().map(|t| compile(&dev, t)).collect::<Result<Vec<_>>>()?;
+            let values: Vec<HostTensor> = persistent(&progs[0].trace)?.into_iter().map(|(_, v)| v).collect();
+            let mut g = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
+            g.capture(0)?;
+            g.capture(1)?;
+            Engine::Cuda(Box::new(g))
+        } else {
+            let mut inputs = Vec::new();
+            for t in &traces {
+                let mut v: Vec<HostTensor> = t.inputs.iter().map(|i| host::zeros(t.ty(i.value))).collect();
+                for (i, h) in persistent(t)? {
+                    v[i] = h;
+                }
+                inputs.push(v);
+            }
+            Engine::Cpu { traces, inputs }
+        };
+        Ok(Generator { cfg: cfg.clone(), opts, engine, build_secs: t0.elapsed().as_secs_f64() })
+    }
+
+    pub fn device(&self) -> DeviceKind {
+        match self.engine {
+            Engine::Cpu { .. } => DeviceKind::Cpu,
+            Engine::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+
+    /// Seconds spent building, planning, compiling and capturing.
+    pub fn build_secs(&self) -> f64 {
+        self.build_secs
+    }
+
+    /// Device bytes: `(peak held, device-used rise, arena, persistent)` on CUDA.
+    pub fn memory(&self) -> Option<(usize, usize, usize, usize)> {
+        match &self.engine {
+            Engine::Cpu { .. } => None,
+            Engine::Cuda(g) => {
+                use rumble_cuda::Executor as _;
+                let m = g.memory();
+                let (arena, pers) = g.device_bytes();
+                Some((m.peak_bytes, m.device_rise_bytes, arena, pers))
+            }
+        }
+    }
+
+    /// Runs trace `k` (0 prefill, 1 decode) on the step inputs; returns `next` and the logits.
+    fn step(&mut self, k: usize, data: [HostTensor; 4]) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
+        let outs = match &mut self.engine {
+            Engine::Cuda(g) => g.step_bucket(k, &data)?,
+            Engine::Cpu { traces, inputs } => {
+                let t = &traces[k];
+                let data_idx = t.inputs.iter().enumerate().filter(|(_, i)| i.role == InputRole::Input).map(|(i, _)| i);
+                for (i, d) in data_idx.zip(data) {
+                    crate::exec::check_type(t, &t.inputs[i].name, t.ty(t.inputs[i].value), &d)?;
+                    inputs[k][i] = d;
+                }
+                let outs = rumble_core::cpu::eval(t, &inputs[k])?;
+                let mut plain = Vec::new();
+                for (o, h) in t.outputs.iter().zip(outs) {
+                    match o.role {
+                        OutputRole::Update { of } => {
+                            let name = &t.inputs.iter().find(|i| i.value == of).expect("verified update").name;
+                            for (j, tj) in traces.iter().enumerate() {
+                                if let Some(p) = tj.inputs.iter().position(|i| &i.name == name) {
+                                    inputs[j][p] = h.clone();
+                                }
+                            }
+                        }
+                        OutputRole::Output => plain.push(h),
+                        _ => {}
+                    }
+                }
+                plain
+            }
+        };
+        let next = outs.first().map(|h| h.to_i64()).unwrap_or_default();
+        let logits = if self.opts.logits { outs.get(1).map(|h| h.to_f32()) } else { None };
+        Ok((next, logits))
+    }
+
+    /// Generates up to `max_new` tokens after each of `prompts` (at most the batch it was
+    /// built for; fewer are padded with copies of the first), stopping a sequence at any of
+    /// `eos` and the whole batch when every sequence has stopped. `on_token(seq, id)` sees
+    /// each new token as soon as the host has it.
+    pub fn generate(
+        &mut self,
+        prompts: &[Vec<i64>],
+        max_new: usize,
+        eos: &[i64],
+        mut on_token: impl FnMut(usize, i64),
+    ) -> Result<Generated> {
+        let (b, rows, s) = (self.opts.batch, self.opts.prompt_rows, self.opts.max_length);
+        let v = self.cfg.vocab_size as i64;
+        if prompts.is_empty() || prompts.len() > b {
+            return Err(ModelError::Usage(format!("generate: {} prompts for a batch of {b}", prompts.len())));
+        }
+        for (i, p) in prompts.iter().enumerate() {
+            if p.is_empty() || p.len() > rows || p.len() + max_new > s {
+                return Err(ModelError::Usage(format!(
+                    "generate: prompt {i} has {} tokens; this generator takes 1 to {rows}, plus {max_new} new within {s}",
+                    p.len()
+                )));
+            }
+            if let Some(&t) = p.iter().find(|&&t| t < 0 || t >= v) {
+                return Err(ModelError::Usage(format!(
+                    "generate: prompt {i} has token {t}, outside the vocabulary 0..{v}"
+                )));
+            }
+        }
+        let padded: Vec<&Vec<i64>> = (0..b).map(|i| prompts.get(i).unwrap_or(&prompts[0])).collect();
+        let mut out = Generated { tokens: vec![Vec::new(); prompts.len()], ..Default::default() };
+        if max_new == 0 {
+            return Ok(out);
+        }
+        let seed = self.opts.sampling.seed as i64;
+        let key = |step: usize| HostTensor::from_i64(DType::I64, &[2], &[seed, step as i64]);
+        let mut tokens = vec![0i64; b * rows];
+        for (i, p) in padded.iter().enumerate() {
+            tokens[i * rows..i * rows + p.len()].copy_from_slice(p);
+        }
+        let lens: Vec<i64> = padded.iter().map(|p| p.len() as i64).collect();
+        let last: Vec<i64> = (0..b).map(|i| (i * rows) as i64 + lens[i] - 1).collect();
+        let t0 = Instant::now();
+        let (mut next, lg) = self.step(
+            0,
+            [
+                HostTensor::from_i64(DType::I64, &[b, rows], &tokens)?,
+                HostTensor::from_i64(DType::I64, &[b], &vec![0; b])?,
+                HostTensor::from_i64(DType::I64, &[b], &last)?,
+                key(0)?,
+            ],
+        )?;
+        out.first_token_s = t0.elapsed().as_secs_f64();
+        out.logits.extend(lg);
+        let mut done = vec![false; prompts.len()];
+        let rows_b: Vec<i64> = (0..b as i64).collect();
+        let t1 = Instant::now();
+        for step in 0..max_new {
+            for (i, d) in done.iter_mut().enumerate() {
+                if !*d {
+                    out.tokens[i].push(next[i]);
+                    on_token(i, next[i]);
+                    *d = eos.contains(&next[i]);
+                }
+            }
+            if step + 1 == max_new || done.iter().all(|&d| d) {
+                break;
+            }
+            let pos: Vec<i64> = lens.iter().map(|&l| l + step as i64).collect();
+            let (n, lg) = self.step(
+                1,
+                [
+                    HostTensor::from_i64(DType::I64, &[b, 1], &next)?,
+                    HostTensor::from_i64(DType::I64, &[b], &pos)?,
+                    HostTensor::from_i64(DType::I64, &[b], &rows_b)?,
+                    key(step + 1)?,
+                ],
+            )?;
+            next = n;
+            out.logits.extend(lg);
+            out.decode_steps += 1;
+        }
+        out.decode_s = t1.elapsed().as_secs_f64();
+        Ok(out)
+    }
+}

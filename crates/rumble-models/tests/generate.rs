@@ -1,0 +1,224 @@
+//! `generate` on the CPU reference: the KV-cache prefill and decode traces against the
+//! full-sequence forward (every generated token is the argmax of the forward's logits at its
+//! position, and the logits agree), against transformers' `generate(do_sample=False)` (token
+//! ids from `reference/make_generate_reference.py`), the sampler's determinism, and the plan
+//! (the cache written in place, in the persistent region).
+
+use std::path::PathBuf;
+
+use rumble_core::compile::{CompileOptions, plan};
+use rumble_core::cpu::{HostTensor, eval};
+use rumble_core::{DType, Graph};
+use rumble_models::generate::trace::{StepShape, build};
+use rumble_models::generate::{GenConfig, Generator, Sampling};
+use rumble_models::model::{self, Params};
+use rumble_models::{Config, DeviceChoice, Weights};
+
+/// The reference folders: `RUMBLE_REFERENCE_DIR`, else this crate's `tests/reference` (from
+/// the build's path, or relative to a repository root as on the GPU machine).
+fn reference_root() -> PathBuf {
+    if let Some(d) = std::env::var_os("RUMBLE_REFERENCE_DIR") {
+        return PathBuf::from(d);
+    }
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference");
+    if built.is_dir() { built } else { PathBuf::from("crates/rumble-models/tests/reference") }
+}
+
+fn fixture(name: &str) -> (Config, Weights) {
+    let dir = reference_root().join(name);
+    let cfg = Config::from_file(&dir.join("config.json")).unwrap();
+    let w = Weights::load(&dir.join("model.safetensors"), &cfg).unwrap();
+    (cfg, w)
+}
+
+/// Logits `(T, V)` of the full forward on one sequence.
+fn forward(cfg: &Config, w: &Weights, seq: &[i64]) -> Vec<f32> {
+    let g = Graph::new("forward");
+    let tok = g.data("tokens", DType::I64, &[1, seq.len()]).unwrap();
+    let params = Params::declare(&g, cfg).unwrap();
+    let lg = model::logits(cfg, &params, &tok).unwrap();
+    g.output(&lg, "logits").unwrap();
+    let t = g.finish().unwrap();
+    let mut inputs = vec![HostTensor::from_i64(DType::I64, &[1, seq.len()], seq).unwrap()];
+    inputs.extend(w.tensors.iter().map(|(_, t)| t.clone()));
+    eval(&t, &inputs).unwrap().remove(0).to_f32()
+}
+
+fn argmax(x: &[f32]) -> i64 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as i64
+}
+
+fn prompts(v: i64) -> Vec<Vec<i64>> {
+    vec![vec![3 % v, 17 % v, 5, 9, 1], (0..11).map(|i| (i * 7 + 2) % v).collect(), vec![8, 4]]
+}
+
+/// Greedy generate with logits, then the full forward on prompt + generated tokens: every
+/// token is the forward's argmax at its position and the logits agree to f32 rounding.
+fn self_consistent(name: &str) {
+    let (cfg, w) = fixture(name);
+    let ps = prompts(cfg.vocab_size as i64);
+    let new = 10;
+    let mut opts = GenConfig::for_prompts(&ps, new, None, Sampling::greedy()).unwrap();
+    opts.logits = true;
+    let mut g = Generator::new(&cfg, w.tensors.clone(), opts, DeviceChoice::Cpu).unwrap();
+    let mut streamed = vec![Vec::new(); ps.len()];
+    let out = g.generate(&ps, new, &[], |i, t| streamed[i].push(t)).unwrap();
+    assert_eq!(out.tokens, streamed, "streamed tokens are the returned ones");
+    assert_eq!(out.logits.len(), new, "one logits row set per step");
+    let v = cfg.vocab_size;
+    for (i, p) in ps.iter().enumerate() {
+        assert_eq!(out.tokens[i].len(), new);
+        let seq: Vec<i64> = p.iter().chain(&out.tokens[i]).copied().collect();
+        let full = forward(&cfg, &w, &seq);
+        let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for s in 0..new {
+            let at = p.len() - 1 + s;
+            let want = &full[at * v..(at + 1) * v];
+            assert_eq!(out.tokens[i][s], argmax(want), "{name}: sequence {i}, step {s}");
+            let got = &out.logits[s][i * v..(i + 1) * v];
+            let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst <= 1e-4 * scale, "{name}: sequence {i}, step {s}: logits differ by {worst} of {scale}");
+        }
+    }
+}
+
+#[test]
+fn cpu_generate_equals_the_full_forward_llama() {
+    self_consistent("llama_gqa_tied");
+}
+
+#[test]
+fn cpu_generate_equals_the_full_forward_qwen2_biases_head_dim_1() {
+    self_consistent("qwen2_head_dim_1");
+}
+
+#[test]
+fn cpu_generate_equals_the_full_forward_qwen2_gqa7() {
+    self_consistent("qwen2_gqa7_tied");
+}
+
+/// The ids transformers' greedy `generate` wrote (`make_generate_reference.py`): the first
+/// line of `generate/CASE.txt` holds the prompt ids, the second the 64 new ids.
+#[test]
+fn greedy_tokens_equal_transformers_generate() {
+    let root = reference_root().join("generate");
+    let mut checked = 0;
+    for name in ["llama_gqa_tied", "llama_mha_untied", "qwen2_gqa7_tied", "qwen2_head_dim_1"] {
+        let Ok(text) = std::fs::read_to_string(root.join(format!("{name}.txt"))) else { continue };
+        let lines: Vec<Vec<i64>> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+            .collect();
+        let (prompt, want) = (&lines[0], &lines[1]);
+        let (cfg, w) = fixture(name);
+        let opts = GenConfig::for_prompts(std::slice::from_ref(prompt), want.len(), None, Sampling::greedy()).unwrap();
+        let mut g = Generator::new(&cfg, w.tensors, opts, DeviceChoice::Cpu).unwrap();
+        let out = g.generate(std::slice::from_ref(prompt), want.len(), &[], |_, _| {}).unwrap();
+        assert_eq!(&out.tokens[0], want, "{name}: rumble's greedy tokens vs transformers'");
+        checked += 1;
+    }
+    assert!(checked > 0, "no reference ids in {}: run make_generate_reference.py", root.display());
+}
+
+#[test]
+fn sampling_is_seeded_and_top_k_one_is_greedy() {
+    let (cfg, w) = fixture("llama_mha_untied");
+    let ps = prompts(cfg.vocab_size as i64);
+    let run = |s: Sampling| {
+        let opts = GenConfig::for_prompts(&ps, 16, None, s).unwrap();
+        let mut g = Generator::new(&cfg, w.tensors.clone(), opts, DeviceChoice::Cpu).unwrap();
+        g.generate(&ps, 16, &[], |_, _| {}).unwrap().tokens
+    };
+    let hot = Sampling { temperature: 1.5, top_k: 0, top_p: 1.0, seed: 7 };
+    let a = run(hot);
+    assert_eq!(a, run(hot), "same seed, same tokens");
+    assert_ne!(a, run(Sampling { seed: 8, ..hot }), "another seed draws other tokens");
+    assert_ne!(a, run(Sampling::greedy()), "temperature 1.5 is not greedy");
+    assert_eq!(run(Sampling { top_k: 1, ..hot }), run(Sampling::greedy()), "top-k 1 is greedy");
+    assert_eq!(run(Sampling { top_p: 1e-6, ..hot }), run(Sampling::greedy()), "a tiny top-p is greedy");
+    let nucleus = run(Sampling { top_k: 5, top_p: 0.8, ..hot });
+    assert!(nucleus.iter().flatten().all(|&t| t >= 0 && t < cfg.vocab_size as i64));
+}
+
+#[test]
+fn eos_stops_a_sequence_and_bad_prompts_are_refused() {
+    let (cfg, w) = fixture("llama_gqa_tied");
+    let ps = prompts(cfg.vocab_size as i64);
+    let opts = GenConfig::for_prompts(&ps, 12, None, Sampling::greedy()).unwrap();
+    let mut g = Generator::new(&cfg, w.tensors.clone(), opts.clone(), DeviceChoice::Cpu).unwrap();
+    let free = g.generate(&ps, 12, &[], |_, _| {}).unwrap().tokens;
+    let stop = free[0][3];
+    let mut g = Generator::new(&cfg, w.tensors.clone(), opts, DeviceChoice::Cpu).unwrap();
+    let cut = g.generate(&ps, 12, &[stop], |_, _| {}).unwrap().tokens;
+    for (f, c) in free.iter().zip(&cut) {
+        let end = f.iter().position(|&t| t == stop).map_or(f.len(), |i| i + 1);
+        assert_eq!(c, &f[..end].to_vec(), "a sequence stops at its end-of-sequence token, inclusive");
+    }
+    let e = g.generate(&[vec![1, 99]], 4, &[], |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains("token 99") && e.contains("0..64"), "{e}");
+    let e = GenConfig::for_prompts(&ps, 100, Some(64), Sampling::greedy()).unwrap_err().to_string();
+    assert!(e.contains("--max-length is 64"), "{e}");
+}
+
+#[test]
+fn the_decode_plan_writes_the_cache_in_place() {
+    let (cfg, _) = fixture("llama_gqa_tied");
+    let shape = StepShape { batch: 2, rows: 1, max_length: 32, prefill: false };
+    let t = build(&cfg, shape, &Sampling::greedy(), false).unwrap();
+    let p = plan(&t, &CompileOptions::default()).unwrap();
+    assert!(p.plan.copy_back.is_empty(), "every cache update is computed in its input's slot: {:?}", p.plan.copy_back);
+    let cache = 2 * 32 * cfg.num_key_value_heads * cfg.head_dim * 4 * 2 * cfg.num_hidden_layers;
+    let weights: usize = model::param_specs(&cfg).iter().map(|s| s.ty.size_in_bytes()).sum();
+    assert!(p.plan.persistent_bytes >= weights + cache, "{} < {weights} + {cache}", p.plan.persistent_bytes);
+    let writes = p.trace.nodes.iter().filter(|n| n.op.name() == "cache_write").count();
+    assert_eq!(writes, 2 * cfg.num_hidden_layers);
+    for n in p.trace.nodes.iter().filter(|n| n.op.name() == "cache_write") {
+        assert_eq!(p.plan.inplace_of[n.outs[0].index()], Some(n.args[0]), "cache_write over its cache");
+    }
+}
+
+/// On a GPU (ignored without one): the graphed prefill and decode (one arena, one persistent
+/// region, the decode step captured once) give the CPU's greedy tokens on every fixture, the
+/// sampler draws valid tokens deterministically, and the device memory held is the plan's
+/// (the largest arena plus the persistent region: weights and KV cache).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_generate_equals_cpu() {
+    if let Some(why) = rumble_models::exec::cuda_unavailable() {
+        panic!("this test needs a CUDA device (run with --include-ignored only on a GPU machine): {why}");
+    }
+    for name in ["llama_gqa_tied", "llama_mha_untied", "qwen2_gqa7_tied", "qwen2_head_dim_1"] {
+        let (cfg, w) = fixture(name);
+        let ps = prompts(cfg.vocab_size as i64);
+        let run = |device: DeviceChoice, s: Sampling| {
+            let mut opts = GenConfig::for_prompts(&ps, 24, None, s).unwrap();
+            opts.logits = true;
+            let mut g = Generator::new(&cfg, w.tensors.clone(), opts, device).unwrap();
+            let out = g.generate(&ps, 24, &[], |_, _| {}).unwrap();
+            (out, g.memory())
+        };
+        let (cpu, _) = run(DeviceChoice::Cpu, Sampling::greedy());
+        let (gpu, mem) = run(DeviceChoice::Cuda, Sampling::greedy());
+        assert_eq!(gpu.tokens, cpu.tokens, "{name}: CUDA greedy tokens vs the CPU's");
+        for (s, (a, b)) in gpu.logits.iter().zip(&cpu.logits).enumerate() {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(worst <= 1e-3 * scale, "{name}: step {s}: logits differ by {worst} of {scale}");
+        }
+        let (peak, rise, arena, pers) = mem.expect("CUDA reports memory");
+        assert_eq!(peak, arena + pers, "{name}: held bytes are the arena and the persistent region");
+        println!("{name}: peak {peak} (arena {arena} + persistent {pers}), device rise {rise}");
+        let hot = Sampling { temperature: 1.0, top_k: 8, top_p: 0.9, seed: 5 };
+        let (a, _) = run(DeviceChoice::Cuda, hot);
+        let (b, _) = run(DeviceChoice::Cuda, hot);
+        assert_eq!(a.tokens, b.tokens, "{name}: same seed, same tokens on the GPU");
+        assert!(a.tokens.iter().flatten().all(|&t| t >= 0 && t < cfg.vocab_size as i64));
+    }
+}
