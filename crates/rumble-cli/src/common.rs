@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
-use rumble_models::{Config, Objective, Optimizer, Result, StepConfig, preset};
+use rumble_models::{Config, Objective, Optimizer, PRESET_NAMES, Result, StepConfig, preset};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerArg {
@@ -77,8 +77,13 @@ impl ModelArgs {
                 (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
             }
             (None, Some(file)) => {
+                // A checkpoint of a preset (same config) keeps the preset's step shape and
+                // learning rate; any other config gets the config-file defaults.
                 let (name, cfg) = config_from_path(&file)?;
-                (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
+                match PRESET_NAMES.iter().filter_map(|n| preset(n).ok()).find(|p| p.config == cfg) {
+                    Some(p) => (p.name.to_string(), cfg, p.batch, p.seq, p.objective, p.lr),
+                    None => (name, cfg, 1, 256, Objective::CausalLm, 3e-4),
+                }
             }
             (c, _) => {
                 let p = preset(c.as_deref().unwrap_or("tiny"))?;
@@ -110,6 +115,7 @@ impl ModelArgs {
             grad_accum: self.grad_accum,
             clip: self.clip,
             fused_loss: !self.materialize_logits,
+            precision: None,
         };
         Ok(Resolved { name, config, step, lr })
     }

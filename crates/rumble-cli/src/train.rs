@@ -1,15 +1,28 @@
 //! `rumble train`: builds the step, runs it on the chosen device over corpus windows, shows a
-//! progress bar (or prints JSON lines), and writes a checkpoint and a loss log.
+//! progress bar (or prints JSON lines, or off a terminal one plain line per logged step), and
+//! writes a checkpoint and a loss log.
+//!
+//! Runs that lose nothing: `--save-every N` writes `OUT/checkpoint-STEP/` folders (the last
+//! `--keep-last K` kept), SIGINT/SIGTERM finish the step, save at OUT's root and exit non-zero,
+//! and `--resume DIR` continues the run in DIR from its newest complete checkpoint
+//! (`rumble_models::checkpoint`) bit for bit: parameters, optimizer state, step, schedule and
+//! the data position.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use rumble_models::checkpoint::{self, TrainerState};
 use rumble_models::rng::Rng;
-use rumble_models::{Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Result, ScheduleKind, Trainer, Weights};
-use serde_json::json;
+use rumble_models::{
+    Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Precision, Result, ScheduleKind, Trainer, Weights,
+};
+use serde_json::{Value, json};
 
 use crate::common::{ModelArgs, human};
 
@@ -65,67 +78,229 @@ pub struct TrainArgs {
     /// smallest bucket that holds it (padded targets are ignored by the loss). Replaces --seq.
     #[arg(long, value_name = "SEQ,SEQ,...")]
     pub buckets: Option<String>,
+
+    // Precision, saving, resuming, validation.
+    /// bf16-mixed (f32 master weights and optimizer state, bf16 compute), bf16-true or 32-true.
+    /// Default: bf16-mixed for a bf16 model, 32-true for an f32 one.
+    #[arg(long, value_name = "PRECISION")]
+    pub precision: Option<String>,
+    /// Save a checkpoint every N steps into OUT/checkpoint-STEP/ (the model folder, the
+    /// optimizer state and trainer_state.json), each written whole before it appears.
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<u64>,
+    /// Keep only the newest K checkpoint-STEP folders (default: all).
+    #[arg(long, value_name = "K")]
+    pub keep_last: Option<usize>,
+    /// Continue the run in DIR from its newest complete checkpoint (its root or a
+    /// checkpoint-STEP folder); --steps is the total. Give the flags the run started with.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Report the validation loss every N steps (and after the last), on the held-out last
+    /// tenth of the corpus (then not trained on).
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub eval_batches: usize,
+}
+
+/// The share of the byte corpus held out for validation when `--eval-every` is given.
+const VAL_FRACTION: f64 = 0.1;
+
+/// The corpus split into training and validation parts: the last `VAL_FRACTION` held out
+/// when `eval` is asked for.
+fn split_corpus(bytes: Vec<u8>, eval: bool) -> (Corpus, Option<Corpus>) {
+    if !eval {
+        return (Corpus::new(bytes), None);
+    }
+    let cut = bytes.len() - (bytes.len() as f64 * VAL_FRACTION) as usize;
+    let val = bytes[cut..].to_vec();
+    let mut train = bytes;
+    train.truncate(cut);
+    (Corpus::new(train), Some(Corpus::new(val)))
+}
+
+/// Keeps the lines of the loss log at `path` up to `step` (a resumed run rewrites what came
+/// after its checkpoint), atomically.
+fn trim_log(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text
+        .lines()
+        .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_none_or(|s| s <= step))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    if kept.len() != text.len() {
+        rumble_models::weights::write_atomic(path, kept.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// The signal that asked the run to stop (0: none), set by the SIGINT/SIGTERM handlers.
+fn stop_flag() -> Result<Arc<AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicUsize::new(0));
+    for sig in [SIGINT, SIGTERM] {
+        // A second signal while the first is being handled ends the process at once.
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let err = |e: std::io::Error| ModelError::Usage(format!("cannot handle signal {sig}: {e}"));
+        signal_hook::flag::register_conditional_shutdown(sig, 130, armed.clone()).map_err(err)?;
+        signal_hook::flag::register(sig, armed).map_err(err)?;
+        signal_hook::flag::register_usize(sig, flag.clone(), sig as usize).map_err(err)?;
+    }
+    Ok(flag)
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let device: DeviceChoice = a.device.parse()?;
-    let r = a.model.resolve(a.init_from.as_deref())?;
-    let cfg = r.config.clone();
-    let corpus = match &a.data {
-        Some(p) => Corpus::from_file(p)?,
-        None => Corpus::new(CORPUS.to_vec()),
+    // --resume: the newest complete checkpoint of the run, whose config.json is the model.
+    let resume = match &a.resume {
+        Some(_) if a.init_from.is_some() => {
+            return Err(ModelError::Usage("give --resume or --init-from, not both".into()));
+        }
+        Some(dir) => Some(checkpoint::newest(dir)?),
+        None => None,
     };
+    let beside = resume.as_ref().map(|n| n.dir.join("model.safetensors")).or(a.init_from.clone());
+    let r = a.model.resolve(beside.as_deref())?;
+    let cfg = r.config.clone();
+    let precision: Precision = match &a.precision {
+        Some(p) => p.parse()?,
+        None => Precision::default_for(cfg.dtype)
+            .ok_or_else(|| ModelError::Usage(format!("`{}` is stored in {}: give --precision", r.name, cfg.dtype)))?,
+    };
+    let mut step_cfg = r.step.clone();
+    step_cfg.precision = Some(precision);
+    let bytes = match &a.data {
+        Some(p) => std::fs::read(p).map_err(|e| ModelError::io(p, e))?,
+        None => CORPUS.to_vec(),
+    };
+    let (corpus, val) = split_corpus(bytes, a.eval_every.is_some());
     if cfg.vocab_size < 256 {
         return Err(ModelError::Usage(format!(
             "byte-level training needs a vocabulary of at least 256, `{}` has {}",
             r.name, cfg.vocab_size
         )));
     }
-    let weights = match &a.init_from {
-        Some(p) => Weights::load(p, &cfg)?,
-        None => Weights::init(&cfg, a.seed)?,
-    };
     let lr = a.lr.unwrap_or(r.lr);
-    let schedule = LrSchedule {
-        peak: lr,
-        warmup: a.warmup.unwrap_or((a.steps / 10).min(100)),
-        total: a.steps,
-        kind: match a.schedule {
-            ScheduleArg::Constant => ScheduleKind::Constant,
-            ScheduleArg::Cosine => ScheduleKind::Cosine,
-        },
+    let warmup = a.warmup.unwrap_or((a.steps / 10).min(100));
+    let kind = match a.schedule {
+        ScheduleArg::Constant => ScheduleKind::Constant,
+        ScheduleArg::Cosine => ScheduleKind::Cosine,
     };
+    let schedule = LrSchedule { peak: lr, warmup, total: a.steps, kind };
     let buckets = match &a.buckets {
         Some(_) if a.model.seq.is_some() => {
             return Err(ModelError::Usage("give --buckets or --seq, not both".into()));
         }
-        Some(list) => Some(Buckets::seqs(r.step.batch, list)?),
+        Some(list) => Some(Buckets::seqs(step_cfg.batch, list)?),
         None => None,
     };
-    let mut trainer = match &buckets {
-        Some(b) => Trainer::with_buckets(cfg.clone(), r.step.clone(), b.clone(), weights, schedule, device)?,
-        None => Trainer::new(cfg.clone(), r.step.clone(), weights, schedule, device)?,
+    // What shapes the step and the run: a resumed run must be given the same.
+    let args: BTreeMap<String, Value> = [
+        ("model", json!(r.name)),
+        ("batch", json!(step_cfg.batch)),
+        ("seq", json!(step_cfg.seq)),
+        ("grad_accum", json!(step_cfg.grad_accum)),
+        ("optimizer", json!(format!("{:?}", step_cfg.optimizer))),
+        ("objective", json!(step_cfg.objective.name())),
+        ("clip", json!(step_cfg.clip)),
+        ("fused_loss", json!(step_cfg.fused_loss)),
+        ("precision", json!(precision.name())),
+        ("lr", json!(lr)),
+        ("warmup", json!(warmup)),
+        ("schedule", json!(format!("{kind:?}"))),
+        ("seed", json!(a.seed)),
+        ("buckets", json!(a.buckets)),
+        ("data", json!(a.data.as_ref().map(|p| p.display().to_string()))),
+        ("eval_every", json!(a.eval_every)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+
+    let mut rng = Rng::for_name(a.seed, "batches");
+    let mut lengths = Rng::for_name(a.seed, "lengths");
+    let (weights, schedule, done) = match &resume {
+        Some(n) => {
+            let diff = checkpoint::mismatches(&n.state.args, &args);
+            if !diff.is_empty() {
+                return Err(ModelError::Usage(format!(
+                    "--resume {}: this command changes what the run was started with ({}); give the same flags",
+                    n.dir.display(),
+                    diff.join(", ")
+                )));
+            }
+            if a.steps <= n.state.step {
+                return Err(ModelError::Usage(format!(
+                    "--resume {}: the run is at step {}; --steps is the total, give more",
+                    n.dir.display(),
+                    n.state.step
+                )));
+            }
+            let data = &n.state.data;
+            let (Some(b), Some(l)) = (data["batches"].as_u64(), data["lengths"].as_u64()) else {
+                return Err(ModelError::Usage(format!("{}: no data position in trainer_state.json", n.dir.display())));
+            };
+            rng = Rng::new(b);
+            lengths = Rng::new(l);
+            (checkpoint::load(&n.dir, &cfg)?, n.state.schedule.schedule(a.steps)?, n.state.step)
+        }
+        None => {
+            let w = match &a.init_from {
+                Some(p) => Weights::load(p, &cfg)?,
+                None => Weights::init(&cfg, a.seed)?,
+            };
+            (w, schedule, 0)
+        }
     };
+    let mut trainer = match &buckets {
+        Some(b) => Trainer::with_buckets(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device)?,
+        None => Trainer::new(cfg.clone(), step_cfg.clone(), weights, schedule, device)?,
+    };
+    trainer.set_steps_done(done);
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();
     let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
-    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&r.name));
+    let out = match (&a.out, &a.resume) {
+        (Some(o), Some(d)) if o != d => {
+            return Err(ModelError::Usage(format!(
+                "--resume {} continues the run in its own folder; drop --out {}",
+                d.display(),
+                o.display()
+            )));
+        }
+        (Some(o), _) => o.clone(),
+        (None, Some(d)) => d.clone(),
+        (None, None) => PathBuf::from("runs").join(&r.name),
+    };
     std::fs::create_dir_all(&out).map_err(|e| ModelError::io(&out, e))?;
     let log_path = out.join("loss.jsonl");
-    let mut log = std::io::BufWriter::new(std::fs::File::create(&log_path).map_err(|e| ModelError::io(&log_path, e))?);
+    let mut log = match &resume {
+        Some(n) => {
+            trim_log(&log_path, n.state.step)?;
+            std::fs::OpenOptions::new().append(true).create(true).open(&log_path)
+        }
+        None => std::fs::File::create(&log_path),
+    }
+    .map_err(|e| ModelError::io(&log_path, e))?;
+    let stop = stop_flag()?;
 
     let start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
         "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": a.steps,
-        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "corpus_bytes": corpus.len(),
-        "buckets": bucket_seqs,
+        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "precision": precision.name(),
+        "corpus_bytes": corpus.len(), "val_bytes": val.as_ref().map(Corpus::len), "buckets": bucket_seqs,
+        "resumed_from": resume.as_ref().map(|n| n.dir.display().to_string()), "start_step": done,
     });
+    // Off a terminal (a log file, a pipe): one plain line per logged step instead of a bar.
+    let plain = !a.json && !std::io::stderr().is_terminal();
     let bar = if a.json {
         println!("{start}");
         ProgressBar::hidden()
     } else {
         eprintln!(
-            "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}",
+            "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}, {} \
+             (parameters and optimizer state {}, compute {})",
             r.name,
             human(cfg.num_params() as f64),
             trainer.device(),
@@ -134,36 +309,76 @@ pub fn run(a: TrainArgs) -> Result<()> {
             sc.grad_accum,
             a.steps,
             sc.optimizer.map(|o| o.name()).unwrap_or("-"),
+            precision,
+            precision.master(),
+            precision.compute(),
         );
+        if let Some(n) = &resume {
+            eprintln!("resuming from {} at step {}", n.dir.display(), n.state.step);
+            for why in &n.skipped {
+                eprintln!("passed over a newer checkpoint: {why}");
+            }
+        }
         if buckets.is_some() {
             eprintln!("shape buckets: seq {bucket_seqs:?}; each step's length drawn from 1..={}", sc.seq);
         }
-        let bar = ProgressBar::new(a.steps);
-        let style =
-            ProgressStyle::with_template("{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-                .map_err(|e| ModelError::Usage(e.to_string()))?;
-        bar.set_style(style);
-        bar
+        if plain {
+            ProgressBar::hidden()
+        } else {
+            let bar = ProgressBar::new(a.steps);
+            bar.set_position(done);
+            let style = ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .map_err(|e| ModelError::Usage(e.to_string()))?;
+            bar.set_style(style);
+            bar
+        }
     };
 
-    let mut rng = Rng::for_name(a.seed, "batches");
-    let mut lengths = Rng::for_name(a.seed, "lengths");
+    let state = |trainer: &Trainer, rng: &Rng, lengths: &Rng, lr: f64| TrainerState {
+        step: trainer.steps_done(),
+        precision: Some(precision.name().to_string()),
+        schedule: trainer.schedule().into(),
+        lr,
+        seed: a.seed,
+        data: json!({"batches": rng.state(), "lengths": lengths.state()}),
+        args: args.clone(),
+        files: BTreeMap::new(),
+    };
+    let val_batches = |trainer: &mut Trainer| -> Result<Option<f32>> {
+        let Some(v) = &val else { return Ok(None) };
+        // The same windows every time, so validation losses compare across steps.
+        let mut vr = Rng::for_name(a.seed, "validation");
+        let seq = sc.seq.min(v.len().saturating_sub(1)).max(1);
+        let bs = (0..a.eval_batches.max(1)).map(|_| v.sample(&mut vr, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
+        trainer.eval(&bs).map(Some)
+    };
     let t0 = Instant::now();
     let mut first_loss = None;
     let mut last = None;
-    for i in 1..=a.steps {
+    let mut last_val = None;
+    let mut last_lr = trainer.schedule().at(done.max(1));
+    let mut interrupted = 0;
+    for i in done + 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
         let batches = (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
         let tps = s.tokens as f64 / dt.max(1e-9);
+        last_lr = s.lr;
         first_loss.get_or_insert(s.loss);
         if !s.loss.is_finite() {
             bar.abandon();
             return Err(ModelError::Usage(format!("the loss diverged at step {i} ({}); try a lower --lr", s.loss)));
         }
-        if i == 1 || i == a.steps || i % a.log_every.max(1) == 0 {
+        let val_loss = match a.eval_every {
+            Some(n) if i % n.max(1) == 0 || i == a.steps => val_batches(&mut trainer)?,
+            _ => None,
+        };
+        last_val = val_loss.or(last_val);
+        if i == done + 1 || i == a.steps || i % a.log_every.max(1) == 0 || val_loss.is_some() {
             let mut line = json!({
                 "event": "step", "step": s.step, "loss": s.loss, "lr": s.lr, "tokens_per_s": tps.round(),
                 "step_ms": (dt * 1e3 * 100.0).round() / 100.0, "elapsed_s": (t0.elapsed().as_secs_f64() * 100.0).round() / 100.0,
@@ -171,21 +386,71 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(g) = s.grad_norm {
                 line["grad_norm"] = json!(g);
             }
+            if let Some(v) = val_loss {
+                line["val_loss"] = json!(v);
+            }
             if buckets.is_some() {
                 line["seq"] = json!(seq);
             }
-            writeln!(log, "{line}").map_err(|e| ModelError::io(&log_path, e))?;
+            let peak = trainer.stats().map(|st| st.peak_allocated_bytes).filter(|&b| b > 0);
+            if let Some(b) = peak {
+                line["peak_bytes"] = json!(b);
+            }
+            writeln!(log, "{line}").and_then(|_| log.flush()).map_err(|e| ModelError::io(&log_path, e))?;
             if a.json {
                 println!("{line}");
+            } else if plain {
+                eprintln!(
+                    "step {i}/{}  loss {:.4}{}  lr {:.3e}  {} tok/s{}",
+                    a.steps,
+                    s.loss,
+                    val_loss.map(|v| format!("  val_loss {v:.4}")).unwrap_or_default(),
+                    s.lr,
+                    human(tps),
+                    peak.map(|b| format!("  peak {}B", human(b as f64))).unwrap_or_default(),
+                );
             }
         }
-        bar.set_message(format!("loss {:.4}  {} tok/s", s.loss, human(tps)));
+        bar.set_message(match last_val {
+            Some(v) => format!("loss {:.4}  val {v:.4}  {} tok/s", s.loss, human(tps)),
+            None => format!("loss {:.4}  {} tok/s", s.loss, human(tps)),
+        });
         bar.inc(1);
         last = Some(s);
+        interrupted = stop.load(Ordering::SeqCst);
+        if interrupted != 0 {
+            break;
+        }
+        if a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
+            let dir = checkpoint::save_step(&out, &trainer, &state(&trainer, &rng, &lengths, last_lr), a.keep_last)?;
+            if a.json {
+                println!("{}", json!({"event": "checkpoint", "step": i, "dir": dir}));
+            } else if plain {
+                eprintln!("saved {}", dir.display());
+            }
+        }
     }
     log.flush().map_err(|e| ModelError::io(&log_path, e))?;
+    checkpoint::save(&out, &trainer, &state(&trainer, &rng, &lengths, last_lr))?;
+    if interrupted != 0 {
+        bar.abandon();
+        let name = if interrupted == signal_hook::consts::SIGTERM as usize { "SIGTERM" } else { "SIGINT" };
+        let msg = format!(
+            "interrupted by {name} after step {} of {}: saved {} (model, optimizer state, trainer_state.json); \
+             continue with `rumble train --resume {} --steps {}` and the same flags",
+            trainer.steps_done(),
+            a.steps,
+            out.display(),
+            out.display(),
+            a.steps
+        );
+        if a.json {
+            println!("{}", json!({"event": "interrupted", "signal": name, "step": trainer.steps_done(), "dir": out}));
+        }
+        eprintln!("{msg}");
+        std::process::exit(128 + interrupted as i32);
+    }
     bar.finish();
-    trainer.save_checkpoint(&out)?;
     let elapsed = t0.elapsed().as_secs_f64();
     let final_loss = last.map(|s| s.loss);
     let reports: Vec<_> = trainer
@@ -199,15 +464,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "elapsed_s": elapsed,
-                   "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"), "loss_log": log_path,
-                   "buckets": reports})
+            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "val_loss": last_val,
+                   "elapsed_s": elapsed, "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"),
+                   "loss_log": log_path, "buckets": reports})
         );
     } else {
         eprintln!(
-            "loss {:.4} -> {:.4} in {elapsed:.1} s; checkpoint {} (+ config.json), loss log {}",
+            "loss {:.4} -> {:.4}{} in {elapsed:.1} s; checkpoint {} (+ config.json, optimizer state, trainer_state.json), \
+             loss log {}",
             first_loss.unwrap_or(f32::NAN),
             final_loss.unwrap_or(f32::NAN),
+            last_val.map(|v| format!(" (validation {v:.4})")).unwrap_or_default(),
             out.join("model.safetensors").display(),
             log_path.display()
         );

@@ -5,10 +5,11 @@
 //! numbers: seeded init, safetensors load/save) -> [`model`] (the forward pass, built with
 //! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
 //! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
-//! learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows);
+//! learning-rate schedule; [`checkpoint`]: the state a run resumes from), fed by [`data`] (byte-level corpus windows);
 //! [`buckets`] runs batches of changing shape in one step per bucket shape, padded.
 
 pub mod buckets;
+pub mod checkpoint;
 pub mod config;
 pub mod cuda;
 pub mod data;
@@ -31,6 +32,6 @@ pub use error::{ModelError, Result};
 pub use exec::{Device, DeviceChoice, ExecStats, Executor, HostTensor};
 pub use optim::Optimizer;
 pub use presets::{Objective, PRESET_NAMES, Preset, preset};
-pub use step::{StepConfig, TrainStep, build_forward, build_train_step};
+pub use step::{Precision, StepConfig, TrainStep, build_forward, build_train_step};
 pub use trainer::{LrSchedule, PIPELINE, ScheduleKind, StepStats, Trainer, save_checkpoint};
 pub use weights::Weights;

@@ -20,6 +20,11 @@ impl Rng {
         Rng(seed ^ h.rotate_left(17))
     }
 
+    /// The generator's whole state: `Rng::new(r.state())` continues exactly where `r` is.
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;

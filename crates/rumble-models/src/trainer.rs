@@ -2,12 +2,17 @@
 //!
 //! It owns the schedule of the learning rate (an input of the trace each step), the step count
 //! (Adam's bias corrections), and writes checkpoints as Hugging Face folders
-//! (`model.safetensors` and `config.json`).
+//! (`model.safetensors` and `config.json`, in the config's dtype whatever the precision) plus,
+//! through [`crate::checkpoint`], the state a run resumes from.
+//!
+//! Weights are given in the config's dtype and cast to the step's master dtype
+//! ([`StepConfig::master_dtype`]); optimizer states start at zero unless the weights given carry
+//! them by name (a resumed run: [`crate::checkpoint::load`]).
 
 use std::path::Path;
 
-use rumble_core::Trace;
 use rumble_core::passes::{self, Pass};
+use rumble_core::{DType, TensorType, Trace};
 
 use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
 use crate::config::Config;
@@ -18,7 +23,7 @@ use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
 use crate::presets::Objective;
-use crate::step::{StepConfig, TrainStep, build_train_step};
+use crate::step::{StepConfig, TrainStep, build_eval_step, build_train_step};
 use crate::weights::{Weights, write_atomic};
 
 /// The passes a step goes through before it runs: dead code, common subexpressions (the
@@ -87,6 +92,8 @@ pub struct Trainer {
     step: u64,
     /// Shape buckets: batches of any shape a bucket holds, padded to it by the executor.
     buckets: Option<Buckets>,
+    /// Validation programs by batch shape, built on first use.
+    evals: Vec<((usize, usize), Trace)>,
 }
 
 impl Trainer {
@@ -114,10 +121,9 @@ impl Trainer {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
         let (trace, _log) = passes::run(&trace, PIPELINE)?;
-        let mut persistent = weights.tensors;
-        persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
+        let persistent = persistent_values(&cfg, &sc, weights, &states)?;
         let exec = make(trace, persistent)?;
-        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0, buckets: None })
+        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0, buckets: None, evals: Vec::new() })
     }
 
     /// As `new`, with one step per shape bucket (`sc`'s batch and seq are replaced by each
@@ -161,12 +167,21 @@ impl Trainer {
         }
         let TrainStep { data_inputs, states, .. } =
             first.ok_or_else(|| ModelError::Usage("shape buckets: none given".into()))?;
-        let mut persistent = weights.tensors;
-        persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
+        let persistent = persistent_values(&cfg, &sc, weights, &states)?;
         let exec = BucketedExecutor::new(buckets.clone(), traces, persistent, device)?;
         let max = buckets.max();
         let sc = StepConfig { batch: max.batch, seq: max.seq, ..sc };
-        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec: Box::new(exec), schedule, step: 0, buckets: Some(buckets) })
+        Ok(Trainer {
+            cfg,
+            sc,
+            optimizer,
+            data_inputs,
+            exec: Box::new(exec),
+            schedule,
+            step: 0,
+            buckets: Some(buckets),
+            evals: Vec::new(),
+        })
     }
 
     /// Per shape bucket: steps run, graph captures and their seconds (empty without buckets).
@@ -194,6 +209,22 @@ impl Trainer {
     /// Steps taken so far.
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// Continues a run after `step` steps (a resumed run): the next step is `step + 1`, for the
+    /// schedule and Adam's bias corrections.
+    pub fn set_steps_done(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    pub fn schedule(&self) -> &LrSchedule {
+        &self.schedule
+    }
+
+    /// The optimizer states, by name, in trace order.
+    pub fn optimizer_states(&self) -> Result<Vec<(String, HostTensor)>> {
+        let params: std::collections::HashSet<String> = param_specs(&self.cfg).into_iter().map(|s| s.name).collect();
+        Ok(self.exec.persistent()?.into_iter().filter(|(n, _)| !params.contains(n)).collect())
     }
 
     /// One optimizer step over `batches` (one per micro-batch).
@@ -252,7 +283,62 @@ impl Trainer {
         Ok(StepStats { step, loss, grad_norm, lr, tokens: b * t * batches.len() })
     }
 
-    /// The current parameters.
+    /// The mean validation loss over `batches` (any shapes; causal-LM), the current parameters
+    /// unchanged: the step's forward only ([`crate::step::build_eval_step`]).
+    ///
+    /// It runs on the CPU reference with the executor's current persistent values (copied off
+    /// the device on CUDA): correct everywhere, but on a large model slow; running it as one
+    /// more program over the step's arena on the GPU is not built yet.
+    pub fn eval(&mut self, batches: &[Batch]) -> Result<f32> {
+        if batches.is_empty() {
+            return Err(ModelError::Usage("validation over no batches".into()));
+        }
+        let values: std::collections::HashMap<String, HostTensor> = self.exec.persistent()?.into_iter().collect();
+        let mut total = 0.0f64;
+        for batch in batches {
+            let shape = (batch.batch, batch.seq);
+            if batch.tokens.len() != shape.0 * shape.1 || batch.targets.len() != batch.tokens.len() {
+                return Err(ModelError::Usage(format!(
+                    "validation batch ({}, {}) holds {} tokens and {} targets",
+                    shape.0,
+                    shape.1,
+                    batch.tokens.len(),
+                    batch.targets.len()
+                )));
+            }
+            let vocab = self.cfg.vocab_size as i64;
+            if let Some(bad) = batch.tokens.iter().find(|&&x| x < 0 || x >= vocab) {
+                return Err(ModelError::Usage(format!(
+                    "validation token id {bad} is outside the vocabulary 0..{vocab}"
+                )));
+            }
+            if !self.evals.iter().any(|(s, _)| *s == shape) {
+                let sc = StepConfig { batch: shape.0, seq: shape.1, grad_accum: 1, ..self.sc.clone() };
+                let trace = passes::run(&build_eval_step(&self.cfg, &sc)?, PIPELINE)?.0;
+                self.evals.push((shape, trace));
+            }
+            let trace =
+                &self.evals.iter().find(|(s, _)| *s == shape).ok_or_else(|| ModelError::Usage("eval".into()))?.1;
+            let mut inputs = Vec::with_capacity(trace.inputs.len());
+            for inp in &trace.inputs {
+                inputs.push(match inp.name.as_str() {
+                    "tokens" => host::from_i64s(&[shape.0, shape.1], &batch.tokens)?,
+                    "targets" => host::from_i64s(&[shape.0 * shape.1], &batch.targets)?,
+                    n => values
+                        .get(n)
+                        .cloned()
+                        .ok_or_else(|| ModelError::Usage(format!("validation: the executor has no `{n}`")))?,
+                });
+            }
+            let outs = rumble_core::cpu::eval(trace, &inputs)?;
+            total += host::item(outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?)?
+                as f64;
+        }
+        Ok((total / batches.len() as f64) as f32)
+    }
+
+    /// The current parameters as the step keeps them (in the master dtype: f32 under
+    /// bf16-mixed).
     pub fn weights(&self) -> Result<Weights> {
         let mut all: std::collections::HashMap<String, HostTensor> = self.exec.persistent()?.into_iter().collect();
         let mut tensors = Vec::new();
@@ -265,10 +351,71 @@ impl Trainer {
         Ok(Weights { tensors })
     }
 
-    /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads).
-    pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
-        save_checkpoint(dir, &self.cfg, &self.weights()?)
+    /// The current parameters in the config's dtype (what a model folder stores).
+    pub fn model_weights(&self) -> Result<Weights> {
+        let w = self.weights()?;
+        Ok(Weights {
+            tensors: w
+                .tensors
+                .into_iter()
+                .map(|(n, t)| cast(t, self.cfg.dtype).map(|t| (n, t)))
+                .collect::<Result<_>>()?,
+        })
     }
+
+    /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads), in
+    /// the config's dtype.
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+        save_checkpoint(dir, &self.cfg, &self.model_weights()?)
+    }
+}
+
+/// `t` cast to `dtype` (a float tensor; rounded to nearest even when narrowing).
+pub fn cast(t: HostTensor, dtype: DType) -> Result<HostTensor> {
+    if t.ty.dtype == dtype {
+        return Ok(t);
+    }
+    if !t.ty.dtype.is_float() || !dtype.is_float() {
+        return Err(ModelError::Usage(format!("cannot cast a {} tensor to {dtype}", t.ty)));
+    }
+    host::from_f32s(dtype, t.ty.dims(), &host::to_f32s(&t)?)
+}
+
+/// The starting persistent values of a step: `weights`' parameters (in the config's dtype, or
+/// already in the master dtype) cast to the step's master dtype, then every optimizer state
+/// of `states`, taken from `weights` where it holds one of that name and type (a resumed run)
+/// and zero otherwise. Anything else in `weights` is an error naming it.
+fn persistent_values(
+    cfg: &Config,
+    sc: &StepConfig,
+    weights: Weights,
+    states: &[(String, TensorType)],
+) -> Result<Vec<(String, HostTensor)>> {
+    let master = sc.master_dtype(cfg.dtype);
+    let mut given: std::collections::HashMap<String, HostTensor> = weights.tensors.into_iter().collect();
+    let mut out = Vec::with_capacity(given.len() + states.len());
+    for spec in param_specs(cfg) {
+        let t = given
+            .remove(&spec.name)
+            .ok_or_else(|| ModelError::Usage(format!("no value given for parameter `{}` ({})", spec.name, spec.ty)))?;
+        out.push((spec.name, cast(t, master)?));
+    }
+    for (name, ty) in states {
+        let t = match given.remove(name) {
+            Some(t) if &t.ty == ty => t,
+            Some(t) => {
+                return Err(ModelError::Usage(format!("optimizer state `{name}` is {}, the step keeps {ty}", t.ty)));
+            }
+            None => host::zeros(ty),
+        };
+        out.push((name.clone(), t));
+    }
+    let mut extra: Vec<String> = given.into_keys().collect();
+    extra.sort();
+    if let Some(name) = extra.first() {
+        return Err(ModelError::Usage(format!("`{name}` is neither a parameter nor an optimizer state of this step")));
+    }
+    Ok(out)
 }
 
 /// Writes a Hugging Face model folder: `model.safetensors` and `config.json`, each atomically.

@@ -1,0 +1,98 @@
+//! Precision: bf16-mixed keeps f32 masters and f32 optimizer state inside the one step trace
+//! and follows 32-true, where bf16-true stalls because its updates fall below bf16's
+//! resolution (the tiny model stored in bf16, a learning rate small enough for that).
+
+use std::path::Path;
+
+use rumble_core::DType;
+use rumble_core::ir::InputRole;
+use rumble_models::rng::Rng;
+use rumble_models::step::Precision;
+use rumble_models::{
+    Config, Corpus, DeviceChoice, LrSchedule, Optimizer, StepConfig, Trainer, Weights, build_train_step, preset,
+};
+
+fn tiny_bf16() -> Config {
+    Config { dtype: DType::BF16, ..preset("tiny").unwrap().config }
+}
+
+fn sc(precision: Precision) -> StepConfig {
+    StepConfig {
+        batch: 4,
+        seq: 32,
+        objective: rumble_models::Objective::CausalLm,
+        optimizer: Some(Optimizer::adamw()),
+        grad_accum: 1,
+        clip: Some(1.0),
+        fused_loss: true,
+        precision: Some(precision),
+    }
+}
+
+/// Losses of `steps` steps at a constant `lr`, and the fraction of parameter elements whose
+/// stored (bf16) value changed.
+fn train(precision: Precision, lr: f64, steps: usize) -> (Vec<f32>, f64) {
+    let cfg = tiny_bf16();
+    let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
+    let w0 = Weights::init(&cfg, 0).unwrap();
+    let s = sc(precision);
+    let mut t = Trainer::new(cfg, s.clone(), w0.clone(), LrSchedule::constant(lr), DeviceChoice::Cpu).unwrap();
+    let mut rng = Rng::new(1);
+    let losses =
+        (0..steps).map(|_| t.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap().loss).collect();
+    let w1 = t.model_weights().unwrap();
+    let (mut changed, mut total) = (0usize, 0usize);
+    for ((n, a), (_, b)) in w0.tensors.iter().zip(&w1.tensors) {
+        assert_eq!(a.ty, b.ty, "{n}: the model folder keeps the config's dtype");
+        changed += a.bytes.chunks(2).zip(b.bytes.chunks(2)).filter(|(x, y)| x != y).count();
+        total += a.ty.numel();
+    }
+    (losses, changed as f64 / total as f64)
+}
+
+fn tail_mean(v: &[f32]) -> f32 {
+    let k = 20;
+    v[v.len() - k..].iter().sum::<f32>() / k as f32
+}
+
+#[test]
+fn mixed_step_keeps_f32_masters_and_states() {
+    let cfg = tiny_bf16();
+    let step = build_train_step(&cfg, &sc(Precision::Bf16Mixed)).unwrap();
+    let t = &step.trace;
+    let params: Vec<_> = t.inputs.iter().filter(|i| i.role == InputRole::Param).collect();
+    assert!(!params.is_empty());
+    assert!(params.iter().all(|i| t.ty(i.value).dtype == DType::F32), "masters are f32");
+    assert!(step.states.iter().all(|(_, ty)| ty.dtype == DType::F32), "optimizer states are f32");
+    // The matmuls compute in bf16: the forward reads bf16 copies.
+    let text = t.to_string();
+    assert!(text.contains("cast") && text.contains("bf16["), "no bf16 copies in\n{text}");
+    let truth = build_train_step(&cfg, &sc(Precision::Bf16True)).unwrap();
+    let tp: Vec<_> = truth.trace.inputs.iter().filter(|i| i.role == InputRole::Param).collect();
+    assert!(tp.iter().all(|i| truth.trace.ty(i.value).dtype == DType::BF16));
+    assert!(truth.states.iter().all(|(_, ty)| ty.dtype == DType::BF16));
+}
+
+#[test]
+fn bf16_mixed_follows_32_true_where_bf16_true_stalls() {
+    // Adam moves each weight by about lr a step: 3e-5 is below half a bf16 ulp of every
+    // weight of magnitude above 2^-7 (the norms' 1.0 among them), so bf16-true's updates mostly
+    // round away, while f32 masters accumulate them.
+    let (lr, steps) = (3e-5, 300);
+    let t0 = std::time::Instant::now();
+    let (f32_losses, _) = train(Precision::F32True, lr, steps);
+    let (mixed, mixed_changed) = train(Precision::Bf16Mixed, lr, steps);
+    let (truth, true_changed) = train(Precision::Bf16True, lr, steps);
+    let (first, f, m, b) = (f32_losses[0], tail_mean(&f32_losses), tail_mean(&mixed), tail_mean(&truth));
+    eprintln!(
+        "first {first:.4}; after {steps} steps: 32-true {f:.4}, bf16-mixed {m:.4}, bf16-true {b:.4}; \
+         stored weights changed: mixed {:.1}%, true {:.1}% ({:.1} s)",
+        mixed_changed * 100.0,
+        true_changed * 100.0,
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(first - f > 0.2, "32-true should learn at this lr: {first} -> {f}");
+    assert!((m - f).abs() / f < 0.01, "bf16-mixed {m} is not within 1% of 32-true {f}");
+    assert!(first - b < 0.5 * (first - f), "bf16-true should stall: {first} -> {b} (32-true: {f})");
+    assert!(true_changed < 0.5 * mixed_changed, "bf16-true changed {true_changed}, mixed {mixed_changed}");
+}
