@@ -260,6 +260,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
     trainer.set_steps_done(done);
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();
+    // Validation windows: the step's batch shape, shorter when the held-out text is.
+    let val_seq = val.as_ref().map(|v| sc.seq.min(v.len().saturating_sub(1)).max(1));
+    if let Some(seq) = val_seq {
+        trainer = trainer.with_eval(sc.batch, seq)?;
+    }
     let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
     let out = match (&a.out, &a.resume) {
         (Some(o), Some(d)) if o != d => {
@@ -347,10 +352,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         files: BTreeMap::new(),
     };
     let val_batches = |trainer: &mut Trainer| -> Result<Option<f32>> {
-        let Some(v) = &val else { return Ok(None) };
+        let (Some(v), Some(seq)) = (&val, val_seq) else { return Ok(None) };
         // The same windows every time, so validation losses compare across steps.
         let mut vr = Rng::for_name(a.seed, "validation");
-        let seq = sc.seq.min(v.len().saturating_sub(1)).max(1);
         let bs = (0..a.eval_batches.max(1)).map(|_| v.sample(&mut vr, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
         trainer.eval(&bs).map(Some)
     };

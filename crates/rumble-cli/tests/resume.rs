@@ -1,6 +1,7 @@
 //! Runs that lose nothing, as a user runs them: 20 steps in one run equal 10 + 10 with
 //! `--resume`, loss line for loss line; SIGINT finishes the step, saves and exits non-zero, and
 //! the run resumes from there to the same losses; a resume with other flags is refused.
+//! Validation losses land in the loss log every `--eval-every` steps.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -109,4 +110,23 @@ fn sigint_finishes_the_step_saves_and_the_run_resumes_to_the_same_losses() {
     for d in [&one, &cut] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+#[test]
+fn eval_every_reports_validation_loss() {
+    let out = tmp("eval");
+    let (ok, stdout, err) = run(&flags(&out, 6, "--batch 2 --seq 16 --eval-every 3 --log-every 100"));
+    assert!(ok, "{err}");
+    let log: Vec<Value> = std::fs::read_to_string(out.join("loss.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let with_val: Vec<u64> =
+        log.iter().filter(|l| l["val_loss"].is_number()).map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(with_val, vec![3, 6], "{log:?}");
+    let v = log.last().unwrap()["val_loss"].as_f64().unwrap();
+    assert!(v > 1.0 && v < 6.0, "{v}");
+    assert!(stdout.contains("\"val_bytes\":") && stdout.contains("\"precision\":\"32-true\""), "{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
 }

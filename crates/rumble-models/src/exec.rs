@@ -67,6 +67,13 @@ pub trait Executor {
     /// The current values of the persistent inputs (parameters, optimizer states), by name.
     fn persistent(&self) -> Result<Vec<(String, HostTensor)>>;
 
+    /// Runs the validation program built with the executor (tokens and targets in, the loss
+    /// out; parameters unchanged), or `None` when it has none: the caller then evaluates
+    /// [`crate::step::build_eval_step`] itself on the CPU reference.
+    fn eval(&mut self, _data: &[HostTensor]) -> Result<Option<Vec<HostTensor>>> {
+        Ok(None)
+    }
+
     /// Memory and plan figures, for executors that measure them.
     fn stats(&self) -> Option<ExecStats> {
         None

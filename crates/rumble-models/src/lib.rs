@@ -6,7 +6,8 @@
 //! rumble_core's builder) -> [`step`] with [`optim`] (loss, backward, clipping, optimizer in one
 //! trace) -> [`exec`] (executors: CPU now, CUDA behind the same trait) -> [`trainer`] (steps,
 //! learning-rate schedule; [`checkpoint`]: the state a run resumes from), fed by [`data`] (byte-level corpus windows);
-//! [`buckets`] runs batches of changing shape in one step per bucket shape, padded.
+//! [`buckets`] runs batches of changing shape in one step per bucket shape, padded;
+//! [`paired`] runs a step and its validation program over one GPU arena.
 
 pub mod buckets;
 pub mod checkpoint;
@@ -18,6 +19,7 @@ pub mod exec;
 pub mod host;
 pub mod model;
 pub mod optim;
+pub mod paired;
 pub mod presets;
 pub mod rng;
 pub mod step;

@@ -22,6 +22,7 @@ use crate::exec::{Device, DeviceChoice, ExecStats, Executor, cuda_unavailable, e
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
+use crate::paired::StepWithEval;
 use crate::presets::Objective;
 use crate::step::{StepConfig, TrainStep, build_eval_step, build_train_step};
 use crate::weights::{Weights, write_atomic};
@@ -92,8 +93,26 @@ pub struct Trainer {
     step: u64,
     /// Shape buckets: batches of any shape a bucket holds, padded to it by the executor.
     buckets: Option<Buckets>,
-    /// Validation programs by batch shape, built on first use.
+    /// Validation programs by batch shape, built on first use (run on the CPU reference).
     evals: Vec<((usize, usize), Trace)>,
+    /// The batch shape of the executor's own validation program ([`Trainer::with_eval`]).
+    eval_shape: Option<(usize, usize)>,
+}
+
+/// Stands in for an executor between dropping one and building the next (so their device
+/// memory is never held twice); every call is an error.
+struct Released;
+
+impl Executor for Released {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn run(&mut self, _: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        Err(ModelError::Usage("the trainer's executor was released".into()))
+    }
+    fn persistent(&self) -> Result<Vec<(String, HostTensor)>> {
+        Err(ModelError::Usage("the trainer's executor was released".into()))
+    }
 }
 
 impl Trainer {
@@ -123,7 +142,18 @@ impl Trainer {
         let (trace, _log) = passes::run(&trace, PIPELINE)?;
         let persistent = persistent_values(&cfg, &sc, weights, &states)?;
         let exec = make(trace, persistent)?;
-        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0, buckets: None, evals: Vec::new() })
+        Ok(Trainer {
+            cfg,
+            sc,
+            optimizer,
+            data_inputs,
+            exec,
+            schedule,
+            step: 0,
+            buckets: None,
+            evals: Vec::new(),
+            eval_shape: None,
+        })
     }
 
     /// As `new`, with one step per shape bucket (`sc`'s batch and seq are replaced by each
@@ -181,6 +211,7 @@ impl Trainer {
             step: 0,
             buckets: Some(buckets),
             evals: Vec::new(),
+            eval_shape: None,
         })
     }
 
@@ -283,17 +314,36 @@ impl Trainer {
         Ok(StepStats { step, loss, grad_norm, lr, tokens: b * t * batches.len() })
     }
 
+    /// Builds the validation program for batches of `(batch, seq)` beside the step: on CUDA
+    /// (without shape buckets) the executor becomes a [`StepWithEval`], the step and the
+    /// program as CUDA graphs over one persistent region and one arena. Elsewhere nothing
+    /// changes ([`Trainer::eval`] runs on the CPU reference).
+    pub fn with_eval(mut self, batch: usize, seq: usize) -> Result<Trainer> {
+        if self.exec.device() != Device::Cuda || self.buckets.is_some() || self.eval_shape.is_some() {
+            return Ok(self);
+        }
+        let sc = StepConfig { batch, seq, grad_accum: 1, ..self.sc.clone() };
+        let eval = passes::run(&build_eval_step(&self.cfg, &sc)?, PIPELINE)?.0;
+        let step = passes::run(&build_train_step(&self.cfg, &self.sc)?.trace, PIPELINE)?.0;
+        let values = self.exec.persistent()?;
+        drop(std::mem::replace(&mut self.exec, Box::new(Released)));
+        self.exec = Box::new(StepWithEval::new(step, eval, values)?);
+        self.eval_shape = Some((batch, seq));
+        Ok(self)
+    }
+
     /// The mean validation loss over `batches` (any shapes; causal-LM), the current parameters
     /// unchanged: the step's forward only ([`crate::step::build_eval_step`]).
     ///
-    /// It runs on the CPU reference with the executor's current persistent values (copied off
-    /// the device on CUDA): correct everywhere, but on a large model slow; running it as one
-    /// more program over the step's arena on the GPU is not built yet.
+    /// Batches of the shape given to [`Trainer::with_eval`] run on the executor's own program
+    /// (on the GPU, in the step's arena); others on the CPU reference with the executor's
+    /// current persistent values (copied off the device on CUDA: correct, but slow for a large
+    /// model).
     pub fn eval(&mut self, batches: &[Batch]) -> Result<f32> {
         if batches.is_empty() {
             return Err(ModelError::Usage("validation over no batches".into()));
         }
-        let values: std::collections::HashMap<String, HostTensor> = self.exec.persistent()?.into_iter().collect();
+        let mut values: Option<std::collections::HashMap<String, HostTensor>> = None;
         let mut total = 0.0f64;
         for batch in batches {
             let shape = (batch.batch, batch.seq);
@@ -312,6 +362,21 @@ impl Trainer {
                     "validation token id {bad} is outside the vocabulary 0..{vocab}"
                 )));
             }
+            if self.eval_shape == Some(shape) {
+                let data = [
+                    host::from_i64s(&[shape.0, shape.1], &batch.tokens)?,
+                    host::from_i64s(&[shape.0 * shape.1], &batch.targets)?,
+                ];
+                if let Some(outs) = self.exec.eval(&data)? {
+                    let loss = outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?;
+                    total += host::item(loss)? as f64;
+                    continue;
+                }
+            }
+            if values.is_none() {
+                values = Some(self.exec.persistent()?.into_iter().collect());
+            }
+            let values = values.as_ref().ok_or_else(|| ModelError::Usage("validation: no values".into()))?;
             if !self.evals.iter().any(|(s, _)| *s == shape) {
                 let sc = StepConfig { batch: shape.0, seq: shape.1, grad_accum: 1, ..self.sc.clone() };
                 let trace = passes::run(&build_eval_step(&self.cfg, &sc)?, PIPELINE)?.0;

@@ -1,6 +1,7 @@
 //! Precision: bf16-mixed keeps f32 masters and f32 optimizer state inside the one step trace
 //! and follows 32-true, where bf16-true stalls because its updates fall below bf16's
-//! resolution (the tiny model stored in bf16, a learning rate small enough for that).
+//! resolution (the tiny model stored in bf16, a learning rate small enough for that). The
+//! validation program is the step's forward, casts included.
 
 use std::path::Path;
 
@@ -95,4 +96,37 @@ fn bf16_mixed_follows_32_true_where_bf16_true_stalls() {
     assert!((m - f).abs() / f < 0.01, "bf16-mixed {m} is not within 1% of 32-true {f}");
     assert!(first - b < 0.5 * (first - f), "bf16-true should stall: {first} -> {b} (32-true: {f})");
     assert!(true_changed < 0.5 * mixed_changed, "bf16-true changed {true_changed}, mixed {mixed_changed}");
+}
+
+#[test]
+fn eval_is_the_steps_forward_and_changes_nothing() {
+    let cfg = tiny_bf16();
+    let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
+    for p in Precision::ALL {
+        let s = sc(p);
+        let mut t = Trainer::new(
+            cfg.clone(),
+            s.clone(),
+            Weights::init(&cfg, 3).unwrap(),
+            LrSchedule::constant(1e-3),
+            DeviceChoice::Cpu,
+        )
+        .unwrap();
+        let mut rng = Rng::new(9);
+        for _ in 0..3 {
+            t.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap();
+        }
+        let b = corpus.sample(&mut rng, s.batch, s.seq).unwrap();
+        let before = t.weights().unwrap();
+        let ev = t.eval(std::slice::from_ref(&b)).unwrap();
+        assert_eq!(before, t.weights().unwrap(), "{p}: eval changed the parameters");
+        // Another shape, and a mean over two batches.
+        let short = corpus.sample(&mut rng, 2, 8).unwrap();
+        let two = t.eval(&[b.clone(), short.clone()]).unwrap();
+        let one_short = t.eval(std::slice::from_ref(&short)).unwrap();
+        assert!(((ev + one_short) / 2.0 - two).abs() < 1e-6, "{p}: {ev} {one_short} {two}");
+        // The step reports the loss of its forward, before its update: the same number.
+        let step = t.step(&[b]).unwrap().loss;
+        assert!((ev - step).abs() <= 1e-6 * step.abs(), "{p}: eval {ev}, step {step}");
+    }
 }
