@@ -104,6 +104,25 @@ pub struct TrainArgs {
     pub eval_batches: usize,
 }
 
+/// Model FLOPs of one trained token (forward and backward), as PaLM's appendix B counts them:
+/// `6 N` for the matmul parameters (the embedding lookup is free unless the table is also the
+/// tied output projection) plus `12 L H D T` for attention's scores and mixing.
+fn flops_per_token(cfg: &rumble_models::Config, seq: usize) -> f64 {
+    let embed = if cfg.tie_word_embeddings { 0 } else { cfg.vocab_size * cfg.hidden_size };
+    let n = cfg.num_params().saturating_sub(embed) as f64;
+    let attn = 12.0 * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) as f64;
+    6.0 * n + attn
+}
+
+/// The dense bf16 tensor-core peak (FLOP/s) of a device, from NVIDIA's data sheets, by name;
+/// `None` for devices not listed (no MFU is shown then).
+fn bf16_peak(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    let sheet: [(&str, f64); 5] =
+        [("H200", 989.4e12), ("H100 PCIE", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12), ("L40S", 362.1e12)];
+    sheet.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
+}
+
 /// The share of the byte corpus held out for validation when `--eval-every` is given.
 const VAL_FRACTION: f64 = 0.1;
 
@@ -289,6 +308,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     .map_err(|e| ModelError::io(&log_path, e))?;
     let stop = stop_flag()?;
+    // Model FLOPs utilisation, on a GPU whose bf16 peak is known, for a bf16 step.
+    let peak_flops = match trainer.device() {
+        rumble_models::Device::Cuda if precision.compute() == rumble_core::DType::BF16 => {
+            rumble_cuda::Device::new(0).ok().and_then(|d| bf16_peak(&d.name))
+        }
+        _ => None,
+    };
+    let token_flops = flops_per_token(&cfg, sc.seq);
 
     let start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
@@ -400,18 +427,23 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(b) = peak {
                 line["peak_bytes"] = json!(b);
             }
+            let mfu = peak_flops.map(|p| tps * token_flops / p);
+            if let Some(m) = mfu {
+                line["mfu"] = json!((m * 1e4).round() / 1e4);
+            }
             writeln!(log, "{line}").and_then(|_| log.flush()).map_err(|e| ModelError::io(&log_path, e))?;
             if a.json {
                 println!("{line}");
             } else if plain {
                 eprintln!(
-                    "step {i}/{}  loss {:.4}{}  lr {:.3e}  {} tok/s{}",
+                    "step {i}/{}  loss {:.4}{}  lr {:.3e}  {} tok/s{}{}",
                     a.steps,
                     s.loss,
                     val_loss.map(|v| format!("  val_loss {v:.4}")).unwrap_or_default(),
                     s.lr,
                     human(tps),
                     peak.map(|b| format!("  peak {}B", human(b as f64))).unwrap_or_default(),
+                    mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
                 );
             }
         }
@@ -494,4 +526,29 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peaks_by_name_and_flops_per_token() {
+        assert_eq!(bf16_peak("NVIDIA H200"), Some(989.4e12));
+        assert_eq!(bf16_peak("NVIDIA H100 PCIe"), Some(756.0e12));
+        assert_eq!(bf16_peak("NVIDIA H100 80GB HBM3"), Some(989.4e12));
+        assert_eq!(bf16_peak("Some GPU"), None);
+        let cfg = rumble_models::preset("tiny").unwrap().config;
+        // Tied: every parameter is a matmul weight (or a norm), counted 6 times a token.
+        let want = 6.0 * cfg.num_params() as f64 + 12.0 * (2 * 4 * 16 * 64) as f64;
+        assert_eq!(flops_per_token(&cfg, 64), want);
+    }
+
+    #[test]
+    fn the_validation_split_is_the_tail() {
+        let (train, val) = split_corpus((0..100u8).collect(), true);
+        assert_eq!((train.len(), val.map(|v| v.len())), (90, Some(10)));
+        let (train, val) = split_corpus(vec![1; 50], false);
+        assert_eq!((train.len(), val.is_none()), (50, true));
+    }
 }
