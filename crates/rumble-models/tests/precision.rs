@@ -130,3 +130,64 @@ fn eval_is_the_steps_forward_and_changes_nothing() {
         assert!((ev - step).abs() <= 1e-6 * step.abs(), "{p}: eval {ev}, step {step}");
     }
 }
+
+/// The step's inputs in trace order: random tokens, learning-rate scalars, the seeded weights
+/// cast to the masters' dtype, zero states.
+fn step_inputs(trace: &rumble_core::Trace, cfg: &Config) -> Vec<rumble_core::cpu::HostTensor> {
+    use rumble_core::cpu::HostTensor;
+    let w = Weights::init(cfg, 5).unwrap();
+    let mut rng = Rng::new(2);
+    trace
+        .inputs
+        .iter()
+        .map(|i| {
+            let ty = trace.ty(i.value);
+            match (i.role, i.name.as_str()) {
+                (InputRole::Param, n) => {
+                    let t = w.get(n).unwrap();
+                    let vals = t.to_f32().into_iter().map(f64::from).collect::<Vec<_>>();
+                    HostTensor::from_f64(ty.dtype, ty.dims(), &vals).unwrap()
+                }
+                (InputRole::OptState, _) => HostTensor::zeros(ty.clone()),
+                (_, "tokens" | "targets") => {
+                    let v: Vec<i64> = (0..ty.numel()).map(|_| rng.below(256) as i64).collect();
+                    HostTensor::from_i64(DType::I64, ty.dims(), &v).unwrap()
+                }
+                (_, "lr") => HostTensor::scalar(DType::F32, 1e-3),
+                _ => HostTensor::scalar(DType::F32, 0.5), // Adam's bias corrections
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn mixed_step_and_eval_plan_and_run_in_one_arena() {
+    use rumble_core::plan::{PlanOptions, plan};
+    let cfg = tiny_bf16();
+    let s = sc(Precision::Bf16Mixed);
+    let step = build_train_step(&cfg, &s).unwrap().trace;
+    let eval = rumble_models::step::build_eval_step(&cfg, &s).unwrap();
+    let mut persistent = Vec::new();
+    for t in [step, eval] {
+        let (t, _) = rumble_core::passes::run(&t, rumble_models::trainer::PIPELINE).unwrap();
+        let inputs = step_inputs(&t, &cfg);
+        let want = rumble_core::cpu::eval(&t, &inputs).unwrap();
+        let p = plan(&t, &PlanOptions::default()).unwrap();
+        rumble_core::plan::check::check(&p.trace, &p.plan).unwrap();
+        let got = rumble_core::cpu::arena::eval(&p.trace, &p.plan, &inputs).unwrap();
+        for (k, o) in t.outputs.iter().enumerate() {
+            let g = p.trace.outputs.iter().position(|q| q.name == o.name).unwrap();
+            assert!(want[k].bytes == got[g].bytes, "{}: output `{}` differs planned", t.name, o.name);
+        }
+        // The persistent inputs sit where the step's do (what sharing one region needs).
+        persistent.push(
+            p.trace
+                .inputs
+                .iter()
+                .filter(|i| i.role.is_persistent())
+                .map(|i| (i.name.clone(), p.plan.slot(i.value).unwrap().offset))
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert_eq!(persistent[0], persistent[1]);
+}
