@@ -56,6 +56,11 @@ pub struct ModelArgs {
     /// the fused projection-and-loss op that never holds all the logits.
     #[arg(long)]
     pub materialize_logits: bool,
+    /// bf16-mixed (f32 master weights and optimizer state, bf16 compute), bf16-true or 32-true.
+    /// Default: train uses bf16-mixed for a bf16 model and 32-true for an f32 one; plan and
+    /// bench run the model as stored.
+    #[arg(long, value_name = "PRECISION")]
+    pub precision: Option<String>,
 }
 
 /// A resolved model choice.
@@ -115,7 +120,7 @@ impl ModelArgs {
             grad_accum: self.grad_accum,
             clip: self.clip,
             fused_loss: !self.materialize_logits,
-            precision: None,
+            precision: self.precision.as_deref().map(str::parse).transpose()?,
         };
         Ok(Resolved { name, config, step, lr })
     }

@@ -79,11 +79,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "SEQ,SEQ,...")]
     pub buckets: Option<String>,
 
-    // Precision, saving, resuming, validation.
-    /// bf16-mixed (f32 master weights and optimizer state, bf16 compute), bf16-true or 32-true.
-    /// Default: bf16-mixed for a bf16 model, 32-true for an f32 one.
-    #[arg(long, value_name = "PRECISION")]
-    pub precision: Option<String>,
+    // Saving, resuming, validation (--precision is with the model's flags).
     /// Save a checkpoint every N steps into OUT/checkpoint-STEP/ (the model folder, the
     /// optimizer state and trainer_state.json), each written whole before it appears.
     #[arg(long, value_name = "N")]
@@ -182,8 +178,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let beside = resume.as_ref().map(|n| n.dir.join("model.safetensors")).or(a.init_from.clone());
     let r = a.model.resolve(beside.as_deref())?;
     let cfg = r.config.clone();
-    let precision: Precision = match &a.precision {
-        Some(p) => p.parse()?,
+    let precision: Precision = match r.step.precision {
+        Some(p) => p,
         None => Precision::default_for(cfg.dtype)
             .ok_or_else(|| ModelError::Usage(format!("`{}` is stored in {}: give --precision", r.name, cfg.dtype)))?,
     };
