@@ -13,6 +13,7 @@ use rumble_core::passes;
 use rumble_models::exec::{CpuExecutor, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
 use rumble_models::rng::Rng;
+use rumble_models::trainer::cast_weights;
 use rumble_models::{
     Batch, CudaExecutor, CudaMode, DeviceChoice, ExecStats, Executor, LrSchedule, ModelError, Objective, PIPELINE,
     Result, Trainer, Weights, build_train_step,
@@ -89,7 +90,8 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
     if !a.train {
         sc.optimizer = None;
     }
-    let weights = Weights::init(&r.config, a.seed)?;
+    // In the step's master dtype (f32 under --precision bf16-mixed).
+    let weights = cast_weights(Weights::init(&r.config, a.seed)?, sc.master_dtype(r.config.dtype))?;
     if a.profile {
         return profile(&a, &r.name, &r.config, &sc, weights);
     }

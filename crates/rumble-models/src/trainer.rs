@@ -418,14 +418,7 @@ impl Trainer {
 
     /// The current parameters in the config's dtype (what a model folder stores).
     pub fn model_weights(&self) -> Result<Weights> {
-        let w = self.weights()?;
-        Ok(Weights {
-            tensors: w
-                .tensors
-                .into_iter()
-                .map(|(n, t)| cast(t, self.cfg.dtype).map(|t| (n, t)))
-                .collect::<Result<_>>()?,
-        })
+        cast_weights(self.weights()?, self.cfg.dtype)
     }
 
     /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads), in
@@ -433,6 +426,11 @@ impl Trainer {
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
         save_checkpoint(dir, &self.cfg, &self.model_weights()?)
     }
+}
+
+/// Every tensor of `w` cast to `dtype` (e.g. a model's weights to a step's master dtype).
+pub fn cast_weights(w: Weights, dtype: DType) -> Result<Weights> {
+    Ok(Weights { tensors: w.tensors.into_iter().map(|(n, t)| cast(t, dtype).map(|t| (n, t))).collect::<Result<_>>()? })
 }
 
 /// `t` cast to `dtype` (a float tensor; rounded to nearest even when narrowing).
