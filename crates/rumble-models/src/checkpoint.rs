@@ -293,7 +293,9 @@ pub fn newest(out: &Path) -> Result<Newest> {
 /// config read from its config.json): the parameters (the exact masters where the checkpoint
 /// holds them, else the model folder's) and the optimizer states, by name.
 pub fn load(dir: &Path, cfg: &Config) -> Result<Weights> {
-    let model = Weights::load(&dir.join("model.safetensors"), cfg)?;
+    // The single file where there is one; else the folder (a sharded model folder).
+    let single = dir.join("model.safetensors");
+    let model = Weights::load(if single.is_file() { &single } else { dir }, cfg)?;
     let opt_path = dir.join(OPTIMIZER_FILE);
     let mut masters = BTreeMap::new();
     let mut states = Vec::new();
