@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here (no GPU needed), from the repo root: downloads the Python wheels the GPU machine lacks
 # (lightning-thunder, litgpt and their missing needs) into .whl/, which git ignores.
-# The GPU machine then installs them offline (bench/run-all.sh does it).
+# The GPU machine then installs them offline (scripts/gpu does it when .whl/ is carried).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

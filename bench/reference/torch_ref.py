@@ -1,8 +1,14 @@
 """Reference measurements of rumble's benchmark workloads in PyTorch, torch.compile and Thunder.
 
 usage: python3 bench/reference/torch_ref.py WORKLOAD EXECUTOR [--steps N] [--train]
+       python3 bench/reference/torch_ref.py CASE EXECUTOR --suite bench/suite/suite.json [...]
 
-  WORKLOAD  seed-llama | seed-qwen2 | small        (the table in ../shared/anchors/README.md)
+  WORKLOAD  seed-llama | seed-qwen2 | small        (rumble's presets of the same names)
+  CASE      with --suite: a case of the suite file; transformers' model class for its config.json
+            (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM...) with random weights in
+            bf16, `layers` overriding num_hidden_layers; the line also carries the case's batch,
+            seq, tokens and flops_per_step (the formula in BENCHMARKS.md, from this model's own
+            parameter count: compare.py warns when it differs from rumble's)
   EXECUTOR  torch-eager | torch-compile | torch-compile-ro | thunder | thunder-cudagraph
   --train   add an AdamW step (lr 1e-4, weight decay 0.1) after the backward
   --profile FILE  after the timed steps, one more step under torch.profiler: the CUDA kernels
@@ -14,7 +20,8 @@ keys `rumble bench --json` prints, so bench/compare.py can put them side by side
   device_used_bytes     rise of the device's used memory (cudaMemGetInfo) from before the model
                         was built to after the last step: counts caching, graphs and libraries
   first_step_ms         the first step, compilation and capture included
-  median_step_ms        median of the later steps
+  median_step_ms        median of the steps after the first two (reduce-overhead records its
+                        CUDA graphs on the second)
 Each step is a forward, the objective, a backward producing every parameter gradient,
 optionally the optimizer step, and zero_grad(set_to_none=True).
 """
@@ -31,6 +38,7 @@ p.add_argument("executor")
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--train", action="store_true")
 p.add_argument("--profile")
+p.add_argument("--suite", help="a suite file: WORKLOAD names one of its cases")
 args = p.parse_args()
 dev = torch.device("cuda")
 torch.manual_seed(0)
@@ -88,6 +96,40 @@ def hf(kind, seq, **kw):
     return model, lambda: fn(input_ids=ids, labels=ids).loss
 
 
+def suite_case(name):
+    """A case of the suite file: its model from config.json, random bf16 weights, random tokens."""
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with open(args.suite) as f:
+        cases = {c["name"]: c for c in json.load(f)["cases"]}
+    if name not in cases:
+        raise SystemExit(f"{args.suite}: no case `{name}` (cases: {', '.join(cases)})")
+    c = cases[name]
+    cfg = AutoConfig.from_pretrained(os.path.join(os.path.dirname(args.suite), c["config"]))
+    if c.get("layers"):
+        cfg.num_hidden_layers = c["layers"]
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    batch, seq = c["batch"], c["seq"]
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
+    # Model FLOPs of a forward and backward (BENCHMARKS.md): 6 per parameter and token outside
+    # the embeddings, the lm_head's 6 * C * V per token, causal attention's 6 * L * H * D * T^2
+    # per sequence.
+    emb = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) for p in m.parameters()}
+    body = sum(p.numel() for p in model.parameters() if id(p) not in emb)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    tokens = batch * seq
+    flops = (6 * body * tokens + 6 * cfg.hidden_size * cfg.vocab_size * tokens
+             + 6 * cfg.num_hidden_layers * heads * head_dim * seq * seq * batch)
+    INFO.update(case=name, batch=batch, seq=seq, layers=cfg.num_hidden_layers, tokens=tokens,
+                params=sum(p.numel() for p in model.parameters()), flops_per_step=flops)
+    fn = wrap(model)
+    return model, lambda: fn(input_ids=ids, labels=ids).loss
+
+
+INFO = {}
 WORKLOADS = {
     "seed-llama": seed_llama,
     "seed-qwen2": lambda: hf("qwen2", 4096, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -98,7 +140,12 @@ WORKLOADS = {
                         max_position_embeddings=1024, tie_word_embeddings=False),
 }
 
-model, objective = WORKLOADS[args.workload]()
+if args.suite:
+    model, objective = suite_case(args.workload)
+elif args.workload in WORKLOADS:
+    model, objective = WORKLOADS[args.workload]()
+else:
+    raise SystemExit(f"unknown workload `{args.workload}` ({', '.join(WORKLOADS)}, or a case with --suite)")
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1) if args.train else None
 
 
@@ -149,5 +196,5 @@ print(json.dumps({
     "first_step_ms": round(first_ms, 2),
     "median_step_ms": round(statistics.median(times[1:] or times), 3) if times else None,
     "loss": float(loss),
-    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **INFO,
 }), flush=True)

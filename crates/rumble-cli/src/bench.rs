@@ -3,24 +3,25 @@
 //! `--train` the whole training step with the optimizer. On CUDA it times the eager, planned
 //! and graphed executors in turn; each prints one JSON line with the keys bench/compare.py
 //! reads (`executor`, `peak_allocated_bytes`, `device_used_bytes`, `load_bytes`,
-//! `first_step_ms`, `median_step_ms`, ...).
+//! `first_step_ms`, `median_step_ms`, ...). `--suite` runs the benchmark suite (suite.rs).
 
 use std::time::Instant;
 
 use clap::Args;
 use rumble_core::Trace;
-use rumble_core::passes;
+use rumble_core::compile::{CompileOptions, optimize};
 use rumble_models::exec::{CpuExecutor, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
 use rumble_models::rng::Rng;
 use rumble_models::trainer::cast_weights;
 use rumble_models::{
-    Batch, CudaExecutor, CudaMode, DeviceChoice, ExecStats, Executor, LrSchedule, ModelError, Objective, PIPELINE,
-    Result, Trainer, Weights, build_train_step,
+    Batch, CudaExecutor, CudaMode, DeviceChoice, ExecStats, Executor, LrSchedule, ModelError, Objective, Result,
+    Trainer, Weights, build_train_step,
 };
 use serde_json::json;
 
-use crate::common::ModelArgs;
+use crate::common::{ModelArgs, Resolved};
+use crate::suite::SuiteArgs;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -50,6 +51,13 @@ pub struct BenchArgs {
     /// events around every launch) and print where the time goes: by op and the slowest nodes.
     #[arg(long)]
     pub profile: bool,
+    #[command(flatten)]
+    pub suite: SuiteArgs,
+    /// The memory policy of the compiled step: bytes (`12GB`), `auto` (the device's free
+    /// memory less a margin), `min` (the smallest peak) or `fastest` (the default); see
+    /// `rumble plan --memory-budget`.
+    #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
+    pub memory_budget: rumble_core::compile::Budget,
 }
 
 /// One timed step: micro-batches in, loss out.
@@ -78,7 +86,9 @@ fn executors(device: DeviceChoice, only: Option<&str>) -> Result<Vec<Option<Cuda
 }
 
 pub fn run(mut a: BenchArgs) -> Result<()> {
-    let device: DeviceChoice = a.device.parse()?;
+    if a.suite.suite.is_some() {
+        return crate::suite::run(a);
+    }
     if let Some(w) = a.workload.take() {
         if a.model.config.is_some() {
             return Err(ModelError::Usage("give the workload once: as an argument or with --config".into()));
@@ -86,6 +96,12 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
         a.model.config = Some(w);
     }
     let r = a.model.resolve(None)?;
+    run_resolved(&a, r, &mut |line| println!("{line}"))
+}
+
+/// Times one resolved workload; each executor's JSON line goes to `emit`.
+pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json::Value)) -> Result<()> {
+    let device: DeviceChoice = a.device.parse()?;
     let mut sc = r.step.clone();
     if !a.train {
         sc.optimizer = None;
@@ -93,13 +109,16 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
     // In the step's master dtype (f32 under --precision bf16-mixed).
     let weights = cast_weights(Weights::init(&r.config, a.seed)?, sc.master_dtype(r.config.dtype))?;
     if a.profile {
-        return profile(&a, &r.name, &r.config, &sc, weights);
+        return profile(a, &r.name, &r.config, &sc, weights);
     }
+    // The trace goes through the passes once (`optimize`); the CUDA executor compiles the rest.
+    let opts = CompileOptions { budget: a.memory_budget, ..Default::default() };
+    let exec_opts = CompileOptions { passes: false, ..opts.clone() };
     for mode in executors(device, a.executor.as_deref())? {
         let make = |trace: Trace, persistent: Vec<(String, HostTensor)>| -> Result<Box<dyn Executor>> {
             match mode {
                 None => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
-                Some(m) => Ok(Box::new(CudaExecutor::new(trace, persistent, m)?)),
+                Some(m) => Ok(Box::new(CudaExecutor::with_options(trace, persistent, m, &exec_opts)?)),
             }
         };
         let t_build = Instant::now();
@@ -109,13 +128,14 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 sc.clone(),
                 weights.clone(),
                 LrSchedule::constant(r.lr),
+                &opts,
                 make,
             )?;
             let trainer = std::rc::Rc::new(std::cell::RefCell::new(trainer));
             let t2 = trainer.clone();
             (Box::new(move |b| Ok(trainer.borrow_mut().step(b)?.loss)), Box::new(move || t2.borrow().stats()))
         } else {
-            let (trace, _) = passes::run(&build_train_step(&r.config, &sc)?.trace, PIPELINE)?;
+            let (trace, _) = optimize(&build_train_step(&r.config, &sc)?.trace, &opts)?;
             let exec = std::rc::Rc::new(std::cell::RefCell::new(make(trace, weights.tensors.clone())?));
             let e2 = exec.clone();
             let causal = sc.objective == Objective::CausalLm;
@@ -169,6 +189,11 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
             ] {
                 line[k] = json!(v);
             }
+            if let Some(ms) = s.predicted_step_ms {
+                line["predicted_step_ms"] = json!(round3(ms));
+                line["chosen"] = json!(s.chosen);
+                line["memory_budget"] = json!(a.memory_budget.to_string());
+            }
         }
         if !a.json {
             eprintln!(
@@ -178,7 +203,7 @@ pub fn run(mut a: BenchArgs) -> Result<()> {
                 times.len()
             );
         }
-        println!("{line}");
+        emit(line);
     }
     Ok(())
 }
@@ -195,8 +220,10 @@ fn profile(
     if let Some(why) = cuda_unavailable() {
         return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why });
     }
-    let (trace, _) = passes::run(&build_train_step(config, sc)?.trace, PIPELINE)?;
-    let mut exec = CudaExecutor::new(trace, weights.tensors.clone(), CudaMode::Planned)?;
+    let opts = CompileOptions { budget: a.memory_budget, ..Default::default() };
+    let (trace, _) = optimize(&build_train_step(config, sc)?.trace, &opts)?;
+    let opts = CompileOptions { passes: false, ..opts };
+    let mut exec = CudaExecutor::with_options(trace, weights.tensors.clone(), CudaMode::Planned, &opts)?;
     let causal = sc.objective == Objective::CausalLm;
     let mut rng = Rng::for_name(a.seed, "bench");
     let mut times = Vec::new();

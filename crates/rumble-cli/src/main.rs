@@ -6,6 +6,7 @@
 mod bench;
 mod common;
 mod plan;
+mod suite;
 mod train;
 
 use clap::{Parser, Subcommand};

@@ -1,13 +1,13 @@
-//! `rumble plan`: builds a training step, runs the trainer's passes, plans its memory with
-//! `rumble_core::plan::plan` (schedule, then one arena whose offsets are all fixed), and prints
+//! `rumble plan`: builds a training step, compiles it with `rumble_core::compile::compile`
+//! (the trainer's passes, schedule, then one arena whose offsets are all fixed), and prints
 //! the planner's report: LOAD (the most bytes live at once), the arena, the persistent region,
 //! the buffers live at the peak. `--svg FILE` writes the timeline picture.
 
 use std::path::PathBuf;
 
 use clap::Args;
+use rumble_core::compile::{Budget, CompileOptions, compile};
 use rumble_core::passes::remat::Remat;
-use rumble_core::plan::{PlanOptions, plan};
 use rumble_models::weights::write_atomic;
 use rumble_models::{Result, build_train_step};
 
@@ -30,11 +30,12 @@ pub struct PlanArgs {
     /// lowers LOAD) or `off`.
     #[arg(long, default_value = "off", value_parser = ["off", "auto"])]
     pub remat: String,
-    /// Recompute as little as needed for the step's peak (persistent + arena) to fit this
-    /// many bytes (`12e9`, `12GB`, `11GiB`); the report says whether it fits and the extra
-    /// FLOPs.
-    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
-    pub memory_budget: Option<usize>,
+    /// The memory policy: the fastest plan whose peak (persistent + arena) fits this many
+    /// bytes (`12e9`, `12GB`, `11GiB`; recomputing, matmuls included, where that is what fits),
+    /// `min` (the smallest peak), `auto` (on the CPU: the fastest) or `fastest` (the default).
+    /// The report names the choice, its predicted step time and its peak.
+    #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = parse_budget)]
+    pub memory_budget: Budget,
     /// Print the whole trace, as planned, in rumble's text form.
     #[arg(long)]
     pub trace: bool,
@@ -61,14 +62,9 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
         sc.optimizer = None;
     }
     let step = build_train_step(&r.config, &sc)?;
-    let (trace, log) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE)?;
-    let remat = match (a.memory_budget, a.remat.as_str()) {
-        (Some(peak_bytes), _) => Remat::Budget { peak_bytes },
-        (None, "auto") => Remat::Auto,
-        _ => Remat::Off,
-    };
-    let opts = PlanOptions { schedule: !a.no_schedule, remat, ..Default::default() };
-    let planned = plan(&trace, &opts)?;
+    let remat = if a.remat == "auto" { Remat::Auto } else { Remat::Off };
+    let opts = CompileOptions { schedule: !a.no_schedule, remat, budget: a.memory_budget, ..Default::default() };
+    let planned = compile(&step.trace, &opts)?;
     if a.trace {
         println!("{}", planned.trace);
     }
@@ -84,21 +80,14 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
         r.name,
         if sc.optimizer.is_some() { "forward, backward, optimizer" } else { "forward, backward" }
     );
-    for l in &log {
+    for l in &planned.passes {
         println!("  pass {l}");
     }
     print!("{}", planned.report);
     Ok(())
 }
 
-/// `12e9`, `12000000000`, `12GB`, `11.5GiB`, `800MB`, `800MiB` -> bytes.
-fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let units: [(&str, f64); 7] =
-        [("GiB", 1073741824.0), ("MiB", 1048576.0), ("KiB", 1024.0), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1.0)];
-    let (num, scale) = units.iter().find_map(|(u, k)| t.strip_suffix(u).map(|n| (n.trim(), *k))).unwrap_or((t, 1.0));
-    match num.parse::<f64>() {
-        Ok(v) if v > 0.0 && v.is_finite() => Ok((v * scale) as usize),
-        _ => Err(format!("`{s}` is not a byte count (e.g. 12e9, 12GB, 11GiB)")),
-    }
+/// `--memory-budget`'s values (`rumble_core::compile::Budget`).
+pub fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
+    s.parse()
 }

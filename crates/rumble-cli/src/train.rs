@@ -78,6 +78,10 @@ pub struct TrainArgs {
     /// smallest bucket that holds it (padded targets are ignored by the loss). Replaces --seq.
     #[arg(long, value_name = "SEQ,SEQ,...")]
     pub buckets: Option<String>,
+    /// The memory policy of the compiled step: bytes (`12GB`), `auto`, `min` or `fastest`
+    /// (the default); see `rumble plan --memory-budget`.
+    #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
+    pub memory_budget: rumble_core::compile::Budget,
 
     // Saving, resuming, validation (--precision is with the model's flags).
     /// Save a checkpoint every N steps into OUT/checkpoint-STEP/ (the model folder, the
@@ -268,9 +272,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
             (w, schedule, 0)
         }
     };
+    let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
-        Some(b) => Trainer::with_buckets(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device)?,
-        None => Trainer::new(cfg.clone(), step_cfg.clone(), weights, schedule, device)?,
+        Some(b) => {
+            Trainer::with_buckets_options(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?
+        }
+        None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
     };
     trainer.set_steps_done(done);
     // With buckets: the largest bucket's shape.

@@ -5,9 +5,10 @@
 
 use std::time::Instant;
 
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::ir::DType;
 use rumble_core::passes::remat::Remat;
-use rumble_core::plan::{PlanOptions, check::check, plan, plan_order};
+use rumble_core::plan::{PlanOptions, check::check, plan_order};
 use rumble_core::testing::{Optimizer, TinyLlama};
 
 fn main() -> rumble_core::Result<()> {
@@ -42,7 +43,7 @@ fn main() -> rumble_core::Result<()> {
     );
 
     let t = Instant::now();
-    let fixed = plan_order(&trace, &PlanOptions { schedule: false, ..Default::default() })?;
+    let fixed = plan_order(&trace, &PlanOptions::default())?;
     println!(
         "plan in autodiff order: {:.1} ms (LOAD {}, arena {})",
         ms(t.elapsed()),
@@ -51,7 +52,7 @@ fn main() -> rumble_core::Result<()> {
     );
 
     let t = Instant::now();
-    let planned = plan(&trace, &PlanOptions::default())?;
+    let planned = plan(&trace, &CompileOptions::default())?;
     println!("schedule + plan: {:.1} ms", ms(t.elapsed()));
 
     let t = Instant::now();
@@ -59,13 +60,13 @@ fn main() -> rumble_core::Result<()> {
     println!("independent check: {:.1} ms", ms(t.elapsed()));
 
     let t = Instant::now();
-    let remat = plan(&trace, &PlanOptions { remat: Remat::Auto, ..Default::default() })?;
+    let remat = plan(&trace, &CompileOptions { remat: Remat::Auto, ..Default::default() })?;
     println!("remat + schedule + plan: {:.1} ms", ms(t.elapsed()));
 
     // A budget halfway between the plain and the fully rematerialised peak.
     let budget = (planned.report.peak_bytes + remat.report.peak_bytes) / 2;
     let t = Instant::now();
-    let fit = plan(&trace, &PlanOptions { remat: Remat::Budget { peak_bytes: budget }, ..Default::default() })?;
+    let fit = plan(&trace, &CompileOptions { remat: Remat::Budget { peak_bytes: budget }, ..Default::default() })?;
     println!("remat to a budget of {budget} bytes + schedule + plan: {:.1} ms", ms(t.elapsed()));
     if let Some(r) = fit.report.passes.iter().find(|p| p.pass == "remat") {
         println!("  {}; peak {} bytes", r.detail, fit.report.peak_bytes);

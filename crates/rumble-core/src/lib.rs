@@ -2,9 +2,13 @@
 //!
 //! In pipeline order: [`ir`] (traces, the builder, the text form, the verifier) ->
 //! [`autodiff`] (VJP rules, joint and split traces) -> [`passes`] (trace-to-trace rewrites) ->
-//! [`plan`] (lifetimes, one arena, LOAD) -> [`cpu`] (the reference backend and CPU executors).
+//! [`plan`] (lifetimes, one arena, LOAD) -> [`cost`] (predicted node times) -> [`compile`]
+//! (the one entry point running passes, choices and the planner) -> [`cpu`] (the reference
+//! backend and CPU executors).
 
 pub mod autodiff;
+pub mod compile;
+pub mod cost;
 pub mod cpu;
 pub mod error;
 pub mod ir;

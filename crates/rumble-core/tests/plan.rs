@@ -2,11 +2,12 @@
 //! the arena stays within 2% of LOAD, updates happen in place, and the arena executor gives
 //! the per-op executor's results bit for bit, step after step.
 
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{self, HostTensor, Rng, arena::ArenaExecutor};
 use rumble_core::ir::{DType, InputRole, OutputRole, Phase, Trace, verify};
 use rumble_core::passes::remat::Remat;
 use rumble_core::plan::lifetimes::{LifetimeOptions, lifetimes};
-use rumble_core::plan::{Class, PlanOptions, check::check, plan, plan_order};
+use rumble_core::plan::{Class, PlanOptions, check::check, plan_order};
 use rumble_core::testing::{Optimizer, TinyLlama};
 
 /// Small but with LLaMA's proportions: MLP about 2.7x the width, grouped-query heads.
@@ -23,7 +24,7 @@ fn training_steps_plan_within_two_percent_of_load() {
     for opt in optimizers() {
         for layers in [1, 3] {
             let trace = proportioned(layers, DType::BF16).train_step(opt).unwrap();
-            let p = plan(&trace, &PlanOptions::default()).unwrap();
+            let p = plan(&trace, &CompileOptions::default()).unwrap();
             check(&p.trace, &p.plan).unwrap();
             let r = &p.report;
             println!("{opt:?}, {layers} layers\n{r}");
@@ -94,8 +95,8 @@ fn scheduler_never_raises_load_and_keeps_the_program() {
 #[test]
 fn remat_lowers_load_and_recomputes_in_the_backward() {
     let trace = proportioned(2, DType::BF16).train_step(Optimizer::None).unwrap();
-    let base = plan(&trace, &PlanOptions::default()).unwrap();
-    let opts = PlanOptions { remat: Remat::Auto, ..Default::default() };
+    let base = plan(&trace, &CompileOptions::default()).unwrap();
+    let opts = CompileOptions { remat: Remat::Auto, ..Default::default() };
     let p = plan(&trace, &opts).unwrap();
     check(&p.trace, &p.plan).unwrap();
     let r = p.report.passes.iter().find(|r| r.pass == "remat").unwrap();
@@ -118,11 +119,12 @@ fn remat_lowers_load_and_recomputes_in_the_backward() {
 #[test]
 fn remat_budget_reports_fit_and_cost() {
     let trace = proportioned(2, DType::BF16).train_step(Optimizer::None).unwrap();
-    let base = plan(&trace, &PlanOptions::default()).unwrap().report;
-    let auto = plan(&trace, &PlanOptions { remat: Remat::Auto, ..Default::default() }).unwrap().report;
+    let base = plan(&trace, &CompileOptions::default()).unwrap().report;
+    let auto = plan(&trace, &CompileOptions { remat: Remat::Auto, ..Default::default() }).unwrap().report;
     // A budget between the two: something must be recomputed, not necessarily everything.
     let budget = (base.peak_bytes + auto.peak_bytes) / 2;
-    let p = plan(&trace, &PlanOptions { remat: Remat::Budget { peak_bytes: budget }, ..Default::default() }).unwrap();
+    let p =
+        plan(&trace, &CompileOptions { remat: Remat::Budget { peak_bytes: budget }, ..Default::default() }).unwrap();
     let r = p.report.passes.iter().find(|r| r.pass == "remat").unwrap();
     println!("{}", p.report);
     assert!(r.extra_flops > 0 && r.load_after < r.load_before, "{r:?}");
@@ -131,7 +133,7 @@ fn remat_budget_reports_fit_and_cost() {
     assert!(p.report.peak_bytes <= budget, "{} > {budget}", p.report.peak_bytes);
     assert!(p.report.to_json().contains("\"fits_budget\":true"));
     // A budget below the persistent bytes cannot be met, and says so.
-    let p = plan(&trace, &PlanOptions { remat: Remat::Budget { peak_bytes: 1 }, ..Default::default() }).unwrap();
+    let p = plan(&trace, &CompileOptions { remat: Remat::Budget { peak_bytes: 1 }, ..Default::default() }).unwrap();
     assert!(p.report.to_string().contains("does NOT fit"), "{}", p.report);
     assert!(p.report.to_json().contains("\"fits_budget\":false"));
 }
@@ -159,7 +161,7 @@ fn inputs(trace: &Trace, vocab: u64, seed: u64) -> Vec<HostTensor> {
 
 /// Three steps with the arena executor and with `cpu::eval`; every output, every step, and
 /// the parameters afterwards agree bit for bit.
-fn assert_arena_matches_eval(trace: &Trace, opts: &PlanOptions, vocab: u64) {
+fn assert_arena_matches_eval(trace: &Trace, opts: &CompileOptions, vocab: u64) {
     let p = plan(trace, opts).unwrap();
     let t = &p.trace;
     let mut state = inputs(t, vocab, 7);
@@ -205,10 +207,18 @@ fn arena_executor_matches_eval_bit_for_bit() {
     let cfg = TinyLlama { layers: 2, dtype: DType::F32, ..TinyLlama::default() };
     for opt in optimizers() {
         for opts in [
-            PlanOptions { schedule: false, ..Default::default() },
-            PlanOptions::default(),
-            PlanOptions { remat: Remat::Auto, workspace_bytes: 1000, ..Default::default() },
-            PlanOptions { inplace: false, schedule: false, ..Default::default() },
+            CompileOptions { schedule: false, ..Default::default() },
+            CompileOptions::default(),
+            CompileOptions {
+                remat: Remat::Auto,
+                plan: PlanOptions { workspace_bytes: 1000, ..Default::default() },
+                ..Default::default()
+            },
+            CompileOptions {
+                schedule: false,
+                plan: PlanOptions { inplace: false, ..Default::default() },
+                ..Default::default()
+            },
         ] {
             let trace = cfg.train_step(opt).unwrap();
             assert_arena_matches_eval(&trace, &opts, cfg.vocab as u64);
@@ -216,13 +226,17 @@ fn arena_executor_matches_eval_bit_for_bit() {
     }
     let bf16 = TinyLlama { layers: 1, dtype: DType::BF16, ..TinyLlama::default() };
     let trace = bf16.train_step(Optimizer::adamw(1e-2)).unwrap();
-    assert_arena_matches_eval(&trace, &PlanOptions { remat: Remat::Auto, ..Default::default() }, bf16.vocab as u64);
+    assert_arena_matches_eval(&trace, &CompileOptions { remat: Remat::Auto, ..Default::default() }, bf16.vocab as u64);
 }
 
 #[test]
 fn report_json_has_the_keys_scripts_read() {
     let trace = proportioned(1, DType::BF16).train_step(Optimizer::adamw(1e-3)).unwrap();
-    let p = plan(&trace, &PlanOptions { workspace_bytes: 4 << 20, ..Default::default() }).unwrap();
+    let p = plan(
+        &trace,
+        &CompileOptions { plan: PlanOptions { workspace_bytes: 4 << 20, ..Default::default() }, ..Default::default() },
+    )
+    .unwrap();
     let j = p.report.to_json();
     for key in ["\"load_bytes\":", "\"arena_bytes\":", "\"persistent_bytes\":", "\"peak_bytes\":", "\"at_peak\":["] {
         assert!(j.contains(key), "{key} missing from {j}");
@@ -245,7 +259,7 @@ fn report_json_has_the_keys_scripts_read() {
 #[test]
 fn timeline_svg_names_what_is_live_at_the_peak() {
     let trace = proportioned(2, DType::BF16).train_step(Optimizer::Sgd { lr: 0.1 }).unwrap();
-    let p = plan(&trace, &PlanOptions::default()).unwrap();
+    let p = plan(&trace, &CompileOptions::default()).unwrap();
     let svg = p.svg();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     for needle in ["arena", "LOAD", "peak at step", "saved for backward", "biggest buffers live at the peak"] {
@@ -279,19 +293,19 @@ fn fused_training_steps_update_in_place_and_match_bit_for_bit() {
     for opt in optimizers() {
         let trace = rumble_core::passes::fuse(&cfg.train_step(opt).unwrap()).unwrap();
         assert!(trace.nodes.iter().any(|n| n.op.name() == "fused"));
-        let p = plan(&trace, &PlanOptions::default()).unwrap();
+        let p = plan(&trace, &CompileOptions::default()).unwrap();
         check(&p.trace, &p.plan).unwrap();
         if opt != Optimizer::None {
             // AdamW's update of a parameter and its two moments is one fused node with three
             // results, each written over its own input.
             assert!(p.plan.copy_back.is_empty(), "{opt:?}: {:?}", p.plan.copy_back);
         }
-        for opts in [PlanOptions::default(), PlanOptions { remat: Remat::Auto, ..Default::default() }] {
+        for opts in [CompileOptions::default(), CompileOptions { remat: Remat::Auto, ..Default::default() }] {
             assert_arena_matches_eval(&trace, &opts, cfg.vocab as u64);
         }
     }
     let big = rumble_core::passes::fuse(&proportioned(3, DType::BF16).train_step(Optimizer::adamw(1e-3)).unwrap());
-    let r = plan(&big.unwrap(), &PlanOptions::default()).unwrap().report;
+    let r = plan(&big.unwrap(), &CompileOptions::default()).unwrap().report;
     assert!(r.ratio() <= 1.02, "fused: arena {} vs LOAD {}", r.arena_bytes, r.load_bytes);
 }
 
@@ -316,7 +330,7 @@ fn op_scratch_is_planned_live_at_its_node_only() {
         g.output_with_role(&new, &format!("new.{}", p.id()), OutputRole::Update { of: p.id() }).unwrap();
     }
     let trace = g.finish().unwrap();
-    let p = plan(&trace, &PlanOptions::default()).unwrap();
+    let p = plan(&trace, &CompileOptions::default()).unwrap();
     check(&p.trace, &p.plan).unwrap();
     let with_scratch: Vec<usize> = (0..p.trace.nodes.len()).filter(|&i| p.plan.scratch[i].is_some()).collect();
     assert_eq!(with_scratch.len(), 2, "forward and backward of linear_cross_entropy");
@@ -326,7 +340,7 @@ fn op_scratch_is_planned_live_at_its_node_only() {
         assert_eq!(p.plan.scratch[i].unwrap().bytes, node.op.scratch_bytes(&at));
     }
     assert!(p.report.classes.iter().any(|c| c.class == Class::Scratch && c.bytes > 0));
-    assert_arena_matches_eval(&trace, &PlanOptions::default(), v as u64);
+    assert_arena_matches_eval(&trace, &CompileOptions::default(), v as u64);
     // Scratch moved onto an operand of its own node is caught.
     let i = with_scratch[1];
     let arg =

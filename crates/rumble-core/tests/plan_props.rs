@@ -5,10 +5,11 @@
 //! the arena executor matches `cpu::eval` bit for bit.
 
 use proptest::prelude::*;
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, InputRole, OutputRole, Phase, Tensor, Trace, verify};
 use rumble_core::passes::remat::Remat;
-use rumble_core::plan::{BackendScratch, PlanOptions, check::check, plan};
+use rumble_core::plan::{BackendScratch, PlanOptions, check::check};
 
 /// Builds a random trace from `choices` (each `(kind, a, b)` picks an op and two operands).
 fn random_trace(choices: &[(u8, u16, u16)], updates: u8) -> Trace {
@@ -96,22 +97,33 @@ fn inputs(trace: &Trace, seed: u64) -> Vec<HostTensor> {
     trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 0.7, &mut rng)).collect()
 }
 
-fn option_sets() -> Vec<PlanOptions> {
+fn option_sets() -> Vec<CompileOptions> {
     vec![
-        PlanOptions { schedule: false, ..Default::default() },
-        PlanOptions { inplace: false, schedule: false, ..Default::default() },
-        PlanOptions::default(),
-        PlanOptions { remat: Remat::Auto, workspace_bytes: 300, ..Default::default() },
-        PlanOptions { remat: Remat::Budget { peak_bytes: 4096 }, ..Default::default() },
+        CompileOptions { schedule: false, ..Default::default() },
+        CompileOptions {
+            schedule: false,
+            plan: PlanOptions { inplace: false, ..Default::default() },
+            ..Default::default()
+        },
+        CompileOptions::default(),
+        CompileOptions {
+            remat: Remat::Auto,
+            plan: PlanOptions { workspace_bytes: 300, ..Default::default() },
+            ..Default::default()
+        },
+        CompileOptions { remat: Remat::Budget { peak_bytes: 4096 }, ..Default::default() },
         // Backend scratch per node, sized from the op and its types (unaligned sizes too).
-        PlanOptions {
-            backend_scratch: Some(BackendScratch::new(|op, at, ot| {
-                Ok(match op.name().len() % 3 {
-                    0 => 0,
-                    1 => at.iter().map(|t| t.size_in_bytes()).sum::<usize>() + 12,
-                    _ => ot.first().map_or(0, |t| 3 * t.size_in_bytes() + 1),
-                })
-            })),
+        CompileOptions {
+            plan: PlanOptions {
+                backend_scratch: Some(BackendScratch::new(|op, at, ot| {
+                    Ok(match op.name().len() % 3 {
+                        0 => 0,
+                        1 => at.iter().map(|t| t.size_in_bytes()).sum::<usize>() + 12,
+                        _ => ot.first().map_or(0, |t| 3 * t.size_in_bytes() + 1),
+                    })
+                })),
+                ..Default::default()
+            },
             ..Default::default()
         },
     ]
@@ -130,7 +142,7 @@ proptest! {
         let want = cpu::eval(&unfused, &inputs(&unfused, seed)).unwrap();
         let fused = Some(rumble_core::passes::fuse(&unfused).expect("fusion keeps every random graph acyclic"));
         let variants = option_sets().into_iter().map(|o| (&unfused, o));
-        for (trace, opts) in variants.chain(fused.iter().map(|f| (f, PlanOptions::default()))) {
+        for (trace, opts) in variants.chain(fused.iter().map(|f| (f, CompileOptions::default()))) {
             let p = plan(trace, &opts).unwrap();
             verify(&p.trace).unwrap();
             check(&p.trace, &p.plan).map_err(|e| TestCaseError::fail(format!("{e}\n{}", p.trace)))?;
@@ -150,7 +162,7 @@ proptest! {
 #[test]
 fn checker_rejects_broken_plans() {
     let trace = random_trace(&[(0, 0, 0), (1, 4, 0), (7, 5, 2), (3, 6, 0), (0, 7, 0), (9, 8, 1)], 3);
-    let good = plan(&trace, &PlanOptions { schedule: false, ..Default::default() }).unwrap();
+    let good = plan(&trace, &CompileOptions { schedule: false, ..Default::default() }).unwrap();
     let t = &good.trace;
     check(t, &good.plan).unwrap();
     let owners: Vec<usize> = (0..t.num_values())
@@ -198,7 +210,7 @@ fn random_dags_exercise_views_inplace_and_updates() {
         let choices: Vec<(u8, u16, u16)> =
             (0..n).map(|_| (rng.below(256) as u8, rng.below(65536) as u16, rng.below(65536) as u16)).collect();
         let t = random_trace(&choices, rng.below(16) as u8);
-        let p = plan(&t, &PlanOptions::default()).unwrap();
+        let p = plan(&t, &CompileOptions::default()).unwrap();
         views += (p.report.views > 0) as usize;
         inplace += (p.report.inplace > 0) as usize;
         copy += (p.report.copy_back > 0) as usize;

@@ -4,10 +4,11 @@
 //! independent checker, and harmless to the values: the arena executor fills every node's
 //! scratch with garbage before it runs and still matches `cpu::eval` bit for bit.
 
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, InputRole, Op, TensorType, Trace};
 use rumble_core::passes::remat::Remat;
-use rumble_core::plan::{ALIGN, BackendScratch, Class, PlanOptions, Planned, check::check, node_scratch_bytes, plan};
+use rumble_core::plan::{ALIGN, BackendScratch, Class, PlanOptions, Planned, check::check, node_scratch_bytes};
 use rumble_core::testing::{Optimizer, TinyLlama};
 
 /// Scratch the fake backend asks for each matmul: bigger than any value of [`two_matmuls`].
@@ -63,7 +64,11 @@ fn assert_runs_like_eval(p: &Planned) {
 #[test]
 fn backend_scratch_is_placed_live_at_its_node_and_reused() {
     let trace = two_matmuls();
-    let opts = PlanOptions { schedule: false, backend_scratch: Some(matmul_backend()), ..Default::default() };
+    let opts = CompileOptions {
+        schedule: false,
+        plan: PlanOptions { backend_scratch: Some(matmul_backend()), ..Default::default() },
+        ..Default::default()
+    };
     let p = plan(&trace, &opts).unwrap();
     check(&p.trace, &p.plan).unwrap();
     let mm = matmul_nodes(&p.trace);
@@ -91,8 +96,15 @@ fn backend_scratch_is_placed_live_at_its_node_and_reused() {
     assert_eq!(p.plan.workspace_bytes, 0);
     // The two matmuls' scratch reuses bytes: one range's worth, not two, and less than the
     // values plus a whole-step workspace of the same size.
-    let ws =
-        plan(&trace, &PlanOptions { schedule: false, workspace_bytes: MATMUL_SCRATCH, ..Default::default() }).unwrap();
+    let ws = plan(
+        &trace,
+        &CompileOptions {
+            schedule: false,
+            plan: PlanOptions { workspace_bytes: MATMUL_SCRATCH, ..Default::default() },
+            ..Default::default()
+        },
+    )
+    .unwrap();
     check(&ws.trace, &ws.plan).unwrap();
     let (per_node, whole_step) = (p.plan.arena_bytes, ws.plan.arena_bytes);
     println!(
@@ -128,7 +140,14 @@ fn backend_scratch_adds_to_the_ops_own() {
     let trace = g.finish().unwrap();
     let extra = 1000; // not a multiple of ALIGN: the planner rounds it up
     let backend = BackendScratch::new(move |op, at, _| Ok(if op.scratch_bytes(at) > 0 { extra } else { 0 }));
-    let p = plan(&trace, &PlanOptions { backend_scratch: Some(backend), ..Default::default() }).unwrap();
+    let p = plan(
+        &trace,
+        &CompileOptions {
+            plan: PlanOptions { backend_scratch: Some(backend), ..Default::default() },
+            ..Default::default()
+        },
+    )
+    .unwrap();
     check(&p.trace, &p.plan).unwrap();
     let i = p.trace.nodes.iter().position(|n| n.op.name() == "linear_cross_entropy").unwrap();
     let at: Vec<&TensorType> = p.trace.nodes[i].args.iter().map(|a| p.trace.ty(*a)).collect();
@@ -146,7 +165,11 @@ fn backend_scratch_adds_to_the_ops_own() {
 #[test]
 fn checker_verifies_backend_scratch() {
     let trace = two_matmuls();
-    let opts = PlanOptions { schedule: false, backend_scratch: Some(matmul_backend()), ..Default::default() };
+    let opts = CompileOptions {
+        schedule: false,
+        plan: PlanOptions { backend_scratch: Some(matmul_backend()), ..Default::default() },
+        ..Default::default()
+    };
     let p = plan(&trace, &opts).unwrap();
     let (t, good) = (&p.trace, &p.plan);
     check(t, good).unwrap();
@@ -201,8 +224,15 @@ fn backend_errors_name_the_node() {
             Ok(0)
         }
     });
-    let e =
-        plan(&trace, &PlanOptions { backend_scratch: Some(backend), ..Default::default() }).unwrap_err().to_string();
+    let e = plan(
+        &trace,
+        &CompileOptions {
+            plan: PlanOptions { backend_scratch: Some(backend), ..Default::default() },
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("backend scratch of node") && e.contains("reduce") && e.contains("f32[64,16,16]"), "{e}");
 }
 
@@ -226,7 +256,11 @@ fn scheduled_and_rematerialised_steps_keep_each_nodes_scratch() {
     for opt in [Optimizer::Sgd { lr: 0.1 }, Optimizer::adamw(1e-3)] {
         let trace = cfg.train_step(opt).unwrap();
         for remat in [Remat::Off, Remat::Auto] {
-            let opts = PlanOptions { remat, backend_scratch: Some(backend.clone()), ..Default::default() };
+            let opts = CompileOptions {
+                remat,
+                plan: PlanOptions { backend_scratch: Some(backend.clone()), ..Default::default() },
+                ..Default::default()
+            };
             let p = plan(&trace, &opts).unwrap();
             check(&p.trace, &p.plan).unwrap();
             // The planned trace is reordered; every node still has its own op's scratch.
@@ -259,10 +293,21 @@ fn per_node_scratch_beats_a_whole_step_workspace_on_a_training_step() {
     };
     let trace = cfg.train_step(Optimizer::adamw(1e-3)).unwrap();
     let backend = shape_backend();
-    let p = plan(&trace, &PlanOptions { backend_scratch: Some(backend.clone()), ..Default::default() }).unwrap();
+    let p = plan(
+        &trace,
+        &CompileOptions {
+            plan: PlanOptions { backend_scratch: Some(backend.clone()), ..Default::default() },
+            ..Default::default()
+        },
+    )
+    .unwrap();
     check(&p.trace, &p.plan).unwrap();
     let most = backend.per_node(&trace).unwrap().into_iter().max().unwrap();
-    let ws = plan(&trace, &PlanOptions { workspace_bytes: most, ..Default::default() }).unwrap();
+    let ws = plan(
+        &trace,
+        &CompileOptions { plan: PlanOptions { workspace_bytes: most, ..Default::default() }, ..Default::default() },
+    )
+    .unwrap();
     println!(
         "tiny llama bf16 x3: per-node scratch arena {} (LOAD {}, ratio {:.3}); whole-step workspace {} + values {} = {}",
         p.plan.arena_bytes,

@@ -12,11 +12,6 @@
 //! with the shape and the times, so `bench/reference/attention_ref.py DIR` can time PyTorch's
 //! `scaled_dot_product_attention` on the same inputs, check rumble's results against it, and
 //! print the ratio. Without a GPU it prints "skipped: no CUDA device".
-//!
-//! With `RUMBLE_FLASH_SWEEP=1` it instead times every tiling configuration of the tensor-core
-//! kernels (`rumble_cuda::flash::Cfg`, set through `RUMBLE_FLASH_CFG`) on every bf16 shape and
-//! prints one table (configuration x shape: fwd / bwd / total ms), and each configuration's
-//! largest relative difference from the first's outputs (o, dq, dk, dv), a cross-check.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -27,7 +22,7 @@ use std::time::Instant;
 use rumble_core::cpu::{HostTensor, Rng};
 use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 use rumble_cuda::Device;
-use rumble_cuda::flash::{Cfg, choose};
+use rumble_cuda::flash::choose;
 use rumble_cuda::launch::{Buffers, Recipe};
 use rumble_cuda::memory::{DeviceBuffer, download};
 use rumble_cuda::recipe::prepare;
@@ -159,69 +154,6 @@ fn kernel_times(steps: &[(String, f64)]) -> String {
     steps.iter().map(|(n, ms)| format!("{} {ms:.3}", short(n))).collect::<Vec<_>>().join(", ")
 }
 
-/// Relative L2 difference of two bf16 buffers.
-fn rel_diff_bf16(a: &[u8], b: &[u8]) -> f64 {
-    let f = |x: &[u8]| f32::from_bits((u16::from_le_bytes([x[0], x[1]]) as u32) << 16) as f64;
-    let (mut num, mut den) = (0.0, 0.0);
-    for (x, y) in a.chunks_exact(2).zip(b.chunks_exact(2)) {
-        let (x, y) = (f(x), f(y));
-        num += (x - y) * (x - y);
-        den += y * y;
-    }
-    if den > 0.0 { (num / den).sqrt() } else { num.sqrt() }
-}
-
-/// `RUMBLE_FLASH_SWEEP=1`: every configuration on every bf16 shape, one table.
-fn sweep(dev: &Device, shapes: &[Shape], iters: usize) {
-    let shapes: Vec<&Shape> = shapes.iter().filter(|s| s.dtype == DType::BF16).collect();
-    let mut rows = Vec::new();
-    let mut first: Vec<Vec<Vec<u8>>> = Vec::new();
-    for cfg in Cfg::all() {
-        // SAFETY: the bench is single-threaded; the variable is read when a recipe is prepared.
-        unsafe { std::env::set_var("RUMBLE_FLASH_CFG", cfg.name()) };
-        let mut cells = Vec::new();
-        let mut worst: f64 = 0.0;
-        for (i, sh) in shapes.iter().enumerate() {
-            let r = run_shape(dev, sh, iters, 7 + i as u64);
-            println!(
-                "{:<6} {:<16} fwd {:>8.3}  bwd {:>8.3}  total {:>8.3} ms  ({})",
-                cfg.name(),
-                sh.name,
-                r.fwd_ms,
-                r.bwd_ms,
-                r.fwd_ms + r.bwd_ms,
-                kernel_times(&r.steps)
-            );
-            if first.len() <= i {
-                first.push(r.outs.clone());
-            } else {
-                for j in [0, 2, 3, 4] {
-                    worst = worst.max(rel_diff_bf16(&r.outs[j], &first[i][j]));
-                }
-            }
-            cells.push(format!("{:.3}/{:.3}/{:.3}", r.fwd_ms, r.bwd_ms, r.fwd_ms + r.bwd_ms));
-        }
-        rows.push((cfg.name(), cells, worst));
-    }
-    unsafe { std::env::remove_var("RUMBLE_FLASH_CFG") };
-    println!(
-        "\nflash configurations (fwd/bwd/total ms; diff: largest relative L2 difference of o, dq, dk, dv from {})",
-        Cfg::all()[0].name()
-    );
-    print!("{:<6}", "cfg");
-    for sh in &shapes {
-        print!(" {:>22}", sh.name);
-    }
-    println!(" {:>9}", "diff");
-    for (name, cells, worst) in rows {
-        print!("{name:<6}");
-        for c in cells {
-            print!(" {c:>22}");
-        }
-        println!(" {worst:>9.1e}");
-    }
-}
-
 /// `RUMBLE_ATTN_LAYOUT`: `bthd`, or `bhtd` (the default).
 fn layout() -> HeadLayout {
     match std::env::var("RUMBLE_ATTN_LAYOUT").as_deref() {
@@ -244,10 +176,6 @@ fn main() {
     println!("device: {} ({}), {} SMs", dev.name, dev.arch, dev.multiprocessors);
     let chosen: Vec<Shape> =
         shapes().into_iter().filter(|s| pick.as_ref().is_none_or(|p| p.split(',').any(|x| x == s.name))).collect();
-    if std::env::var("RUMBLE_FLASH_SWEEP").is_ok_and(|v| v == "1") {
-        sweep(&dev, &chosen, iters);
-        return;
-    }
     println!(
         "attention fwd+bwd, B=1, causal, layout {} (ms; TFLOP/s counts causal matmul flops, bwd = 2.5 x fwd)",
         layout().name()
@@ -262,7 +190,7 @@ fn main() {
         let Run { steps, fwd_ms, bwd_ms, outs, inputs } = run_shape(&dev, sh, iters, 7 + i as u64);
         let flops = 4.0 * (b * sh.hq) as f64 * (t as f64) * (t as f64) * d as f64 / 2.0;
         let tflops = 3.5 * flops / ((fwd_ms + bwd_ms) * 1e-3) / 1e12;
-        let kind = match choose(dev.capability, dt, d) {
+        let kind = match choose(dev.capability, dt, d, &dev.knobs()) {
             Some(v) => format!("flash {}", v.name()),
             None => "per-row".to_string(),
         };

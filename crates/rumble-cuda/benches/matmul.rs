@@ -78,8 +78,9 @@ fn main() {
     let iters: usize = std::env::var("RUMBLE_MM_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     let spec = std::env::var("RUMBLE_MM_SHAPES").unwrap_or_else(|_| default_shapes().to_string());
     let keys = parse(&spec);
-    let tf32 = std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1");
-    let legacy_ws = DeviceBuffer::new(&dev, rumble_cuda::matmul::max_workspace(), "cublas workspace").expect("alloc");
+    let tf32 = dev.knobs().tf32;
+    let legacy_ws =
+        DeviceBuffer::new(&dev, rumble_cuda::matmul::max_workspace(&dev.knobs()), "cublas workspace").expect("alloc");
     println!("matmul (row-major m x n x k), ms and TFLOP/s; {iters} iterations; tf32={tf32}");
     println!(
         "{:<28} {:>9} {:>7} {:>9} {:>7} {:>7}  tuned choice",

@@ -2,18 +2,18 @@
 //! (`--gpu-architecture=sm_90` on an H200), loaded as a module. Each distinct source is compiled
 //! once per process (kept in [`Device`]'s module cache) and once per machine (CUBINs cached on
 //! disk under `$RUMBLE_CUDA_CACHE`, else `$XDG_CACHE_HOME/rumble/cuda` or
-//! `~/.cache/rumble/cuda`; set `RUMBLE_CUDA_CACHE=off` to skip the disk).
+//! `~/.cache/rumble/cuda`; set `RUMBLE_CUDA_CACHE=off` to skip the disk: [`Knobs::cache`]).
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys};
 use cudarc::nvrtc::{result as nv, sys as nvsys};
 
-use crate::device::Device;
+use crate::device::{Device, DeviceCache};
 use crate::error::{CudaError, DriverContext, Result};
+use crate::knobs::Knobs;
 
 /// A loaded module and the functions looked up in it so far.
 pub struct Module {
@@ -45,6 +45,18 @@ impl Module {
     }
 }
 
+/// The modules a device has loaded, by source hash, options and architecture.
+#[derive(Default)]
+struct ModuleCache(HashMap<String, Arc<Module>>);
+
+impl DeviceCache for ModuleCache {
+    fn release(&mut self) {
+        for (_, m) in self.0.drain() {
+            let _ = unsafe { drv::module::unload(m.module) };
+        }
+    }
+}
+
 /// Compile options for a module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Options {
@@ -67,20 +79,6 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-pub(crate) fn cache_dir() -> Option<PathBuf> {
-    match std::env::var("RUMBLE_CUDA_CACHE") {
-        Ok(v) if v == "off" => return None,
-        Ok(v) if !v.is_empty() => return Some(PathBuf::from(v)),
-        _ => {}
-    }
-    if let Ok(x) = std::env::var("XDG_CACHE_HOME")
-        && !x.is_empty()
-    {
-        return Some(PathBuf::from(x).join("rumble/cuda"));
-    }
-    std::env::var("HOME").ok().map(|h| PathBuf::from(h).join(".cache/rumble/cuda"))
-}
-
 fn nvrtc_version() -> (i32, i32) {
     let (mut a, mut b) = (0, 0);
     let _ = unsafe { nvsys::nvrtcVersion(&mut a, &mut b) };
@@ -88,10 +86,10 @@ fn nvrtc_version() -> (i32, i32) {
 }
 
 /// NVRTC options for `arch` (e.g. `sm_90`).
-fn nvrtc_options(arch: &str, opts: Options) -> Vec<String> {
+fn nvrtc_options(arch: &str, opts: Options, knobs: &Knobs) -> Vec<String> {
     let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
     options.push(format!("--fmad={}", opts.fmad));
-    if std::env::var("RUMBLE_CUDA_LINEINFO").is_ok_and(|v| v == "1") {
+    if knobs.lineinfo {
         options.push("--generate-line-info".into());
     }
     options
@@ -106,17 +104,18 @@ pub fn nvrtc_available() -> bool {
 /// Returns the bytes and the cache key.
 fn cached_cubin(arch: &str, name: &str, source: &str, opts: Options) -> Result<(Vec<u8>, String)> {
     let (ma, mi) = nvrtc_version();
-    let options = nvrtc_options(arch, opts);
+    let knobs = crate::knobs::process()?;
+    let options = nvrtc_options(arch, opts, knobs);
     let key = format!(
         "{:016x}",
         fnv1a(&[source.as_bytes(), options.join(" ").as_bytes(), format!("nvrtc{ma}.{mi}").as_bytes()])
     );
-    let dir = cache_dir();
+    let dir = knobs.cache.clone();
     let path = dir.as_ref().map(|d| d.join(format!("{name}-{key}.cubin")));
     if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
         return Ok((bytes, key));
     }
-    let bin = nvrtc(arch, name, source, &options)?;
+    let bin = nvrtc(arch, name, source, &options)?.0;
     if let (Some(d), Some(p)) = (&dir, &path) {
         // A cache that cannot be written only costs a recompile next time.
         let _ = std::fs::create_dir_all(d);
@@ -140,7 +139,8 @@ impl Device {
     /// `sm_90a`: the device's, with its architecture-specific features such as `wgmma`).
     pub fn module_on(&self, arch: &str, name: &str, source: &str, opts: Options) -> Result<Arc<Module>> {
         let mkey = format!("{:016x}{}{arch}", fnv1a(&[source.as_bytes()]), opts.fmad);
-        if let Some(m) = self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.get(&mkey) {
+        let cache = self.cache::<ModuleCache>();
+        if let Some(m) = cache.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.0.get(&mkey) {
             return Ok(m.clone());
         }
         let (cubin, _) = cached_cubin(arch, name, source, opts)?;
@@ -148,7 +148,7 @@ impl Device {
         let module =
             unsafe { drv::module::load_data(cubin.as_ptr() as *const _) }.ctx(|| format!("loading module `{name}`"))?;
         let m = Arc::new(Module { module, functions: Mutex::new(HashMap::new()), name: name.to_string() });
-        self.modules.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.insert(mkey, m.clone());
+        cache.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.0.insert(mkey, m.clone());
         Ok(m)
     }
 }
@@ -161,7 +161,19 @@ pub fn compile_cubin(arch: &str, name: &str, source: &str, opts: Options) -> Res
     Ok(cached_cubin(arch, name, source, opts)?.0)
 }
 
-fn nvrtc(arch: &str, name: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+/// What ptxas reports of `source` compiled for `arch` (`-v`: registers, stack, spills of each
+/// kernel), compiled now (no cache).
+pub fn ptxas_report(arch: &str, name: &str, source: &str, opts: Options) -> Result<String> {
+    if !nvrtc_available() {
+        return Err(CudaError::Library { lib: "libnvrtc", why: "not found on the library path".into() });
+    }
+    let mut options = nvrtc_options(arch, opts, crate::knobs::process()?);
+    options.push("--ptxas-options=-v".into());
+    Ok(nvrtc(arch, name, source, &options)?.1)
+}
+
+/// The CUBIN of `source` and NVRTC's log.
+fn nvrtc(arch: &str, name: &str, source: &str, options: &[String]) -> Result<(Vec<u8>, String)> {
     let err =
         |e: String, log: String| CudaError::Compile { kernel: name.to_string(), arch: arch.to_string(), err: e, log };
     let src = CString::new(source).map_err(|_| err("source holds a NUL byte".into(), String::new()))?;
@@ -180,8 +192,10 @@ fn nvrtc(arch: &str, name: &str, source: &str, options: &[String]) -> Result<Vec
             let mut size = 0usize;
             nvsys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| err(e.to_string(), log.clone()))?;
             let mut bin = vec![0u8; size];
-            nvsys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _).result().map_err(|e| err(e.to_string(), log))?;
-            Ok(bin)
+            nvsys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _)
+                .result()
+                .map_err(|e| err(e.to_string(), log.clone()))?;
+            Ok((bin, log))
         },
     };
     let _ = unsafe { nv::destroy_program(prog) };

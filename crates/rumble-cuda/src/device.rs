@@ -5,14 +5,14 @@
 //! Nothing here panics when CUDA is absent: [`Device::new`] checks each library first and
 //! returns [`CudaError::NoDevice`] or [`CudaError::Library`].
 
-use std::collections::HashMap;
+use std::any::{Any, TypeId};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use cudarc::driver::{result as drv, sys};
 
-use crate::compile::Module;
 use crate::error::{CudaError, DriverContext, Result};
+use crate::knobs::Knobs;
 
 /// A CUDA device ready to run kernels.
 pub struct Device {
@@ -34,11 +34,29 @@ pub struct Device {
     /// Four `int`s on the device: `[0]` is the first failing node's tag (node index + 1),
     /// `[1]` a reason code, `[2..4]` the offending value (low, high words).
     status: sys::CUdeviceptr,
-    pub(crate) modules: Mutex<HashMap<String, Arc<Module>>>,
-    pub(crate) matmul_cache: Mutex<crate::matmul::Cache>,
+    /// The caches of the layers above (compiled modules, matmul plans): [`Device::cache`].
+    caches: Mutex<Vec<CacheSlot>>,
     /// Op names (as the IR's text form prints them) whose nodes run on the host through the CPU
     /// reference: `RUMBLE_HOST_OPS=name,name` at start, [`Device::set_host_ops`] later.
     host_ops: Mutex<Vec<String>>,
+    /// The environment's settings ([`crate::knobs::process`] at start, [`Device::set_knobs`] later).
+    knobs: Mutex<Knobs>,
+}
+
+/// A cache that a layer above keeps per device (compiled modules, matmul plans), one per type:
+/// [`Device::cache`]. `release` frees what it holds on the device; it runs when the device is
+/// dropped, with its context current.
+pub(crate) trait DeviceCache: Default + Send + 'static {
+    fn release(&mut self);
+}
+
+/// One cache: its type, the `Mutex<T>` itself, and how to release it without knowing `T`.
+type CacheSlot = (TypeId, Arc<dyn Any + Send + Sync>, fn(&(dyn Any + Send + Sync)));
+
+fn release_slot<T: DeviceCache>(cache: &(dyn Any + Send + Sync)) {
+    if let Some(Ok(mut c)) = cache.downcast_ref::<Mutex<T>>().map(|m| m.lock()) {
+        c.release();
+    }
 }
 
 /// A cuBLAS (classic API) handle bound to the device's stream.
@@ -92,6 +110,7 @@ impl Device {
     }
 
     fn open(ordinal: usize) -> Result<Device> {
+        let knobs = crate::knobs::process()?.clone();
         drv::init().map_err(|e| CudaError::NoDevice(format!("cuInit: {}", crate::error::describe(&e))))?;
         let count = drv::device::get_count().ctx(|| "cuDeviceGetCount".into())?;
         if count <= 0 {
@@ -131,19 +150,46 @@ impl Device {
             blas,
             classic: std::sync::OnceLock::new(),
             status,
-            modules: Mutex::new(HashMap::new()),
-            matmul_cache: Mutex::new(Default::default()),
-            host_ops: Mutex::new(
-                std::env::var("RUMBLE_HOST_OPS")
-                    .map(|v| v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
-                    .unwrap_or_default(),
-            ),
+            caches: Mutex::new(Vec::new()),
+            host_ops: Mutex::new(knobs.host_ops.clone()),
+            knobs: Mutex::new(knobs),
         })
     }
 
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         unsafe { drv::ctx::set_current(self.ctx) }.ctx(|| "cuCtxSetCurrent".into())
+    }
+
+    /// The device's cache of type `T` (made empty on first use). Keyed by type, so this module
+    /// depends on none of the layers that keep one.
+    pub(crate) fn cache<T: DeviceCache>(&self) -> Arc<Mutex<T>> {
+        let mut slots = self.caches.lock().unwrap_or_else(|e| e.into_inner());
+        let id = TypeId::of::<T>();
+        let any = match slots.iter().find(|s| s.0 == id) {
+            Some(s) => s.1.clone(),
+            None => {
+                let any: Arc<dyn Any + Send + Sync> = Arc::new(Mutex::new(T::default()));
+                slots.push((id, any.clone(), release_slot::<T>));
+                any
+            }
+        };
+        // Stored under T's id as a Mutex<T> just above: the downcast cannot fail.
+        any.downcast::<Mutex<T>>().unwrap_or_else(|_| unreachable!("device cache keyed by type"))
+    }
+
+    /// The settings programs prepared now take ([`Knobs`]: the environment's, unless
+    /// [`Device::set_knobs`] changed them).
+    pub fn knobs(&self) -> Knobs {
+        self.knobs.lock().map(|k| k.clone()).unwrap_or_default()
+    }
+
+    /// Replaces the settings for the programs prepared from now on (e.g. a test turning the
+    /// wgmma flash kernels off). Host ops stay [`Device::set_host_ops`]'s.
+    pub fn set_knobs(&self, knobs: Knobs) {
+        if let Ok(mut k) = self.knobs.lock() {
+            *k = knobs;
+        }
     }
 
     /// Makes nodes of these ops run on the host (the CPU reference) in programs prepared from
@@ -236,11 +282,9 @@ impl Drop for Device {
         unsafe {
             let _ = drv::ctx::set_current(self.ctx);
             let _ = drv::stream::synchronize(self.stream);
-            for (_, m) in self.modules.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
-                let _ = drv::module::unload(m.module);
-            }
-            if let Ok(mut c) = self.matmul_cache.lock() {
-                c.clear();
+            let slots = self.caches.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default();
+            for (_, cache, release) in slots.iter().rev() {
+                release(cache.as_ref());
             }
             let _ = lt::destroy_handle(self.blas);
             if let Some(Some(h)) = self.classic.get() {

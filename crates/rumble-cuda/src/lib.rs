@@ -20,6 +20,8 @@ pub mod error;
 pub mod exec;
 pub mod flash;
 pub mod fused;
+pub mod kernels;
+pub mod knobs;
 pub mod launch;
 pub mod matmul;
 mod matmul_tune;

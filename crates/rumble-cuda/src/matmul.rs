@@ -24,6 +24,7 @@ use rumble_core::ir::{DType, TensorType};
 
 use crate::device::Device;
 use crate::error::{CudaError, Result};
+use crate::knobs::Knobs;
 
 /// Most workspace a matmul may ask for by default (cuBLAS's recommendation for Hopper);
 /// `RUMBLE_MATMUL_WORKSPACE_MB` sets another cap. Each matmul's workspace is planned as its
@@ -31,11 +32,8 @@ use crate::error::{CudaError, Result};
 pub const MAX_WORKSPACE: usize = 32 << 20;
 
 /// The workspace cap in force: [`MAX_WORKSPACE`] or `RUMBLE_MATMUL_WORKSPACE_MB`.
-pub fn max_workspace() -> usize {
-    std::env::var("RUMBLE_MATMUL_WORKSPACE_MB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or(MAX_WORKSPACE, |mb| mb << 20)
+pub fn max_workspace(knobs: &Knobs) -> usize {
+    knobs.matmul_workspace_mb.map_or(MAX_WORKSPACE, |mb| mb << 20)
 }
 /// Most algorithms the heuristic is asked for, to be timed, by default;
 /// `RUMBLE_MATMUL_CANDIDATES` sets another count (1 to [`MAX_CANDIDATES`]).
@@ -45,11 +43,8 @@ pub const MAX_CANDIDATES: usize = 64;
 
 /// The candidate count in force: [`CANDIDATES`] or `RUMBLE_MATMUL_CANDIDATES`, clamped to
 /// `1..=MAX_CANDIDATES`.
-pub fn candidates() -> usize {
-    std::env::var("RUMBLE_MATMUL_CANDIDATES")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .map_or(CANDIDATES, |n| n.clamp(1, MAX_CANDIDATES))
+pub fn candidates(knobs: &Knobs) -> usize {
+    knobs.matmul_candidates.map_or(CANDIDATES, |n| n.clamp(1, MAX_CANDIDATES))
 }
 
 /// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype.
@@ -108,14 +103,19 @@ pub struct Plan {
     f64: bool,
 }
 
-/// Whether the classic cuBLAS gemm is a candidate (`RUMBLE_MATMUL_CLASSIC=0`: no).
-fn classic_enabled() -> bool {
-    !std::env::var("RUMBLE_MATMUL_CLASSIC").is_ok_and(|v| v == "0")
-}
-
 #[derive(Default)]
 pub struct Cache {
     plans: HashMap<MatmulKey, Plan>,
+}
+
+// The plans' cuBLASLt descriptors are host-side objects, only used under the device's mutex
+// around this cache.
+unsafe impl Send for Cache {}
+
+impl crate::device::DeviceCache for Cache {
+    fn release(&mut self) {
+        self.clear();
+    }
 }
 
 impl Cache {
@@ -161,9 +161,10 @@ fn layout(ty: sys::cudaDataType, rows: u64, cols: u64, batch: u64) -> Result<sys
 }
 
 fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
+    let knobs = dev.knobs();
     let (ty, compute, scale) = match key.dtype {
         DType::F32 => {
-            let c = if std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1") {
+            let c = if knobs.tf32 {
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
             } else {
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
@@ -213,7 +214,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     let y = if ta { layout(ty, m, k, batch)? } else { layout(ty, k, m, batch)? };
     let c = layout(out_ty, n, m, batch)?;
     let pref = lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?;
-    let ws = max_workspace() as u64;
+    let ws = max_workspace(&knobs) as u64;
     // No in-place split-K reduction (it uses atomics: results would vary run to run).
     let mask: u32 = 0x7 & !0x1;
     let heur = unsafe {
@@ -231,7 +232,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             4,
         )
         .map_err(blas_err("reduction preference"))?;
-        let want = candidates();
+        let want = candidates(&knobs);
         let mut found = vec![std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); want];
         let mut count = 0i32;
         let h = sys::cublasLtMatmulAlgoGetHeuristic(
@@ -269,7 +270,8 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     };
     let mut cands: Vec<Candidate> =
         heur.iter().map(|h| Candidate { algo: Algo::Lt(h.algo), workspace: h.workspaceSize }).collect();
-    if classic_enabled() && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
+    // Classic cuBLAS too, unless `RUMBLE_MATMUL_CLASSIC=0`.
+    if knobs.matmul_classic && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
         cands.push(Candidate { algo: Algo::Classic, workspace: 0 });
         if ws > 0 {
             cands.push(Candidate { algo: Algo::Classic, workspace: ws as usize });
@@ -297,7 +299,8 @@ impl Device {
     /// Workspace bytes the cached algorithm of `key` needs (choosing it on first use).
     pub fn matmul_workspace(&self, key: &MatmulKey) -> Result<usize> {
         self.bind()?;
-        let mut cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
+        let cache = self.cache::<Cache>();
+        let mut cache = cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
         if !cache.plans.contains_key(key) {
             let p = make_plan(self, key)?;
             cache.plans.insert(*key, p);
@@ -321,7 +324,8 @@ impl Device {
         beta: f64,
     ) -> Result<()> {
         self.matmul_workspace(key)?;
-        let cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
+        let cache = self.cache::<Cache>();
+        let cache = cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
         let p = &cache.plans[key];
         if ws_bytes < p.workspace {
             return Err(CudaError::usage(format!(
@@ -335,7 +339,8 @@ impl Device {
     /// The cuBLASLt algorithm or "classic" of `key`'s cached choice (for reports and tests).
     pub fn matmul_algorithm(&self, key: &MatmulKey) -> Result<&'static str> {
         self.matmul_workspace(key)?;
-        let cache = self.matmul_cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
+        let cache = self.cache::<Cache>();
+        let cache = cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
         Ok(match cache.plans[key].algo {
             Algo::Lt(_) => "cublasLt",
             Algo::Classic => "cublas",
@@ -414,7 +419,7 @@ impl Device {
         beta: f64,
     ) -> Result<()> {
         self.bind()?;
-        let tf32 = key.dtype == DType::F32 && std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1");
+        let tf32 = key.dtype == DType::F32 && self.knobs().tf32;
         let (one32, beta32, one64) = (1f32, beta as f32, 1f64);
         let (alpha, beta): (*const c_void, *const c_void) = if key.dtype == DType::F64 {
             (&one64 as *const f64 as *const c_void, &beta as *const f64 as *const c_void)

@@ -12,7 +12,8 @@
 //!
 //! Choices are remembered in `matmul-<gpu>-<cublasLt version>.txt` in the kernel cache folder
 //! (`RUMBLE_CUDA_CACHE`), one `key<TAB>index` line each, so every later process on the machine
-//! runs the same algorithm and gets the same bits.
+//! runs the same algorithm and gets the same bits. The chosen algorithm's time is recorded for
+//! the cost model (`rumble_core::cost::record`, keyed by `cost::matmul_key`) in the same folder.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -35,11 +36,12 @@ const RUNS: usize = 3;
 /// Index into `cands` of the algorithm `key` should use (0: the heuristic's first choice).
 /// `plan` holds the shape's descriptors; its algorithm and workspace are changed while timing.
 pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Candidate]) -> usize {
-    if std::env::var("RUMBLE_MATMUL_TUNE").is_ok_and(|v| v == "0") {
+    let knobs = dev.knobs();
+    if !knobs.matmul_tune {
         return 0;
     }
-    let tf32 = std::env::var("RUMBLE_CUDA_TF32").is_ok_and(|v| v == "1");
-    let cap = crate::matmul::max_workspace();
+    let tf32 = knobs.tf32;
+    let cap = crate::matmul::max_workspace(&knobs);
     let classic = cands.iter().filter(|c| matches!(c.algo, Algo::Classic)).count();
     let line_key = format!("{key:?} tf32={tf32} ws={cap} candidates={}+classic{classic}", cands.len() - classic);
     let file = cache_file(dev);
@@ -57,7 +59,23 @@ pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Ca
     let pick = match time_all(dev, key, plan, cands) {
         Ok(times) => {
             let ws: Vec<usize> = cands.iter().map(|c| c.workspace).collect();
-            smallest_near(&times, &ws, best(&times))
+            let pick = smallest_near(&times, &ws, best(&times));
+            if let (Some(ms), Some(dir)) = (times.get(pick).copied().flatten(), dev.knobs().cache) {
+                let shape = rumble_core::cost::MatmulShape {
+                    dtype: key.dtype,
+                    out: key.out,
+                    ta: key.ta,
+                    tb: key.tb,
+                    batch: key.batch as usize,
+                    m: key.m as usize,
+                    n: key.n as usize,
+                    k: key.k as usize,
+                };
+                // A cache that cannot be written only loses the measurement.
+                let _ =
+                    rumble_core::cost::record(&dir, &dev.name, &[(rumble_core::cost::matmul_key(&shape), ms / 1e3)]);
+            }
+            pick
         }
         Err(_) => return 0,
     };
@@ -148,7 +166,7 @@ fn time_one(dev: &Device, key: &MatmulKey, plan: &Plan, p: [dsys::CUdeviceptr; 4
 }
 
 fn cache_file(dev: &Device) -> Option<PathBuf> {
-    let dir = crate::compile::cache_dir()?;
+    let dir = dev.knobs().cache?;
     let gpu: String = dev.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
     let version = unsafe { sys::cublasLtGetVersion() };
     Some(dir.join(format!("matmul-{gpu}-{version}.txt")))

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{device, init_params, step_inputs, training_step};
+use common::{gpu, init_params, step_inputs, training_step};
 use rumble_core::cpu::{HostTensor, Rng};
 use rumble_core::ir::DType;
 use rumble_core::plan::PlanOptions;
@@ -49,8 +49,9 @@ fn persistent(ex: &dyn Executor, prog: &Program) -> Vec<HostTensor> {
 const ORDER: [usize; 7] = [0, 1, 0, 0, 1, 1, 0];
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gradients_match_eager_per_shape_bit_for_bit() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
         let progs = programs(&dev, dtype, None);
         let params = init_params(&progs[0].trace, &mut Rng::new(1));
@@ -78,8 +79,9 @@ fn gradients_match_eager_per_shape_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn training_matches_eager_per_shape_bit_for_bit() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     for mode in [GraphMode::Whole, GraphMode::ForwardBackward] {
         let progs = programs(&dev, DType::F32, Some(0.05));
         let start = init_params(&progs[0].trace, &mut Rng::new(2));
@@ -113,8 +115,9 @@ fn training_matches_eager_per_shape_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn one_arena_for_all_buckets_and_one_capture_each() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let progs = programs(&dev, DType::F32, Some(0.05));
     let params = init_params(&progs[0].trace, &mut Rng::new(3));
     let arenas: Vec<usize> = progs.iter().map(|p| p.plan.arena_bytes).collect();
@@ -163,8 +166,9 @@ fn one_arena_for_all_buckets_and_one_capture_each() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn programs_of_another_model_or_duplicate_shapes_are_refused() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let a = training_step(&cfg(16, DType::F32), None);
     let wide = TinyLlama { dim: 96, ..cfg(32, DType::F32) };
     let b = training_step(&wide, None);

@@ -6,9 +6,9 @@ mod common;
 
 use rumble_core::ir::{BinaryOp, CmpOp, DType, Op, TensorType, UnaryOp};
 use rumble_core::testing::TinyLlama;
-use rumble_cuda::compile::{Options, compile_cubin, nvrtc_available};
+use rumble_cuda::compile::{Options, compile_cubin, nvrtc_available, ptxas_report};
 use rumble_cuda::fused::Fused;
-use rumble_cuda::recipe::{PRELUDE, fixed_sources};
+use rumble_cuda::kernels::{KernelFile, PRELUDE};
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
 
@@ -49,8 +49,8 @@ fn every_kernel_compiles_for_sm90() {
         println!("skipped: no NVRTC");
         return;
     }
-    for (name, src) in fixed_sources() {
-        if let Err(e) = compile_cubin("sm_90", name, &src, Options { fmad: false }) {
+    for file in KernelFile::ALL {
+        if let Err(e) = compile_cubin("sm_90", file.name(), &file.source(), Options { fmad: false }) {
             panic!("{e}");
         }
     }
@@ -108,4 +108,34 @@ fn every_flash_attention_variant_compiles_for_sm90() {
             .unwrap_or_else(|e| panic!("{}: {e}", v.name()));
     }
     println!("compiled {} flash-attention modules", all.len());
+}
+
+/// Registers, stack and spills of every kernel of every flash-attention module, from ptxas
+/// (`cargo test -p rumble-cuda --test compile -- --ignored --nocapture`, with libnvrtc on the
+/// library path: slow, every module compiled again).
+#[test]
+#[ignore = "a report, not a check: compiles every flash module again with ptxas -v"]
+fn flash_kernel_resources() {
+    if !nvrtc_available() {
+        println!("skipped: no NVRTC");
+        return;
+    }
+    for v in rumble_cuda::flash::Variant::all() {
+        let log = ptxas_report(&v.arch("sm_90"), &v.name(), &v.source(), rumble_cuda::flash::OPTIONS)
+            .unwrap_or_else(|e| panic!("{}: {e}", v.name()));
+        // "Compiling entry function 'flash_fwd'", then "... bytes stack frame, N bytes spill
+        // stores, M bytes spill loads", then "Used R registers".
+        let (mut kernel, mut frame, mut parts) = ("?", String::new(), Vec::new());
+        for line in log.lines() {
+            if let Some(k) = line.split("entry function '").nth(1) {
+                kernel = k.split('\'').next().unwrap_or("?");
+            } else if line.contains("bytes stack frame") {
+                frame = line.split(':').next_back().unwrap_or("").trim().to_string();
+            } else if let Some(r) = line.split("Used ").nth(1) {
+                let regs = r.split(' ').next().unwrap_or("?");
+                parts.push(format!("{} {regs} regs ({frame})", kernel.trim_start_matches("flash_")));
+            }
+        }
+        println!("{}: {}", v.name(), parts.join("; "));
+    }
 }

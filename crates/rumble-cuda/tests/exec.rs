@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{compare, device, init_params, step_inputs, tolerance, training_step};
+use common::{compare, gpu, init_params, step_inputs, tolerance, training_step};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, OutputRole};
 use rumble_core::plan::{PlanOptions, plan_in_order, plan_naive};
@@ -40,8 +40,9 @@ fn train(
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn executors_agree_bit_for_bit_over_100_steps() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
         let c = cfg(dtype);
         let trace = training_step(&c, Some(0.05));
@@ -97,8 +98,9 @@ fn executors_agree_bit_for_bit_over_100_steps() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn first_step_matches_the_cpu_reference() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let c = cfg(DType::F32);
     let trace = training_step(&c, Some(0.05));
     let params = init_params(&trace, &mut Rng::new(2));
@@ -127,8 +129,9 @@ fn first_step_matches_the_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn memory_figures_and_refusal() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let c = cfg(DType::BF16);
     let trace = training_step(&c, Some(0.05));
     let prog = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile"));
@@ -169,8 +172,9 @@ fn memory_figures_and_refusal() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn forward_and_backward_graphs_can_run_separately() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let c = cfg(DType::F32);
     let trace = training_step(&c, None);
     let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_in_order).expect("compile"));
@@ -189,8 +193,9 @@ fn forward_and_backward_graphs_can_run_separately() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn fused_step_is_bit_identical_to_unfused() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
         let c = cfg(dtype);
         let trace = training_step(&c, Some(0.05));
@@ -220,7 +225,7 @@ fn fused_step_is_bit_identical_to_unfused() {
 fn planned_traces_keep_their_inputs() {
     let c = cfg(DType::F32);
     let trace = training_step(&c, Some(0.05));
-    let planned = rumble_core::plan::plan(&trace, &PlanOptions::default()).expect("plan");
+    let planned = rumble_core::compile::plan(&trace, &Default::default()).expect("plan");
     let names = |t: &rumble_core::Trace| t.inputs.iter().map(|i| (i.name.clone(), i.role)).collect::<Vec<_>>();
     assert_eq!(names(&planned.trace), names(&trace));
     let outs = |t: &rumble_core::Trace| t.outputs.iter().map(|o| o.name.clone()).collect::<Vec<_>>();

@@ -5,25 +5,21 @@
 //! is a one-node trace through the planned executor with the arena poisoned first. Also: the
 //! backward is bit-identical from run to run. Prints one line per case.
 //!
-//! Every default-configuration case runs in both operand layouts: `[B, H, T, D]` and the
-//! sequence-major `[B, T, H, D]` (`bthd`, strided rows) that the models use; the other
-//! configurations and the per-row fallback (`RUMBLE_ATTENTION=naive`) run a few `bthd` shapes.
-//!
-//! The tensor-core kernels' default tiling configuration runs the whole matrix; every other
-//! configuration (`RUMBLE_FLASH_CFG`, set here between cases) the bf16 cases whose padded
-//! head size is one of `flash::SWEEP_DP` (1, 64, 128), which is where the kernel cache holds
-//! them. Run with `--test-threads=1` (the variable is process-wide; a parallel test would
-//! still pass, on whichever configuration it met).
+//! Every case runs in both operand layouts: `[B, H, T, D]` and the sequence-major
+//! `[B, T, H, D]` (`bthd`, strided rows) that the models use; a few `bthd` shapes also run with
+//! the dK/dV split forced, without the wgmma kernels and on the per-row fallback (set through
+//! `Device::set_knobs`, as `RUMBLE_FLASH_SPLIT`, `RUMBLE_FLASH_WG=0` and
+//! `RUMBLE_ATTENTION=naive` would).
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{compare, device, randn, tolerance};
+use common::{compare, gpu, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, HeadLayout, Op, TensorType};
 use rumble_core::plan::plan_naive;
-use rumble_cuda::flash::{Cfg, DEFAULT_CFG, SWEEP_DP, choose};
+use rumble_cuda::flash::choose;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
 /// `(B, Hq, Hkv, T, S, D, causal)`.
@@ -105,14 +101,15 @@ fn issue_matrix() -> Vec<Shape> {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn flash_attention_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(61);
     let mut failures = Vec::new();
     let mut n = 0;
     for (d, layout) in [DType::F32, DType::BF16].into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
         for sh in issue_matrix() {
-            let flash = choose(dev.capability, d, sh.5).is_some();
+            let flash = choose(dev.capability, d, sh.5, &dev.knobs()).is_some();
             let res = check(&dev, d, sh, layout, &mut rng);
             let kind = if flash { "flash" } else { "per-row (fallback)" };
             let line = format!("{} {} {sh:?} {kind}", d.name(), layout.name());
@@ -135,14 +132,26 @@ fn flash_attention_matches_cpu() {
             n += 1;
         }
     }
-    // A few bthd shapes on every other configuration and on the per-row fallback.
+    // A few bthd shapes with other settings (Device::set_knobs, for the programs compiled after
+    // it): the dK/dV split forced (uneven: 3 of a group of 7); on an H100 / H200, the mma.sync
+    // kernels the wgmma ones replace there (at padded head sizes 64 and 128); the per-row fallback.
     let bthd_few: [Shape; 3] = [(1, 7, 1, 77, 77, 64, true), (2, 7, 1, 77, 96, 1, false), (1, 7, 1, 77, 77, 128, true)];
-    for cfg in Cfg::all().into_iter().filter(|c| *c != DEFAULT_CFG) {
-        // SAFETY: read by `flash::choose` when a program is compiled; see the module comment.
-        unsafe { std::env::set_var("RUMBLE_FLASH_CFG", cfg.name()) };
-        for sh in issue_matrix().into_iter().filter(|sh| SWEEP_DP.contains(&(sh.5.div_ceil(16) * 16))) {
-            let line = format!("bf16 {sh:?} cfg {}", cfg.name());
-            match check(&dev, DType::BF16, sh, HeadLayout::Bhtd, &mut rng) {
+    let knobs = dev.knobs();
+    let split = rumble_cuda::knobs::Knobs { flash_split: Some(3), ..knobs.clone() };
+    let no_wg = rumble_cuda::knobs::Knobs { flash_wgmma: false, ..knobs.clone() };
+    let naive = rumble_cuda::knobs::Knobs { attention_naive: true, ..knobs.clone() };
+    let wg_shapes: Vec<Shape> =
+        issue_matrix().into_iter().filter(|sh| [64, 128].contains(&(sh.5.div_ceil(16) * 16))).collect();
+    let runs: [(&str, &rumble_cuda::knobs::Knobs, Vec<DType>, Vec<Shape>); 3] = [
+        ("RUMBLE_FLASH_SPLIT=3", &split, vec![DType::BF16], bthd_few.to_vec()),
+        ("RUMBLE_FLASH_WG=0", &no_wg, vec![DType::BF16], wg_shapes),
+        ("per-row (RUMBLE_ATTENTION=naive)", &naive, vec![DType::F32, DType::BF16], bthd_few.to_vec()),
+    ];
+    for (what, k, dtypes, shapes) in runs {
+        dev.set_knobs(k.clone());
+        for (d, sh) in dtypes.iter().flat_map(|&d| shapes.iter().map(move |&sh| (d, sh))) {
+            let line = format!("{} bthd {sh:?} {what}", d.name());
+            match check(&dev, d, sh, HeadLayout::Bthd, &mut rng) {
                 Ok(r) => println!("ok   {line}: {r}"),
                 Err(e) => {
                     println!("FAIL {line}: {e}");
@@ -151,55 +160,15 @@ fn flash_attention_matches_cpu() {
             }
             n += 1;
         }
-        for sh in bthd_few {
-            let line = format!("bf16 bthd {sh:?} cfg {}", cfg.name());
-            match check(&dev, DType::BF16, sh, HeadLayout::Bthd, &mut rng) {
-                Ok(r) => println!("ok   {line}: {r}"),
-                Err(e) => {
-                    println!("FAIL {line}: {e}");
-                    failures.push(format!("{line}: {e}"));
-                }
-            }
-            n += 1;
-        }
     }
-    unsafe { std::env::remove_var("RUMBLE_FLASH_CFG") };
-    // On an H100 / H200 dQ at head sizes 64 and 128 and the forward at 128 run on wgmma (flash::wgmma);
-    // the mma.sync forward it replaces there, on the shapes it would take elsewhere.
-    // SAFETY: as above.
-    unsafe { std::env::set_var("RUMBLE_FLASH_WG", "0") };
-    for sh in issue_matrix().into_iter().filter(|sh| [64, 128].contains(&(sh.5.div_ceil(16) * 16))) {
-        let line = format!("bf16 {sh:?} RUMBLE_FLASH_WG=0");
-        match check(&dev, DType::BF16, sh, HeadLayout::Bthd, &mut rng) {
-            Ok(r) => println!("ok   {line}: {r}"),
-            Err(e) => {
-                println!("FAIL {line}: {e}");
-                failures.push(format!("{line}: {e}"));
-            }
-        }
-        n += 1;
-    }
-    unsafe { std::env::remove_var("RUMBLE_FLASH_WG") };
-    // SAFETY: as above; `flash::choose` then leaves every case to the per-row kernels.
-    unsafe { std::env::set_var("RUMBLE_ATTENTION", "naive") };
-    for (d, sh) in [DType::F32, DType::BF16].into_iter().flat_map(|d| bthd_few.map(|sh| (d, sh))) {
-        let line = format!("{} bthd {sh:?} per-row (RUMBLE_ATTENTION=naive)", d.name());
-        match check(&dev, d, sh, HeadLayout::Bthd, &mut rng) {
-            Ok(r) => println!("ok   {line}: {r}"),
-            Err(e) => {
-                println!("FAIL {line}: {e}");
-                failures.push(format!("{line}: {e}"));
-            }
-        }
-        n += 1;
-    }
-    unsafe { std::env::remove_var("RUMBLE_ATTENTION") };
+    dev.set_knobs(knobs);
     assert!(failures.is_empty(), "{} of {n} cases failed:\n{}", failures.len(), failures.join("\n"));
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn flash_attention_backward_is_deterministic() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(62);
     for (d, layout) in [DType::BF16, DType::F32].into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
         let (q, k) = qk_types(d, (1, 7, 1, 300, 300, 64, true), layout);

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{away_from_zero, compare, device, positive, randn, tolerance};
+use common::{away_from_zero, compare, gpu, positive, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, HeadLayout, Op, ReduceOp, TensorType, UnaryOp};
 use rumble_core::plan::plan_naive;
@@ -95,8 +95,9 @@ fn ids(d: DType, dims: &[usize], hi: u64, rng: &mut Rng) -> HostTensor {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn elementwise_ops_match_cpu() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(1);
     let r = &mut rng;
     let s = [37, 65];
@@ -164,8 +165,9 @@ fn elementwise_ops_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn layout_and_reduction_ops_match_cpu() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(2);
     let r = &mut rng;
     let mut cases = Vec::new();
@@ -224,8 +226,9 @@ fn layout_and_reduction_ops_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn matmul_and_composite_ops_match_cpu() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(3);
     let r = &mut rng;
     let mut cases = Vec::new();
@@ -305,8 +308,9 @@ fn matmul_and_composite_ops_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn attention_matches_cpu() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(4);
     let r = &mut rng;
     let mut cases = Vec::new();
@@ -350,8 +354,9 @@ fn one_node(op: Op, args: &[TensorType]) -> rumble_core::Trace {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn bad_data_on_the_device_names_the_op() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(5);
     let table = randn(t(DType::F32, &[10, 4]), &mut rng);
     let bad = HostTensor::from_i64(DType::I64, &[3], &[1, 12, 2]).unwrap();
@@ -376,10 +381,11 @@ fn bad_data_on_the_device_names_the_op() {
 /// against whatever the tuner chose, for every transpose pair, a batch of 2, each float dtype,
 /// with no workspace and with 4 MiB, and accumulating (`beta = 1`).
 #[test]
+#[ignore = "needs a CUDA device"]
 fn classic_cublas_matmul_matches_cpu() {
     use rumble_cuda::matmul::MatmulKey;
     use rumble_cuda::memory::{DeviceBuffer, download};
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let mut rng = Rng::new(11);
     let r = &mut rng;
     for d in FLOATS {

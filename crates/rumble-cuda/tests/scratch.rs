@@ -8,10 +8,11 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{device, init_params, step_inputs, training_step};
+use common::{gpu, init_params, step_inputs, training_step};
+use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{HostTensor, Rng};
 use rumble_core::ir::{DType, Op};
-use rumble_core::plan::{PlanOptions, check::check, plan};
+use rumble_core::plan::{PlanOptions, check::check};
 use rumble_core::testing::TinyLlama;
 use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
 
@@ -33,8 +34,9 @@ fn run(ex: &mut dyn Executor, prog: &Program, steps: usize, vocab: u64) -> Vec<H
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
         let c = cfg(dtype);
         let trace = training_step(&c, Some(0.05));
@@ -56,7 +58,9 @@ fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
         assert!(!with.is_empty(), "{dtype}: some node should need kernel scratch");
         // The same step with one whole-step workspace of the most any node needs.
         let ws = Program::workspace_bytes(&dev, &trace).expect("workspace");
-        let whole = plan(&trace, &PlanOptions { workspace_bytes: ws, ..Default::default() }).expect("plan");
+        let opts =
+            CompileOptions { plan: PlanOptions { workspace_bytes: ws, ..Default::default() }, ..Default::default() };
+        let whole = plan(&trace, &opts).expect("plan");
         println!(
             "{dtype}: {} nodes with kernel scratch ({with:?}); arena {} (LOAD {}) per node vs {} with a {ws}-byte \
              workspace",
@@ -88,8 +92,9 @@ fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn a_plan_short_of_a_nodes_scratch_is_refused() {
-    let Some(dev) = device() else { return };
+    let dev = gpu();
     let trace = training_step(&cfg(DType::F32), Some(0.05));
     let prog = Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile");
     let n = prog.recipes.iter().position(|r| r.scratch > 0).expect("a node with kernel scratch");

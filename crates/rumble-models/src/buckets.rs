@@ -20,8 +20,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
+use rumble_core::compile::{CompileOptions, compile, optimize};
 use rumble_core::ir::{InputRole, OutputRole};
-use rumble_core::plan::{PlanOptions, PlanReport};
+use rumble_core::plan::PlanReport;
 use rumble_core::{DType, Trace};
 use rumble_cuda::{BucketedGraphs, GraphMode, Program};
 
@@ -220,14 +221,27 @@ pub struct BucketedExecutor {
 }
 
 impl BucketedExecutor {
-    /// `traces[i]` is the step for `buckets.shapes()[i]`; `persistent` holds the starting
-    /// parameters and optimizer states by name. `Device::Cuda` plans and compiles every trace
-    /// (capturing later, on each bucket's first step).
+    /// `traces[i]` is the step for `buckets.shapes()[i]` (already through
+    /// `compile::PIPELINE`); `persistent` holds the starting parameters and optimizer states by
+    /// name. `Device::Cuda` plans and compiles every trace (capturing later, on each bucket's
+    /// first step).
     pub fn new(
         buckets: Buckets,
         traces: Vec<Trace>,
         persistent: Vec<(String, HostTensor)>,
         device: Device,
+    ) -> Result<BucketedExecutor> {
+        Self::with_options(buckets, traces, persistent, device, &CompileOptions { passes: false, ..Default::default() })
+    }
+
+    /// As `new`, compiling each trace with `opts` (`compile::compile` on CUDA, the passes of
+    /// `compile::optimize` on the CPU).
+    pub fn with_options(
+        buckets: Buckets,
+        traces: Vec<Trace>,
+        persistent: Vec<(String, HostTensor)>,
+        device: Device,
+        opts: &CompileOptions,
     ) -> Result<BucketedExecutor> {
         let t0 = Instant::now();
         if traces.len() != buckets.shapes.len() {
@@ -287,14 +301,18 @@ impl BucketedExecutor {
             return Err(ModelError::Usage(format!("trace `{}` has no input `{name}`", traces[0].name)));
         }
         let backend = match device {
-            Device::Cpu => Backend::Cpu { steps: vec![0; traces.len()], traces, state },
+            Device::Cpu => {
+                let traces = traces.iter().map(|t| Ok(optimize(t, opts)?.0)).collect::<Result<Vec<_>>>()?;
+                Backend::Cpu { steps: vec![0; traces.len()], traces, state }
+            }
             Device::Cuda => {
                 let dev = rumble_cuda::Device::new(0)?;
                 let (mut progs, mut reports) = (Vec::new(), Vec::new());
+                let opts = Program::compile_options(&dev, opts)?;
                 for t in &traces {
-                    let planned = rumble_core::plan::plan(t, &Program::plan_options(&dev, &PlanOptions::default()))?;
-                    reports.push(planned.report.clone());
-                    progs.push(Arc::new(Program::new(dev.clone(), planned.trace, planned.plan)?));
+                    let compiled = compile(t, &opts)?;
+                    reports.push(compiled.report.clone());
+                    progs.push(Arc::new(Program::new(dev.clone(), compiled.trace, compiled.plan)?));
                 }
                 // The planner may reorder nodes, never the inputs: values stay in trace order.
                 let graphs = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
@@ -384,6 +402,8 @@ impl Executor for BucketedExecutor {
             persistent_bytes: big.persistent_bytes,
             plan_peak_bytes: reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
             build_secs: *build_secs,
+            predicted_step_ms: big.predicted_ms,
+            chosen: big.chosen.clone(),
         })
     }
 

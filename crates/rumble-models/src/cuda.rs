@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rumble_core::Trace;
-use rumble_core::plan::{PlanOptions, PlanReport};
+use rumble_core::compile::{CompileOptions, compile};
+use rumble_core::plan::PlanReport;
 use rumble_cuda::{EagerExecutor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program};
 
 use crate::error::{ModelError, Result};
@@ -49,15 +50,27 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Plans `trace`, compiles it on device 0 and uploads `persistent` (parameters and
-    /// optimizer states, by name).
+    /// Plans `trace` (already through `compile::PIPELINE`), compiles it on device 0 and
+    /// uploads `persistent` (parameters and optimizer states, by name).
     pub fn new(trace: Trace, persistent: Vec<(String, HostTensor)>, mode: CudaMode) -> Result<CudaExecutor> {
+        Self::with_options(trace, persistent, mode, &CompileOptions { passes: false, ..Default::default() })
+    }
+
+    /// As `new`, compiling `trace` with `opts` (`compile::compile`; the passes run only if
+    /// `opts.passes`). Each node's kernel scratch is planned with the node (no whole-step
+    /// workspace).
+    pub fn with_options(
+        trace: Trace,
+        persistent: Vec<(String, HostTensor)>,
+        mode: CudaMode,
+        opts: &CompileOptions,
+    ) -> Result<CudaExecutor> {
         let t0 = Instant::now();
         let dev = rumble_cuda::Device::new(0)?;
-        // Each node's kernel scratch is planned with the node (no whole-step workspace).
-        let planned = rumble_core::plan::plan(&trace, &Program::plan_options(&dev, &PlanOptions::default()))?;
-        let report = planned.report.clone();
-        let prog = Arc::new(Program::new(dev, planned.trace, planned.plan)?);
+        let opts = Program::compile_options(&dev, opts)?;
+        let compiled = compile(&trace, &opts)?;
+        let report = compiled.report.clone();
+        let prog = Arc::new(Program::new(dev, compiled.trace, compiled.plan)?);
         let mut given: HashMap<String, HostTensor> = persistent.into_iter().collect();
         let (pers_idx, _) = prog.input_split();
         let mut values = Vec::with_capacity(pers_idx.len());
@@ -107,10 +120,21 @@ impl CudaExecutor {
     }
 
     /// One step timed launch by launch (device events around each kernel or matmul): `None` unless the
-    /// executor launches node by node (planned). Launch gaps are not counted, so the sum is
+    /// executor launches node by node (planned). Each node's time is recorded for the cost model
+    /// (`Program::record_times`). Launch gaps are not counted, so the sum is
     /// the device time a graph replay cannot hide.
     pub fn profile(&mut self, data: &[HostTensor]) -> Result<Option<Vec<NodeTime>>> {
         let Some(times) = self.inner.step_profiled(data)? else { return Ok(None) };
+        // Each node's launches summed, recorded for the cost model (a cache that cannot be
+        // written only loses the measurements).
+        let mut per_node: Vec<(usize, f64)> = Vec::new();
+        for &(n, _, ms) in &times {
+            match per_node.last_mut() {
+                Some((m, s)) if *m == n => *s += ms / 1e3,
+                _ => per_node.push((n, ms / 1e3)),
+            }
+        }
+        let _ = self.prog.record_times(&per_node);
         let t = &self.prog.trace;
         Ok(Some(
             times
@@ -170,6 +194,8 @@ impl Executor for CudaExecutor {
             persistent_bytes: self.report.persistent_bytes,
             plan_peak_bytes: self.report.peak_bytes,
             build_secs: self.build_secs,
+            predicted_step_ms: self.report.predicted_ms,
+            chosen: self.report.chosen.clone(),
         })
     }
 }

@@ -9,6 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use rumble_core::compile::CompileOptions;
 use rumble_core::ir::{InputRole, OutputRole};
 use rumble_core::{TensorType, Trace};
 
@@ -99,6 +100,10 @@ pub struct ExecStats {
     pub plan_peak_bytes: usize,
     /// Seconds spent planning, compiling kernels and capturing graphs.
     pub build_secs: f64,
+    /// The cost model's predicted milliseconds of a step (`compile::compile`), if priced.
+    pub predicted_step_ms: Option<f64>,
+    /// What `compile` chose (the loss's chunk rows, recomputation), empty if nothing.
+    pub chosen: String,
 }
 
 /// Why CUDA cannot be used on this machine, or `None` when it can.
@@ -106,21 +111,36 @@ pub fn cuda_unavailable() -> Option<String> {
     rumble_cuda::Device::new(0).err().map(|e| e.to_string())
 }
 
-/// The executor for `choice`: `auto` falls back to the CPU when CUDA is unavailable.
+/// The executor for `choice`: `auto` falls back to the CPU when CUDA is unavailable. `trace`
+/// has been through `compile::PIPELINE`.
 pub fn executor(
     choice: DeviceChoice,
     trace: Trace,
     persistent: Vec<(String, HostTensor)>,
 ) -> Result<Box<dyn Executor>> {
+    executor_with(choice, trace, persistent, &CompileOptions { passes: false, ..Default::default() })
+}
+
+/// As [`executor`], CUDA compiling `trace` with `opts` (`compile::compile`: its memory budget,
+/// say); the CPU evaluates the trace of `compile::optimize`.
+pub fn executor_with(
+    choice: DeviceChoice,
+    trace: Trace,
+    persistent: Vec<(String, HostTensor)>,
+    opts: &CompileOptions,
+) -> Result<Box<dyn Executor>> {
+    let cpu = |trace: Trace, persistent| -> Result<Box<dyn Executor>> {
+        Ok(Box::new(CpuExecutor::new(rumble_core::compile::optimize(&trace, opts)?.0, persistent)?))
+    };
     match choice {
-        DeviceChoice::Cpu => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
+        DeviceChoice::Cpu => cpu(trace, persistent),
         DeviceChoice::Cuda => match cuda_unavailable() {
             Some(why) => Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
-            None => Ok(Box::new(CudaExecutor::new(trace, persistent, CudaMode::Graphed)?)),
+            None => Ok(Box::new(CudaExecutor::with_options(trace, persistent, CudaMode::Graphed, opts)?)),
         },
         DeviceChoice::Auto => match cuda_unavailable() {
-            Some(_) => Ok(Box::new(CpuExecutor::new(trace, persistent)?)),
-            None => Ok(Box::new(CudaExecutor::new(trace, persistent, CudaMode::Graphed)?)),
+            Some(_) => cpu(trace, persistent),
+            None => Ok(Box::new(CudaExecutor::with_options(trace, persistent, CudaMode::Graphed, opts)?)),
         },
     }
 }

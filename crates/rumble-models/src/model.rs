@@ -207,7 +207,9 @@ pub fn loss(logits: &Tensor, targets: Option<&Tensor>) -> Result<Tensor> {
     })
 }
 
-/// Rows of logits a fused head-and-loss op works on at once: about 64 MiB of f32 scratch.
+/// Rows of logits a fused head-and-loss op is traced with: about 64 MiB of f32 scratch. Where
+/// the step is compiled (`rumble_core::compile::compile`), the chunk is chosen again per
+/// workload by the cost model under the memory budget; this is the CPU's and the default.
 pub fn loss_chunk(vocab: usize, rows: usize) -> usize {
     ((64 << 20) / (4 * vocab.max(1))).clamp(1, rows.max(1))
 }

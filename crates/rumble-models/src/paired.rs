@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rumble_core::Trace;
-use rumble_core::plan::{PlanOptions, PlanReport};
+use rumble_core::compile::{CompileOptions, compile};
+use rumble_core::plan::PlanReport;
 use rumble_cuda::{BucketedGraphs, GraphMode, Program};
 
 use crate::error::{ModelError, Result};
@@ -24,10 +25,15 @@ pub struct StepWithEval {
 }
 
 impl StepWithEval {
-    /// Plans and compiles `step` and `eval` on device 0 and uploads `persistent` (every
+    /// Compiles `step` and `eval` with `opts` for device 0 and uploads `persistent` (every
     /// persistent input of `step`, by name). Refuses an `eval` whose persistent inputs differ
     /// from the step's, naming the first.
-    pub fn new(step: Trace, eval: Trace, persistent: Vec<(String, HostTensor)>) -> Result<StepWithEval> {
+    pub fn new(
+        step: Trace,
+        eval: Trace,
+        persistent: Vec<(String, HostTensor)>,
+        opts: &CompileOptions,
+    ) -> Result<StepWithEval> {
         let t0 = Instant::now();
         let dev = rumble_cuda::Device::new(0)?;
         let names: Vec<String> =
@@ -41,10 +47,11 @@ impl StepWithEval {
             .collect::<Result<Vec<_>>>()?;
         let mut progs = Vec::new();
         let mut reports = Vec::new();
+        let opts = Program::compile_options(&dev, opts)?;
         for t in [&step, &eval] {
-            let planned = rumble_core::plan::plan(t, &Program::plan_options(&dev, &PlanOptions::default()))?;
-            reports.push(planned.report.clone());
-            progs.push(Arc::new(Program::new(dev.clone(), planned.trace, planned.plan)?));
+            let compiled = compile(t, &opts)?;
+            reports.push(compiled.report.clone());
+            progs.push(Arc::new(Program::new(dev.clone(), compiled.trace, compiled.plan)?));
         }
         let graphs = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
         let reports: [PlanReport; 2] =
@@ -81,6 +88,8 @@ impl Executor for StepWithEval {
             persistent_bytes: big.persistent_bytes,
             plan_peak_bytes: self.reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
             build_secs: self.build_secs,
+            predicted_step_ms: self.reports[0].predicted_ms,
+            chosen: self.reports[0].chosen.clone(),
         })
     }
 }

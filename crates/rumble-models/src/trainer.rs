@@ -11,14 +11,15 @@
 
 use std::path::Path;
 
-use rumble_core::passes::{self, Pass};
+pub use rumble_core::compile::PIPELINE;
+use rumble_core::compile::{CompileOptions, optimize};
 use rumble_core::{DType, TensorType, Trace};
 
 use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{Device, DeviceChoice, ExecStats, Executor, cuda_unavailable, executor};
+use crate::exec::{Device, DeviceChoice, ExecStats, Executor, cuda_unavailable, executor_with};
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
@@ -26,11 +27,6 @@ use crate::paired::StepWithEval;
 use crate::presets::Objective;
 use crate::step::{StepConfig, TrainStep, build_eval_step, build_train_step};
 use crate::weights::{Weights, write_atomic};
-
-/// The passes a step goes through before it runs: dead code, common subexpressions (the
-/// optimizer's shared scalars, repeated broadcasts), dead code again, elementwise fusion.
-pub const PIPELINE: &[Pass] =
-    &[("dce", passes::dce), ("cse", passes::cse), ("dce", passes::dce), ("fuse", passes::fuse)];
 
 /// How the learning rate moves over a run.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -125,21 +121,37 @@ impl Trainer {
         schedule: LrSchedule,
         device: DeviceChoice,
     ) -> Result<Trainer> {
-        Self::with_executor(cfg, sc, weights, schedule, |trace, persistent| executor(device, trace, persistent))
+        Self::with_options(cfg, sc, weights, schedule, device, &CompileOptions::default())
     }
 
-    /// As `new`, with the executor made by `make` from the step's trace (after the passes) and
-    /// its persistent values.
+    /// As `new`, compiled with `opts` (its memory budget, say; see `rumble_core::compile`).
+    pub fn with_options(
+        cfg: Config,
+        sc: StepConfig,
+        weights: Weights,
+        schedule: LrSchedule,
+        device: DeviceChoice,
+        opts: &CompileOptions,
+    ) -> Result<Trainer> {
+        let opts = CompileOptions { passes: false, ..opts.clone() };
+        Self::with_executor(cfg, sc, weights, schedule, &opts, |trace, persistent| {
+            executor_with(device, trace, persistent, &opts)
+        })
+    }
+
+    /// As `new`, with the executor made by `make` from the step's trace (after the passes of
+    /// `compile::optimize` with `opts`) and its persistent values.
     pub fn with_executor(
         cfg: Config,
         sc: StepConfig,
         weights: Weights,
         schedule: LrSchedule,
+        opts: &CompileOptions,
         make: impl FnOnce(Trace, Vec<(String, HostTensor)>) -> Result<Box<dyn Executor>>,
     ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
-        let (trace, _log) = passes::run(&trace, PIPELINE)?;
+        let (trace, _log) = optimize(&trace, &CompileOptions { passes: true, ..opts.clone() })?;
         let persistent = persistent_values(&cfg, &sc, weights, &states)?;
         let exec = make(trace, persistent)?;
         Ok(Trainer {
@@ -168,6 +180,19 @@ impl Trainer {
         schedule: LrSchedule,
         device: DeviceChoice,
     ) -> Result<Trainer> {
+        Self::with_buckets_options(cfg, sc, buckets, weights, schedule, device, &CompileOptions::default())
+    }
+
+    /// As `with_buckets`, each bucket's step compiled with `opts`.
+    pub fn with_buckets_options(
+        cfg: Config,
+        sc: StepConfig,
+        buckets: Buckets,
+        weights: Weights,
+        schedule: LrSchedule,
+        device: DeviceChoice,
+        opts: &CompileOptions,
+    ) -> Result<Trainer> {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         if sc.objective != Objective::CausalLm {
             return Err(ModelError::Usage(
@@ -192,13 +217,14 @@ impl Trainer {
         let mut first: Option<TrainStep> = None;
         for s in buckets.shapes() {
             let step = build_train_step(&cfg, &StepConfig { batch: s.batch, seq: s.seq, ..sc.clone() })?;
-            traces.push(passes::run(&step.trace, PIPELINE)?.0);
+            traces.push(optimize(&step.trace, &CompileOptions { passes: true, ..opts.clone() })?.0);
             first.get_or_insert(step);
         }
         let TrainStep { data_inputs, states, .. } =
             first.ok_or_else(|| ModelError::Usage("shape buckets: none given".into()))?;
         let persistent = persistent_values(&cfg, &sc, weights, &states)?;
-        let exec = BucketedExecutor::new(buckets.clone(), traces, persistent, device)?;
+        let opts = CompileOptions { passes: false, ..opts.clone() };
+        let exec = BucketedExecutor::with_options(buckets.clone(), traces, persistent, device, &opts)?;
         let max = buckets.max();
         let sc = StepConfig { batch: max.batch, seq: max.seq, ..sc };
         Ok(Trainer {
@@ -323,11 +349,12 @@ impl Trainer {
             return Ok(self);
         }
         let sc = StepConfig { batch, seq, grad_accum: 1, ..self.sc.clone() };
-        let eval = passes::run(&build_eval_step(&self.cfg, &sc)?, PIPELINE)?.0;
-        let step = passes::run(&build_train_step(&self.cfg, &self.sc)?.trace, PIPELINE)?.0;
+        let opts = CompileOptions::default();
+        let eval = optimize(&build_eval_step(&self.cfg, &sc)?, &opts)?.0;
+        let step = optimize(&build_train_step(&self.cfg, &self.sc)?.trace, &opts)?.0;
         let values = self.exec.persistent()?;
         drop(std::mem::replace(&mut self.exec, Box::new(Released)));
-        self.exec = Box::new(StepWithEval::new(step, eval, values)?);
+        self.exec = Box::new(StepWithEval::new(step, eval, values, &CompileOptions { passes: false, ..opts })?);
         self.eval_shape = Some((batch, seq));
         Ok(self)
     }
@@ -379,7 +406,7 @@ impl Trainer {
             let values = values.as_ref().ok_or_else(|| ModelError::Usage("validation: no values".into()))?;
             if !self.evals.iter().any(|(s, _)| *s == shape) {
                 let sc = StepConfig { batch: shape.0, seq: shape.1, grad_accum: 1, ..self.sc.clone() };
-                let trace = passes::run(&build_eval_step(&self.cfg, &sc)?, PIPELINE)?.0;
+                let trace = optimize(&build_eval_step(&self.cfg, &sc)?, &CompileOptions::default())?.0;
                 self.evals.push((shape, trace));
             }
             let trace =

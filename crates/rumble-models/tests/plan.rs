@@ -5,8 +5,10 @@
 //! one packed projection; it was 1.0000), and before the lowest-first placement `seed-llama`
 //! stood at 1.018 (1.023 with the workspace), inside the goal's slack but not a good plan.
 
+use rumble_core::compile::{Budget, CompileOptions, compile, plan};
 use rumble_core::ir::Op;
-use rumble_core::plan::{BackendScratch, PlanOptions, plan};
+use rumble_core::plan::check::check;
+use rumble_core::plan::{BackendScratch, PlanOptions};
 use rumble_models::{PRESET_NAMES, StepConfig, build_train_step, preset};
 
 /// The most workspace the CUDA backend gives a matmul by default (`matmul::MAX_WORKSPACE`).
@@ -32,7 +34,8 @@ fn presets_plan_within_two_percent_of_load() {
             for ws in [0, MATMUL_WORKSPACE] {
                 let backend =
                     BackendScratch::new(move |op, _, _| Ok(if matches!(op, Op::Matmul { .. }) { ws } else { 0 }));
-                let opts = PlanOptions { backend_scratch: Some(backend), ..Default::default() };
+                let plan_opts = PlanOptions { backend_scratch: Some(backend), ..Default::default() };
+                let opts = CompileOptions { plan: plan_opts, ..Default::default() };
                 let r = plan(&trace, &opts).unwrap().report;
                 let ratio = r.arena_bytes as f64 / r.load_bytes as f64;
                 println!(
@@ -42,6 +45,58 @@ fn presets_plan_within_two_percent_of_load() {
                 );
                 assert!(ratio <= 1.01, "{name}: arena {} vs LOAD {}", r.arena_bytes, r.load_bytes);
             }
+        }
+    }
+}
+
+fn step_of(name: &str, optimizer: Option<rumble_models::Optimizer>) -> rumble_core::Trace {
+    let p = preset(name).unwrap();
+    let sc = StepConfig {
+        batch: p.batch,
+        seq: p.seq,
+        objective: p.objective,
+        optimizer,
+        grad_accum: 1,
+        clip: None,
+        fused_loss: true,
+        precision: None,
+    };
+    build_train_step(&p.config, &sc).unwrap().trace
+}
+
+/// `rumble plan seed-qwen2 --optimizer none --memory-budget 1.5GB`: recomputing the five
+/// `[4096, 37888]` MLP products of a 28-wide input (matmuls) brings the peak under 1.5e9 bytes.
+#[test]
+fn seed_qwen2_fits_one_and_a_half_gigabytes() {
+    let trace = step_of("seed-qwen2", None);
+    let budget = 1_500_000_000;
+    let c = compile(&trace, &CompileOptions { budget: Budget::Bytes(budget), ..Default::default() }).unwrap();
+    check(&c.trace, &c.plan).unwrap();
+    println!("{}", c.report);
+    assert!(c.report.peak_bytes <= budget, "peak {} over {budget}", c.report.peak_bytes);
+    let remat = c.report.passes.iter().find(|p| p.pass == "remat").expect("remat ran");
+    assert!(remat.detail.contains("matmul"), "matmuls are recomputed: {}", remat.detail);
+}
+
+/// The default policy keeps each preset's peak (within 1%) where the fastest plan would only
+/// gain what the cost model cannot tell apart.
+#[test]
+fn the_default_policy_keeps_the_presets_peaks() {
+    for name in PRESET_NAMES {
+        for optimizer in [None, Some(rumble_models::Optimizer::adamw())] {
+            let trace = step_of(name, optimizer);
+            let chosen = compile(&trace, &CompileOptions::default()).unwrap().report;
+            let kept = compile(&trace, &CompileOptions { choose: false, ..Default::default() }).unwrap().report;
+            println!(
+                "{name} optimizer {}: peak {} (was {}), predicted {:.3} ms, {}",
+                optimizer.is_some(),
+                chosen.peak_bytes,
+                kept.peak_bytes,
+                chosen.predicted_ms.unwrap_or(0.0),
+                chosen.chosen
+            );
+            assert!(chosen.peak_bytes as f64 <= kept.peak_bytes as f64 * 1.01, "{name}: the default raised the peak");
+            assert!(chosen.predicted_ms <= kept.predicted_ms, "{name}: the default is predicted slower");
         }
     }
 }

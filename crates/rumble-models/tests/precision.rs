@@ -162,7 +162,7 @@ fn step_inputs(trace: &rumble_core::Trace, cfg: &Config) -> Vec<rumble_core::cpu
 
 #[test]
 fn mixed_step_and_eval_plan_and_run_in_one_arena() {
-    use rumble_core::plan::{PlanOptions, plan};
+    use rumble_core::compile::{CompileOptions, plan};
     let cfg = tiny_bf16();
     let s = sc(Precision::Bf16Mixed);
     let step = build_train_step(&cfg, &s).unwrap().trace;
@@ -172,7 +172,7 @@ fn mixed_step_and_eval_plan_and_run_in_one_arena() {
         let (t, _) = rumble_core::passes::run(&t, rumble_models::trainer::PIPELINE).unwrap();
         let inputs = step_inputs(&t, &cfg);
         let want = rumble_core::cpu::eval(&t, &inputs).unwrap();
-        let p = plan(&t, &PlanOptions::default()).unwrap();
+        let p = plan(&t, &CompileOptions::default()).unwrap();
         rumble_core::plan::check::check(&p.trace, &p.plan).unwrap();
         let got = rumble_core::cpu::arena::eval(&p.trace, &p.plan, &inputs).unwrap();
         for (k, o) in t.outputs.iter().enumerate() {

@@ -9,8 +9,9 @@
 //! values share a buffer: views and in-place results) -> [`assign`] (offsets in one arena,
 //! best-fit over several orders) -> [`report`] (bytes per class, LOAD, peak, what is live there)
 //! -> [`svg`] (the timeline as a picture). [`check`] verifies a plan without trusting any of
-//! them. [`plan`] is the one entry point: trace and options in, plan and report out; it can
-//! run the memory-aware scheduler and rematerialisation (`crate::passes`) first.
+//! them. [`plan_order`] places a trace in its own order; `crate::compile` (the one compile
+//! entry point) runs the memory-aware scheduler and rematerialisation (`crate::passes`)
+//! first and calls it. The planner calls no pass.
 //!
 //! **Architecture Invariant**: no two values whose lifetimes overlap share a byte of the arena
 //! (checked independently by [`check::check`]).
@@ -45,7 +46,7 @@ pub mod report;
 pub mod svg;
 
 pub use lifetimes::{Class, LifetimeOptions, Lifetimes, view_offset};
-pub use pipeline::{BackendScratch, PlanOptions, Planned, plan, plan_in_order, plan_order};
+pub use pipeline::{BackendScratch, PlanOptions, Planned, plan_in_order, plan_order};
 pub use report::PlanReport;
 
 use crate::ir::{OutputRole, Trace, ValueId};

@@ -1,5 +1,5 @@
-//! The planner's entry points: [`plan`] (optionally schedule and rematerialise, then place) and
-//! [`plan_order`] (place the trace in the order it is given).
+//! The planner's entry points: [`plan_order`] (place the trace in the order it is given) and
+//! [`plan_in_order`]. Scheduling and rematerialisation before placing are `crate::compile`'s.
 
 use std::fmt;
 use std::sync::Arc;
@@ -10,8 +10,6 @@ use super::lifetimes::{LifetimeOptions, Lifetimes, Storage, lifetimes_with_scrat
 use super::report::PlanReport;
 use super::{ALIGN, MemoryPlan, Region, Slot, align_up};
 use crate::ir::{Op, TensorType, Trace, ValueId, verify};
-use crate::passes::remat::{Remat, remat};
-use crate::passes::schedule::schedule;
 use crate::{Error, Result};
 
 /// The signature of a [`BackendScratch`] function: a node's op, operand types and result
@@ -20,7 +18,7 @@ pub type BackendScratchFn = dyn Fn(&Op, &[&TensorType], &[&TensorType]) -> Resul
 
 /// How much scratch a backend needs for each node beyond the op's own (`Op::scratch_bytes`),
 /// decided from the node's op and types alone. Keyed by op and types rather than by node
-/// index because [`plan`] reorders nodes and rematerialisation adds some.
+/// index because `compile::plan` reorders nodes and rematerialisation adds some.
 #[derive(Clone)]
 pub struct BackendScratch(pub Arc<BackendScratchFn>);
 
@@ -53,7 +51,8 @@ impl fmt::Debug for BackendScratch {
     }
 }
 
-/// What the planner does besides placing buffers.
+/// How the planner places buffers (scheduling and rematerialisation are
+/// `compile::CompileOptions`').
 #[derive(Clone, Debug)]
 pub struct PlanOptions {
     /// Bytes of a whole-step library workspace, given its own range at the end of the arena and
@@ -65,24 +64,13 @@ pub struct PlanOptions {
     pub backend_scratch: Option<BackendScratch>,
     /// Let elementwise nodes write over a dying operand (and updates over their parameter).
     pub inplace: bool,
-    /// Reorder nodes to lower LOAD first (`passes::schedule`).
-    pub schedule: bool,
-    /// Recompute cheap values in the backward instead of saving them (`passes::remat`).
-    pub remat: Remat,
     /// How many of the biggest buffers live at the peak the report lists.
     pub peak_buffers: usize,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions {
-            workspace_bytes: 0,
-            backend_scratch: None,
-            inplace: true,
-            schedule: true,
-            remat: Remat::Off,
-            peak_buffers: 12,
-        }
+        PlanOptions { workspace_bytes: 0, backend_scratch: None, inplace: true, peak_buffers: 12 }
     }
 }
 
@@ -103,47 +91,10 @@ impl Planned {
     }
 }
 
-/// Plans `trace`: rematerialises and schedules it as `opts` asks, then places every value.
-/// The trace must verify.
-pub fn plan(trace: &Trace, opts: &PlanOptions) -> Result<Planned> {
-    verify(trace)?;
-    let lt_opts = LifetimeOptions { inplace: opts.inplace };
-    let mut t = trace.clone();
-    let mut passes = Vec::new();
-    if opts.schedule {
-        let (s, r) = schedule(&t, lt_opts)?;
-        t = s;
-        passes.push(r);
-    }
-    if opts.remat != Remat::Off {
-        // The budget counts the largest backend scratch as if it were a whole-step workspace
-        // (remat's lifetimes do not see it): conservative, never over the budget for it.
-        let most = match &opts.backend_scratch {
-            Some(b) => b.per_node(&t)?.into_iter().max().unwrap_or(0),
-            None => 0,
-        };
-        let (s, r) = remat(&t, opts.remat, opts.workspace_bytes + most, lt_opts)?;
-        let changed = s != t;
-        t = s;
-        passes.push(r);
-        if opts.schedule && changed {
-            let (s, r) = schedule(&t, lt_opts)?;
-            t = s;
-            passes.push(r);
-        }
-    }
-    let mut planned = plan_order(&t, opts)?;
-    planned.report.passes = passes;
-    if let Remat::Budget { peak_bytes } = opts.remat {
-        planned.report.budget_bytes = Some(peak_bytes);
-    }
-    Ok(planned)
-}
-
 /// The plan of `trace` in its own node order with in-place results, and nothing else: the
 /// drop-in replacement for `plan_naive` where the trace's order must not change.
 pub fn plan_in_order(trace: &Trace, workspace_bytes: usize) -> Result<MemoryPlan> {
-    let opts = PlanOptions { workspace_bytes, schedule: false, ..Default::default() };
+    let opts = PlanOptions { workspace_bytes, ..Default::default() };
     Ok(plan_order(trace, &opts)?.plan)
 }
 

@@ -85,6 +85,16 @@ pub struct PlanReport {
     /// The memory budget asked for (`Remat::Budget`), if any; compare with `peak_bytes`.
     pub budget_bytes: Option<usize>,
     pub plan_millis: f64,
+    /// Predicted milliseconds of one step (`compile::compile`'s cost model), if priced.
+    pub predicted_ms: Option<f64>,
+    /// The cost model that priced it.
+    pub cost_model: String,
+    /// The memory policy (`compile::Budget`) it was chosen under.
+    pub budget: String,
+    /// What `compile` chose (`linear_cross_entropy chunk 1024 rows (4 chunks)`).
+    pub chosen: String,
+    /// Every variant weighed: its choices, predicted time and peak (empty if only one).
+    pub weighed: Vec<String>,
 }
 
 impl PlanReport {
@@ -183,6 +193,11 @@ impl PlanReport {
             passes: Vec::new(),
             budget_bytes: None,
             plan_millis: 0.0,
+            predicted_ms: None,
+            cost_model: String::new(),
+            budget: String::new(),
+            chosen: String::new(),
+            weighed: Vec::new(),
         }
     }
 
@@ -269,6 +284,14 @@ impl PlanReport {
             .collect();
         o.raw("passes", &format!("[{}]", passes.join(",")));
         o.float("plan_millis", self.plan_millis);
+        if let Some(ms) = self.predicted_ms {
+            o.float("predicted_step_ms", ms);
+            o.str("cost_model", &self.cost_model);
+            o.str("budget", &self.budget);
+            o.str("chosen", &self.chosen);
+            let w: Vec<String> = self.weighed.iter().map(|l| quote(l)).collect();
+            o.raw("weighed", &format!("[{}]", w.join(",")));
+        }
         o.finish()
     }
 }
@@ -353,6 +376,15 @@ impl fmt::Display for PlanReport {
         writeln!(f, "  workspace   {:>11}", b(self.workspace_bytes))?;
         writeln!(f, "  persistent  {:>11}  (parameters, optimizer state)", b(self.persistent_bytes))?;
         writeln!(f, "  peak        {:>11}  = persistent + arena + workspace", b(self.peak_bytes))?;
+        if let Some(ms) = self.predicted_ms {
+            writeln!(f, "  step        {ms:>8.3} ms  predicted ({}; budget {})", self.cost_model, self.budget)?;
+            if !self.chosen.is_empty() {
+                writeln!(f, "  chosen      {}", self.chosen)?;
+            }
+            for w in &self.weighed {
+                writeln!(f, "    weighed   {w}")?;
+            }
+        }
         if let Some(budget) = self.budget_bytes {
             let verdict = if self.peak_bytes <= budget { "fits" } else { "does NOT fit" };
             writeln!(f, "  budget      {:>11}  {verdict}", b(budget))?;

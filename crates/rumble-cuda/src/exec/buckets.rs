@@ -307,15 +307,15 @@ impl Executor for BucketedGraphs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rumble_core::compile::{CompileOptions, plan};
     use rumble_core::ir::DType;
-    use rumble_core::plan::{PlanOptions, plan};
     use rumble_core::testing::TinyLlama;
 
     fn planned(batch: usize, seq: usize, dim: usize) -> (Trace, MemoryPlan) {
         let c =
             TinyLlama { vocab: 64, dim, heads: 4, kv_heads: 2, hidden: 48, layers: 2, batch, seq, dtype: DType::F32 };
         let t = c.loss_graph().expect("builds").finish().expect("verifies");
-        let p = plan(&t, &PlanOptions::default()).expect("plans");
+        let p = plan(&t, &CompileOptions::default()).expect("plans");
         (p.trace, p.plan)
     }
 

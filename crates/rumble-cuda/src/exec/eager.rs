@@ -39,7 +39,7 @@ impl EagerExecutor {
             live: vec![None; prog.trace.num_values()],
             free_before,
             rise: 0,
-            sync_each: std::env::var("RUMBLE_CUDA_SYNC").is_ok_and(|v| v == "1"),
+            sync_each: dev.knobs().sync_each,
             prog: prog.clone(),
         };
         for (&i, h) in pers_idx.iter().zip(persistent) {

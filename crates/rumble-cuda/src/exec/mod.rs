@@ -34,6 +34,8 @@ mod planned;
 
 use std::sync::Arc;
 
+use rumble_core::compile::CompileOptions;
+use rumble_core::cost::{Cost, DeviceRates, Measured, Roofline};
 use rumble_core::cpu::HostTensor;
 use rumble_core::ir::{InputRole, OutputRole, Trace, ValueId, verify};
 use rumble_core::plan::{BackendScratch, MemoryPlan, PlanOptions, Region};
@@ -121,6 +123,55 @@ impl Program {
         PlanOptions { backend_scratch: Some(backend), ..base.clone() }
     }
 
+    /// `base` made for `dev`: each node's recipe scratch planned with the node
+    /// ([`Program::plan_options`]), the device's free memory (for `Budget::Auto`), and, unless
+    /// `base` has one, a cost model of the times measured on this device (in the kernel cache
+    /// folder; the matmul tuner records them) over an H200's roofline with this device's
+    /// multiprocessors.
+    pub fn compile_options(dev: &Arc<Device>, base: &CompileOptions) -> Result<CompileOptions> {
+        let cost = base.cost.clone().or_else(|| {
+            let rates =
+                DeviceRates { name: dev.name.clone(), multiprocessors: dev.multiprocessors, ..DeviceRates::h200() };
+            let m: Cost = match dev.knobs().cache {
+                Some(dir) => Arc::new(Measured::load(&dir, rates)),
+                None => Arc::new(Roofline::new(rates)),
+            };
+            Some(m)
+        });
+        Ok(CompileOptions {
+            plan: Self::plan_options(dev, &base.plan),
+            free_bytes: base.free_bytes.or(Some(dev.mem_info()?.0)),
+            cost,
+            ..base.clone()
+        })
+    }
+
+    /// Records measured device seconds of whole nodes (`(node, seconds)`, as `--profile` times
+    /// them) for the cost model, keyed by `cost::node_key`, in the kernel cache folder. The
+    /// fused loss is left out: its variants (chunk rows) are weighed against each other, so it
+    /// is priced from its matmuls' measured times, never half measured and half estimated.
+    pub fn record_times(&self, times: &[(usize, f64)]) -> std::io::Result<()> {
+        let Some(dir) = self.dev.knobs().cache else { return Ok(()) };
+        let t = &self.trace;
+        let lines: Vec<(String, f64)> = times
+            .iter()
+            .filter_map(|&(n, s)| {
+                let node = t.nodes.get(n)?;
+                if matches!(
+                    node.op,
+                    rumble_core::ir::Op::LinearCrossEntropy { .. }
+                        | rumble_core::ir::Op::LinearCrossEntropyBackward { .. }
+                ) {
+                    return None;
+                }
+                let at: Vec<_> = node.args.iter().map(|a| t.ty(*a)).collect();
+                let ot: Vec<_> = node.outs.iter().map(|o| t.ty(*o)).collect();
+                Some((rumble_core::cost::node_key(&node.op, &at, &ot), s))
+            })
+            .collect();
+        rumble_core::cost::record(&dir, &self.dev.name, &lines)
+    }
+
     /// Plans `trace` with `planner(trace, workspace_bytes)` (e.g. `plan_in_order`, or
     /// `|t, ws| Ok(plan_naive(t, ws))`) and prepares it. The scratch is then one whole-step
     /// workspace of the most any node needs; [`Program::planned`] plans it per node instead.
@@ -134,12 +185,13 @@ impl Program {
         Self::new(dev, trace, plan)
     }
 
-    /// Plans `trace` with the core planner (`plan::plan`: memory-aware schedule, views,
+    /// Plans `trace` with the core planner (`compile::plan`: memory-aware schedule, views,
     /// in-place results, best-fit reuse, each node's recipe scratch planned as part of its
     /// scratch range: [`Program::plan_options`]) and prepares the trace as planned (its node
     /// order may differ).
     pub fn planned(dev: Arc<Device>, trace: &Trace, opts: &PlanOptions) -> Result<Program> {
-        let planned = rumble_core::plan::plan(trace, &Self::plan_options(&dev, opts))?;
+        let opts = CompileOptions { plan: Self::plan_options(&dev, opts), ..Default::default() };
+        let planned = rumble_core::compile::plan(trace, &opts)?;
         Self::new(dev, planned.trace, planned.plan)
     }
 

@@ -1,7 +1,8 @@
 // Flash attention in f32 with plain FMA (exact f32, no TF32), forward and backward, for
 // grouped-query heads and any head size up to 256 (FDPF: the head size rounded up to 32).
 // The same entry points and arguments as flash_attn.cu (the tensor-core kernels for bf16 and
-// f16); one module per (FDPF, FLASH_FMA_CFG).
+// f16) but dK/dV's split and dQ's o; one module per FDPF. src/flash.rs puts the prelude, the
+// module's `#define`s (FDPF, the tile sizes FA_*) and flash_common.cuh before this file.
 //
 // A block is 256 threads. Every tile (Q, K, V, dO) sits in shared memory row-major with a row
 // stride of DP + 4 floats, filled by cp.async (16 bytes at a time when the head size is a
@@ -19,78 +20,28 @@
 // log-sum-exp are saved. Deterministic: no atomics (dK/dV and dQ are separate kernels, as
 // for the tensor-core kernels).
 //
-// FLASH_FMA_CFG picks between two tilings (src/flash.rs reads RUMBLE_FLASH_FMA_CFG):
-// 0 ("a"): 32-key tiles in the forward, 32-query tiles in dK/dV;
-// 1 ("b"): 64-key tiles in the forward, 64-query tiles in dK/dV up to head size 128 (bigger
-// register tiles, single-buffered where two buffers no longer fit). dQ takes 32-key tiles.
-// The default is 1 (faster on the H200: 5.24 against 5.92 ms fwd+bwd at seed-llama's shape).
-
-#ifndef FLASH_EMU
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-// 16 bytes global -> shared, asynchronously; the bytes past `src_bytes` (0 or 16) are zeros.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
-#define FLASH_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
-#define FLASH_SYNC() __syncthreads()
-#endif
-
-#ifndef FLASH_FMA_CFG
-#define FLASH_FMA_CFG 0
-#endif
+// The tiling: 64-key tiles in the forward, 64-query tiles in dK/dV up to head size 128 (32
+// above), 32-key tiles in dQ; single-buffered where two buffers no longer fit.
 
 namespace fa {
 typedef float T;
-// Shapes, and the operands' layout as element strides (src/flash.rs, HeadLayout::strides):
-// between heads and between positions of q, o, dO, dQ (qhs, qrs) and of k, v, dK, dV (khs,
-// krs); [B, H, T, D] has (T d, d), [B, T, H, D] (d, H d); the batch stride is H T d in both.
-// lse and delta are [B, Hq, T] either way.
-struct Dims { i64 b, hq, hkv, t, s, d, qhs, qrs, khs, krs; };
-constexpr int NT = 256;
-constexpr int DP = FDPF;  // head size rounded up to 32
+constexpr int NT = 256;     // threads of every kernel here
+constexpr int DP = FDPF;    // head size rounded up to 32
 constexpr int LD = DP + 4;  // row stride of every head-dim tile in shared memory
-constexpr bool BIG = FLASH_FMA_CFG == 1;
-constexpr int SMEM_MAX = 227 * 1024;
-// forward and dQ: FBR queries a block, threads 32 x 8 (ty = tid / 8, tx = tid % 8), RQ rows each;
-// keys in tiles of FBC (the score tile of a thread: RQ x FBC / 8).
+// The tiles (src/flash.rs `Variant::Fma`, as defines). Forward and dQ: FBR queries a block,
+// threads 32 x 8 (ty = tid / 8, tx = tid % 8), RQ rows each; the forward's keys in tiles of FBC
+// (a thread's score tile: RQ x FBC / 8), dQ's in tiles of QBC (Q and dO stay resident). FNB,
+// QNB, KNB: buffers of the streamed tiles (two where shared memory holds them).
 constexpr int FTX = 8, FTY = NT / FTX;
-constexpr int FBR = DP <= 128 ? 128 : 64, RQ = FBR / FTY;
-constexpr int FBC = BIG ? 64 : 32, LPF = FBC + 8;
-constexpr int QBC = 32, LPQ = QBC + 8;  // dQ: keys in tiles of QBC (Q and dO stay resident)
-// Shared bytes with nb buffers of the streamed tiles; two where they fit.
-#define FA_SMEM_FWD(nb) ((FBR * LD + 2 * (nb) * FBC * LD + FBR * LPF) * 4)
-#define FA_SMEM_DQ(nb) ((2 * FBR * LD + 2 * (nb) * QBC * LD + FBR * LPQ) * 4)
-constexpr int FNB = FA_SMEM_FWD(2) <= SMEM_MAX ? 2 : 1, QNB = FA_SMEM_DQ(2) <= SMEM_MAX ? 2 : 1;
+constexpr int FBR = FA_FWD_ROWS, RQ = FBR / FTY;
+constexpr int FBC = FA_FWD_KEYS, LPF = FBC + 8, FNB = FA_FWD_STAGES;
+constexpr int QBC = FA_DQ_KEYS, LPQ = QBC + 8, QNB = FA_DQ_STAGES;
 // dK/dV: BK keys a block, head dims [c0, c0 + DC); threads KTY x KTX (ty = tid / KTX), RK keys
 // each, UK float4 column chunks; queries in tiles of BQ (score tile of a thread: RK x BQ / KTX).
-constexpr int BK = 64;
-constexpr int DC = DP <= 128 ? DP : 128;
-constexpr int NCH = (DP + DC - 1) / DC;
+constexpr int BK = FA_DKDV_KEYS, DC = FA_DKDV_DIMS, NCH = FA_NCHUNK, KNB = FA_DKDV_STAGES;
 constexpr int KTX = DC % 64 == 0 ? 16 : 8, KTY = NT / KTX, RK = BK / KTY, UK = DC / (4 * KTX);
-constexpr int BQ = BIG && DP <= 128 ? 64 : 32, LPK = BQ + KTX;
-#define FA_SMEM_DKDV(nb) ((2 * BK * LD + 2 * (nb) * BQ * LD + 2 * BK * LPK + 2 * (nb) * BQ) * 4)
-constexpr int KNB = FA_SMEM_DKDV(2) <= SMEM_MAX ? 2 : 1;
-// Launch shape (mirrored by src/flash.rs): rows of the grid's x axis per block, shared bytes.
-constexpr int FWD_ROWS = FBR, DQ_ROWS = FBR, DKDV_KEYS = BK, NCHUNK = NCH;
-constexpr int SMEM_FWD = FA_SMEM_FWD(FNB), SMEM_DQ = FA_SMEM_DQ(QNB), SMEM_DKDV = FA_SMEM_DKDV(KNB);
-static_assert(SMEM_FWD <= SMEM_MAX && SMEM_DQ <= SMEM_MAX && SMEM_DKDV <= SMEM_MAX, "flash_fma tiles too big");
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
-#define NEG_INF (-F32_INF)
-
-__device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
-// Offset of position 0 of query head h of batch b (in q, o, dO, dQ), of kv head h of batch b (in
-// k, v, dK, dV). (From b and h, which the kernels have: no 64-bit divisions here.)
-__device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
-__device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
+constexpr int BQ = FA_DKDV_QUERIES, LPK = BQ + KTX;
+static_assert(FBR == FA_DQ_ROWS && NCH * DC >= DP && RK * KTY == BK, "flash_fma tile sizes");
 __device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
 __device__ __forceinline__ float comp(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
@@ -527,19 +478,6 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
   }
 }
 
-// ---- which blocks a CTA runs. Causal work grows with a block's index (the longest query rows
-// first, the keys seen by the most queries first), so on a paired grid (gridDim.x < n * per:
-// src/flash.rs asks for one while half the CTAs still fill the device) CTA x runs block x and
-// then block n - 1 - x, and every CTA gets about the same work (the middle block of an odd n
-// runs once). `per` neighbouring grid columns share one block index (dK/dV's head-dim chunks). ----
-__device__ __forceinline__ int passes(i64 n, int per) {
-  const i64 x = (i64)blockIdx.x / per;
-  return (i64)gridDim.x < n * per && n - 1 - x != x ? 2 : 1;
-}
-__device__ __forceinline__ i64 block_of(i64 n, int per, int pass) {
-  const i64 x = (i64)blockIdx.x / per, c = (i64)blockIdx.x % per;
-  return (pass == 0 ? x : n - 1 - x) * per + c;
-}
 }  // namespace fa
 
 // 256 threads, one block an SM (shared memory allows no more): all 255 registers may be used.
@@ -549,42 +487,23 @@ __device__ __forceinline__ i64 block_of(i64 n, int per, int pass) {
 #define FA_BOUNDS __launch_bounds__(fa::NT, 1)
 #endif
 
-extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, const float* v,
-                                                               float* o, float* lse, fa::Dims dm, double scale,
-                                                               int causal) {
-  const i64 n = (dm.t + fa::FWD_ROWS - 1) / fa::FWD_ROWS;
-  const int np = fa::passes(n, 1);
-#pragma unroll 1
-  for (int p = 0; p < np; ++p) {
-    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
-    fa::fwd(q, k, v, o, lse, dm, scale, causal, fa::block_of(n, 1, p));
-  }
+extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, const float* v, float* o, float* lse,
+                                               fa::Dims dm, double scale, int causal) {
+  fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
+                 [&](i64 blk) { fa::fwd(q, k, v, o, lse, dm, scale, causal, blk); });
 }
-extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta,
-                                                                     fa::Dims dm) {
+extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta, fa::Dims dm) {
   fa::bwd_delta(o, dout, delta, dm);
 }
-extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float* k, const float* v,
-                                                                    const float* lse, const float* dout,
-                                                                    const float* delta, float* dk, float* dv,
-                                                                    fa::Dims dm, double scale, int causal) {
-  const i64 n = (dm.s + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS;
-  const int np = fa::passes(n, fa::NCHUNK);
-#pragma unroll 1
-  for (int p = 0; p < np; ++p) {
-    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
-    fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, fa::block_of(n, fa::NCHUNK, p));
-  }
+extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float* k, const float* v, const float* lse,
+                                                    const float* dout, const float* delta, float* dk, float* dv,
+                                                    fa::Dims dm, double scale, int causal) {
+  fa::each_block((dm.s + fa::BK - 1) / fa::BK, fa::NCH,
+                 [&](i64 blk) { fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, blk); });
 }
-extern "C" __global__ void FA_BOUNDS flash_bwd_dq(const float* q, const float* k, const float* v,
-                                                                  const float* lse, const float* dout,
-                                                                  const float* delta, float* dq, fa::Dims dm,
-                                                                  double scale, int causal) {
-  const i64 n = (dm.t + fa::DQ_ROWS - 1) / fa::DQ_ROWS;
-  const int np = fa::passes(n, 1);
-#pragma unroll 1
-  for (int p = 0; p < np; ++p) {
-    if (p) FLASH_SYNC();  // the first block's last reads of shared memory are done
-    fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal, fa::block_of(n, 1, p));
-  }
+extern "C" __global__ void FA_BOUNDS flash_bwd_dq(const float* q, const float* k, const float* v, const float* lse,
+                                                  const float* dout, const float* delta, float* dq, fa::Dims dm,
+                                                  double scale, int causal) {
+  fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
+                 [&](i64 blk) { fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal, blk); });
 }

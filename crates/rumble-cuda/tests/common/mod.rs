@@ -1,4 +1,4 @@
-//! Helpers shared by the GPU tests: the device (or a printed skip), comparisons against the
+//! Helpers shared by the GPU tests and benches: the device (a test's, or a bench's printed skip), comparisons against the
 //! CPU reference with per-dtype tolerances, random inputs.
 #![allow(dead_code)]
 
@@ -8,7 +8,17 @@ use rumble_core::cpu::{HostTensor, Rng};
 use rumble_core::ir::{DType, TensorType};
 use rumble_cuda::Device;
 
-/// The GPU, or `None` after printing why the test is skipped.
+/// The GPU of a test that needs one. Such tests are `#[ignore = "needs a CUDA device"]`, so on a
+/// machine without CUDA `cargo test` counts them as ignored, never as passed; on a GPU machine
+/// run them with `cargo test -- --include-ignored` (scripts/gpu-run does). Included where there
+/// is no device, they fail, saying why.
+pub fn gpu() -> Arc<Device> {
+    Device::new(0).unwrap_or_else(|e| {
+        panic!("this test needs a CUDA device (run with --include-ignored only on a GPU machine): {e}")
+    })
+}
+
+/// The GPU, or `None` after printing why the bench is skipped (the benches, run by hand).
 pub fn device() -> Option<Arc<Device>> {
     match Device::new(0) {
         Ok(d) => Some(d),

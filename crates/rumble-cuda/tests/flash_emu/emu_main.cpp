@@ -1,13 +1,14 @@
 // Runs the flash-attention kernels of one module (flash_attn.cu for FT = bf16/f16, or
 // flash_fma.cu for f32) under the CPU emulator (emu.h) on random inputs and compares o, lse,
 // dq, dk and dv with attention computed exactly in double, as rumble_core's CPU reference does.
-//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT]]   prints one line; exits 1 over tolerance
+// Built with the module's `#define`s (src/flash.rs `Variant::defines`) in a header given to g++
+// by `-include` (tests/flash_emulation.rs does this), and -DFLASH_FMA=1 for f32.
+//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT [SPLIT]]]   prints one line; exits 1 over tolerance
 // LAYOUT: bhtd (default; q [B, HQ, T, D]) or bthd (q [B, T, HQ, D], k and v [B, S, HKV, D]): the
 // kernels then read and write the sequence-major copies, and their results are compared after
-// permuting back.
+// permuting back. SPLIT (tensor-core kernels): the group's query heads split over SPLIT dK/dV
+// block rows, whose partial sums flash_bwd_dkdv_sum adds (src/flash.rs dkdv_split); default 1.
 #include "emu.h"
-#define STR_(x) #x
-#define STR(x) STR_(x)
 #ifndef FLASH_FMA
 #define FLASH_FMA 0
 #endif
@@ -16,18 +17,11 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "../../src/kernels/flash_common.cuh"
 #if FLASH_FMA
 #include "../../src/kernels/flash_fma.cu"
-#define FWD_THREADS fa::NT
-#define DKDV_THREADS fa::NT
-#define BWD_FUSED_DELTA 0
-#define CFG_NAME ""
 #else
 #include "../../src/kernels/flash_attn.cu"
-#define FWD_THREADS fa::FNT
-#define DKDV_THREADS fa::DKDV_NT
-#define BWD_FUSED_DELTA fa::FDELTA
-#define CFG_NAME " cfg" STR(FCFG)
 #endif
 
 using fa::T;
@@ -125,7 +119,7 @@ static double rel_err_f(const std::vector<float>& got, const std::vector<double>
 }
 
 int main(int argc, char** argv) {
-  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT]]\n"); return 2; }
+  if (argc < 9) { fprintf(stderr, "usage: emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT [SPLIT]]]\n"); return 2; }
   int B = atoi(argv[1]), HQ = atoi(argv[2]), HKV = atoi(argv[3]), Tn = atoi(argv[4]), S = atoi(argv[5]), D = atoi(argv[6]);
   bool causal = atoi(argv[7]);
   std::mt19937_64 rng(atoi(argv[8]));
@@ -166,7 +160,7 @@ int main(int argc, char** argv) {
   // Causal grids pair block i with block n - 1 - i in one CTA (src/flash.rs grid_columns, here
   // whatever the size, so both passes run).
   auto cols = [&](int n) { return (unsigned)(causal && n >= 2 ? (n + 1) / 2 : n); };
-  emu::launch({cols((Tn + fa::FWD_ROWS - 1) / fa::FWD_ROWS), (unsigned)(B * HQ), 1}, FWD_THREADS, fa::SMEM_FWD,
+  emu::launch({cols((Tn + FA_FWD_ROWS - 1) / FA_FWD_ROWS), (unsigned)(B * HQ), 1}, FA_FWD_THREADS, FA_SMEM_FWD,
               [&] { flash_fwd(qd.data(), kd.data(), vd.data(), o, lse, dm, scale, causal); });
   Ref r0 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, nullptr, nullptr);
   double mo, e_o = rel_err(host_q(o), r0.o, &mo);
@@ -189,52 +183,42 @@ int main(int argc, char** argv) {
 #if FLASH_FMA
   const int nsplit = 1;
   auto dkdv = [&] {
-    emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV), 1}, DKDV_THREADS,
-                fa::SMEM_DKDV,
+    emu::launch({cols((S + FA_DKDV_KEYS - 1) / FA_DKDV_KEYS) * FA_NCHUNK, (unsigned)(B * HKV), 1}, FA_DKDV_THREADS,
+                FA_SMEM_DKDV,
                 [&] { flash_bwd_dkdv(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dk, dv, dm, scale, causal); });
   };
 #else
-  // FLASH_SPLIT=n: the group's query heads split over n block rows per kv head, partial sums
-  // added by flash_bwd_dkdv_sum (src/flash.rs dkdv_split); 1 (the default): dK/dV written directly.
-  const int nsplit = getenv("FLASH_SPLIT") ? atoi(getenv("FLASH_SPLIT")) : 1;
+  // SPLIT: 1 (the default) writes dK/dV directly.
+  const int nsplit = argc > 11 ? atoi(argv[11]) : 1;
   float* part = nsplit > 1 ? (float*)alloc((size_t)2 * nsplit * nk * 4) : nullptr;
   if (part) std::fill((unsigned char*)part, (unsigned char*)part + (size_t)2 * nsplit * nk * 4, 0xff);
   auto dkdv = [&] {
-    emu::launch({cols((S + fa::DKDV_KEYS - 1) / fa::DKDV_KEYS) * fa::NCHUNK, (unsigned)(B * HKV * nsplit), 1},
-                DKDV_THREADS, fa::SMEM_DKDV, [&] {
+    emu::launch({cols((S + FA_DKDV_KEYS - 1) / FA_DKDV_KEYS) * FA_NCHUNK, (unsigned)(B * HKV * nsplit), 1},
+                FA_DKDV_THREADS, FA_SMEM_DKDV, [&] {
                   flash_bwd_dkdv(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dk, dv, part, nsplit,
                                  dm, scale, causal);
                 });
     if (nsplit > 1)
-      emu::launch({3, 1, 1}, fa::NT, 0, [&] { flash_bwd_dkdv_sum(part, dk, dv, dm, nsplit); });
+      emu::launch({3, 1, 1}, FA_THREADS, 0, [&] { flash_bwd_dkdv_sum(part, dk, dv, dm, nsplit); });
   };
 #endif
   auto dq_ = [&] {
-    emu::launch({cols((Tn + fa::DQ_ROWS - 1) / fa::DQ_ROWS), (unsigned)(B * HQ), 1}, fa::NT, fa::SMEM_DQ, [&] {
-#if FLASH_FMA
+    emu::launch({cols((Tn + FA_DQ_ROWS - 1) / FA_DQ_ROWS), (unsigned)(B * HQ), 1}, FA_DQ_THREADS, FA_SMEM_DQ, [&] {
       flash_bwd_dq(qd.data(), kd.data(), vd.data(), lsef.data(), dod.data(), delta, dq, dm, scale, causal);
-#else
-      flash_bwd_dq(qd.data(), kd.data(), vd.data(), orefd.data(), lsef.data(), dod.data(), delta, dq, dm, scale, causal);
-#endif
     });
   };
-  if (BWD_FUSED_DELTA) {  // dQ computes delta, then dK/dV reads it
-    dq_();
-    dkdv();
-  } else {
-    emu::launch({(unsigned)std::min<size_t>((rows + 3) / 4, 64), 1, 1}, fa::NT, 0,
-                [&] { flash_bwd_delta(orefd.data(), dod.data(), delta, dm); });
-    dkdv();
-    dq_();
-  }
+  emu::launch({(unsigned)std::min<size_t>((rows + FA_THREADS / 32 - 1) / (FA_THREADS / 32), 64), 1, 1}, FA_THREADS, 0,
+              [&] { flash_bwd_delta(orefd.data(), dod.data(), delta, dm); });
+  dkdv();
+  dq_();
   double m1, m2, m3;
   double e_dq = rel_err(host_q(dq), r1.dq, &m1);
   double e_dk = rel_err(host_k(dk), r1.dk, &m2);
   double e_dv = rel_err(host_k(dv), r1.dv, &m3);
   double tol = sizeof(T) == 4 ? 2e-5 : 1e-2;
   bool ok = e_o <= tol && e_l <= tol && e_dq <= tol && e_dk <= tol && e_dv <= tol;
-  printf("%s DP%d%s %s B%d HQ%d HKV%d T%d S%d D%d causal%d split%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
-         ok ? "ok  " : "FAIL", fa::DP, CFG_NAME, layout.c_str(), B, HQ, HKV, Tn, S, D, (int)causal, nsplit, e_o, e_l, e_dq,
+  printf("%s DP%d %s B%d HQ%d HKV%d T%d S%d D%d causal%d split%d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e (tol %.0e)\n",
+         ok ? "ok  " : "FAIL", fa::DP, layout.c_str(), B, HQ, HKV, Tn, S, D, (int)causal, nsplit, e_o, e_l, e_dq,
          e_dk, e_dv, tol);
   return ok ? 0 : 1;
 }

@@ -1,0 +1,153 @@
+//! The one compile entry point: a traced step in, a planned program out.
+//!
+//! [`compile`] runs, in order: the cleanup and fusion passes ([`PIPELINE`]), the choices
+//! ([`choose`]: variants of the trace, each scheduled, rematerialised where a memory budget
+//! needs it, placed, and priced by the cost model, `crate::cost`; the [`Budget`] picks one),
+//! and the memory planner (`crate::plan::plan_order`), with each node's backend scratch
+//! ([`crate::plan::BackendScratch`] in [`PlanOptions`]). Every caller
+//! (the trainer, shape buckets, the CUDA executor, `rumble plan`, `rumble bench`) goes through
+//! it, so a choice made here is made for all of them. [`plan`] is the same without the passes
+//! (a trace that is already clean), and [`optimize`] the passes alone (executors that run a
+//! trace without a plan, like the CPU evaluator).
+//!
+//! This module sits above `passes` and `plan`: it calls both; the planner calls no pass.
+
+use crate::Result;
+pub mod choose;
+
+use std::sync::Arc;
+
+pub use choose::Budget;
+
+use crate::cost::{Cost, Roofline};
+use crate::ir::{Trace, verify};
+use crate::passes::remat::{Remat, remat_costed};
+use crate::passes::schedule::schedule;
+use crate::passes::{self, Pass, PassLog};
+use crate::plan::lifetimes::Lifetimes;
+use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned, plan_order};
+
+/// The passes a step goes through before it is planned: dead code, common subexpressions (the
+/// optimizer's shared scalars, repeated broadcasts), dead code again, elementwise fusion.
+pub const PIPELINE: &[Pass] =
+    &[("dce", passes::dce), ("cse", passes::cse), ("dce", passes::dce), ("fuse", passes::fuse)];
+
+/// What [`compile`] does besides placing buffers.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// Run [`PIPELINE`] first (`compile` only; [`plan`] never runs it).
+    pub passes: bool,
+    /// Reorder nodes to lower LOAD first (`passes::schedule`).
+    pub schedule: bool,
+    /// Recompute values in the backward instead of saving them (`passes::remat`).
+    pub remat: Remat,
+    /// How the planner places buffers (in-place results, scratch, workspace).
+    pub plan: PlanOptions,
+    /// What the peak must respect; [`compile`] picks the fastest plan that does.
+    pub budget: Budget,
+    /// Weigh variants (the fused loss's chunk rows) by the cost model; off keeps the trace's.
+    pub choose: bool,
+    /// Predicted node times; `None`: the roofline of an H200 (`cost::DeviceRates::h200`).
+    pub cost: Option<Cost>,
+    /// The device's free memory, for [`Budget::Auto`] (`None` on the CPU).
+    pub free_bytes: Option<usize>,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions {
+            passes: true,
+            schedule: true,
+            remat: Remat::Off,
+            plan: PlanOptions::default(),
+            budget: Budget::Fastest,
+            choose: true,
+            cost: None,
+            free_bytes: None,
+        }
+    }
+}
+
+/// A compiled step: the trace as it will run (after the passes, scheduling and
+/// rematerialisation, so its value ids are the ones the plan speaks of), its plan, its
+/// lifetimes, the planner's report, and what each pass did.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub trace: Trace,
+    pub plan: MemoryPlan,
+    pub lifetimes: Lifetimes,
+    pub report: PlanReport,
+    /// The passes of [`PIPELINE`] (empty without `passes`).
+    pub passes: Vec<PassLog>,
+    /// Predicted seconds of one step (`report.predicted_ms` too).
+    pub seconds: f64,
+}
+
+impl Compiled {
+    /// The timeline picture (SVG) of this plan.
+    pub fn svg(&self) -> String {
+        crate::plan::svg::timeline(&self.trace, &self.lifetimes, &self.report)
+    }
+}
+
+/// Compiles `trace` as `opts` asks: passes, choices under the budget (schedule,
+/// rematerialisation, plan of each variant), the chosen plan.
+pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
+    let (t, logs) = optimize(trace, opts)?;
+    let cost: Cost = opts.cost.clone().unwrap_or_else(|| Arc::new(Roofline::default()));
+    let opts = CompileOptions { cost: Some(cost.clone()), ..opts.clone() };
+    let (pick, weighed) = choose::choose(&t, &opts, cost.as_ref())?;
+    let Planned { trace, plan, lifetimes, mut report } = pick.planned;
+    report.predicted_ms = Some(pick.seconds * 1e3);
+    report.cost_model = cost.describe();
+    report.budget = opts.budget.to_string();
+    if !pick.label.is_empty() {
+        report.chosen = pick.label.clone();
+    }
+    if weighed.len() > 1 {
+        report.weighed = weighed;
+    }
+    Ok(Compiled { trace, plan, lifetimes, report, passes: logs, seconds: pick.seconds })
+}
+
+/// The trace-level part of [`compile`]: [`PIPELINE`] if `opts.passes`, and nothing else.
+pub fn optimize(trace: &Trace, opts: &CompileOptions) -> Result<(Trace, Vec<PassLog>)> {
+    if opts.passes { passes::run(trace, PIPELINE) } else { Ok((trace.clone(), Vec::new())) }
+}
+
+/// Plans `trace` (no [`PIPELINE`]): schedules and rematerialises it as `opts` asks, then places
+/// every value. The trace must verify.
+pub fn plan(trace: &Trace, opts: &CompileOptions) -> Result<Planned> {
+    verify(trace)?;
+    let lt_opts = LifetimeOptions { inplace: opts.plan.inplace };
+    let mut t = trace.clone();
+    let mut logs = Vec::new();
+    if opts.schedule {
+        let (s, r) = schedule(&t, lt_opts)?;
+        t = s;
+        logs.push(r);
+    }
+    if opts.remat != Remat::Off {
+        // The budget counts the largest backend scratch as if it were a whole-step workspace
+        // (remat's lifetimes do not see it): conservative, never over the budget for it.
+        let most = match &opts.plan.backend_scratch {
+            Some(b) => b.per_node(&t)?.into_iter().max().unwrap_or(0),
+            None => 0,
+        };
+        let (s, r) = remat_costed(&t, opts.remat, opts.plan.workspace_bytes + most, lt_opts, opts.cost.as_deref())?;
+        let changed = s != t;
+        t = s;
+        logs.push(r);
+        if opts.schedule && changed {
+            let (s, r) = schedule(&t, lt_opts)?;
+            t = s;
+            logs.push(r);
+        }
+    }
+    let mut planned = plan_order(&t, &opts.plan)?;
+    planned.report.passes = logs;
+    if let Remat::Budget { peak_bytes } = opts.remat {
+        planned.report.budget_bytes = Some(peak_bytes);
+    }
+    Ok(planned)
+}

@@ -1,0 +1,439 @@
+//! The cost model: the predicted device time of each node for the shapes at hand, so that
+//! `compile` can weigh a choice's time against its bytes (and `rumble plan` can say how long a
+//! step should take on a machine without a GPU).
+//!
+//! [`CostModel`] is the one question: the seconds a node of op `op` on operands `args` giving
+//! `outs` takes. Two answers:
+//!
+//! - [`Roofline`]: from FLOPs and bytes against a device's rates ([`DeviceRates`], data, not
+//!   constants scattered in code): `max(flops / rate, bytes / bandwidth) + launches x
+//!   overhead`. Matmuls add the tensor cores' tile and wave quantisation (a thin matmul fills
+//!   few tiles, and a last wave may leave most multiprocessors idle), which is what makes a
+//!   chunked loss of thin matmuls slower than a wide one; its weight is read once per chunk.
+//!   Fused linear cross-entropy is priced chunk by chunk as the CUDA recipe runs it
+//!   (`recipe.rs`'s `linear_ce`: per chunk one logits matmul and two passes over the logits
+//!   forward; a recomputation, one pass and two gradient matmuls backward).
+//! - [`Measured`]: times measured on the device (the matmul tuner records each shape it
+//!   times), read from a file keyed by device, op, shapes and dtypes ([`matmul_key`],
+//!   [`node_key`]); the roofline answers for anything not measured.
+//!
+//! The FLOP counts are `passes::remat::flops`'s.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::ir::{DType, Op, TensorType, Trace, stat_dtype};
+use crate::passes::remat::flops;
+use crate::plan::view_offset;
+
+/// A device's rates: what the roofline divides by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceRates {
+    /// The device's name (keys measured times).
+    pub name: String,
+    /// Dense matmul FLOP/s on bf16 and f16 operands (tensor cores, f32 accumulation).
+    pub half_matmul: f64,
+    /// Matmul FLOP/s on exact f32 operands (no TF32).
+    pub f32_matmul: f64,
+    /// Matmul FLOP/s on f64 operands.
+    pub f64_matmul: f64,
+    /// The fraction of the matmul rate the attention kernels reach.
+    pub attention_efficiency: f64,
+    /// FLOP/s of the vector units (elementwise, reductions).
+    pub vector: f64,
+    /// Device memory bandwidth, bytes/s.
+    pub memory: f64,
+    /// Seconds each kernel launch costs beyond its work (inside a graph: the gap between
+    /// kernels).
+    pub launch: f64,
+    /// Streaming multiprocessors: one matmul tile each per wave.
+    pub multiprocessors: usize,
+    /// Rows and columns of the output tile a multiprocessor computes at once.
+    pub tile: (usize, usize),
+}
+
+impl DeviceRates {
+    /// An NVIDIA H200 (SXM, 132 SMs) as measured: bf16 dense matmuls at about 790 TFLOP/s,
+    /// cuBLAS's exact f32 at about 50, HBM3e at about 4.3 TB/s.
+    pub fn h200() -> Self {
+        DeviceRates {
+            name: "NVIDIA H200".into(),
+            half_matmul: 790e12,
+            f32_matmul: 50e12,
+            f64_matmul: 50e12,
+            attention_efficiency: 0.5,
+            vector: 60e12,
+            memory: 4.3e12,
+            launch: 3e-6,
+            multiprocessors: 132,
+            tile: (128, 128),
+        }
+    }
+
+    /// Matmul FLOP/s for operands of `dtype`.
+    pub fn matmul_rate(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::BF16 | DType::F16 => self.half_matmul,
+            DType::F64 => self.f64_matmul,
+            _ => self.f32_matmul,
+        }
+    }
+}
+
+impl Default for DeviceRates {
+    fn default() -> Self {
+        DeviceRates::h200()
+    }
+}
+
+/// One matmul as the backends run it: `batch` products of `[m, k] x [k, n]` on `dtype`
+/// operands giving `out` (transposes as flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MatmulShape {
+    pub dtype: DType,
+    pub out: DType,
+    pub ta: bool,
+    pub tb: bool,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl MatmulShape {
+    /// The shape of an `Op::Matmul { ta, tb }` node on `a` and `b`.
+    pub fn of(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Self {
+        let r = a.rank();
+        let batch: usize = a.dims()[..r.saturating_sub(2)].iter().product();
+        let (m, k) = if ta { (a.dims()[r - 1], a.dims()[r - 2]) } else { (a.dims()[r - 2], a.dims()[r - 1]) };
+        let n = if tb { b.dims()[b.rank() - 2] } else { b.dims()[b.rank() - 1] };
+        MatmulShape { dtype: a.dtype, out: a.dtype, ta, tb, batch, m, n, k }
+    }
+}
+
+/// The key of a measured matmul time: `matmul bf16->f32 nt 1x4096x151936x896`.
+pub fn matmul_key(s: &MatmulShape) -> String {
+    let t = |x: bool| if x { 't' } else { 'n' };
+    format!("matmul {}->{} {}{} {}x{}x{}x{}", s.dtype, s.out, t(s.ta), t(s.tb), s.batch, s.m, s.n, s.k)
+}
+
+/// The key of a measured node time: the op and its operand and result types, as the text form
+/// writes them.
+pub fn node_key(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> String {
+    let j = |ts: &[&TensorType]| ts.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ");
+    let mut attrs: Vec<String> = crate::ir::op_attrs(op).into_iter().map(|(k, v)| format!(" {k}={v}")).collect();
+    if let Op::Fused(body) = op {
+        // The body itself, by a hash of its instructions (FNV-1a).
+        let text = format!("{:?}", body.body);
+        let h = text.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+        attrs.push(format!(" body={h:016x}"));
+    }
+    format!("{}{} ({}) -> ({})", op.name(), attrs.concat(), j(args), j(outs))
+}
+
+/// Predicted device time of nodes.
+pub trait CostModel: Send + Sync + fmt::Debug {
+    /// Seconds one node takes on the device.
+    fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64;
+    /// What the model is (printed in reports): `roofline NVIDIA H200`.
+    fn describe(&self) -> String;
+}
+
+/// A shared cost model.
+pub type Cost = Arc<dyn CostModel>;
+
+/// Predicted seconds of every node of `trace`, in order.
+pub fn node_times(model: &dyn CostModel, trace: &Trace) -> Vec<f64> {
+    trace
+        .nodes
+        .iter()
+        .map(|n| {
+            let a: Vec<&TensorType> = n.args.iter().map(|v| trace.ty(*v)).collect();
+            let o: Vec<&TensorType> = n.outs.iter().map(|v| trace.ty(*v)).collect();
+            model.node_seconds(&n.op, &a, &o)
+        })
+        .collect()
+}
+
+/// Predicted seconds of one step of `trace`: the sum over its nodes.
+pub fn trace_seconds(model: &dyn CostModel, trace: &Trace) -> f64 {
+    node_times(model, trace).iter().sum()
+}
+
+/// FLOPs and bytes against a device's rates (see the module doc).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Roofline {
+    pub rates: DeviceRates,
+}
+
+impl Roofline {
+    pub fn new(rates: DeviceRates) -> Self {
+        Roofline { rates }
+    }
+
+    /// Seconds of one matmul: the tensor cores' time at the tile-and-wave efficiency of its
+    /// shape, or the time to stream its operands and result, whichever is longer, plus a
+    /// launch. A dimension smaller than the tile gets a tile cut to it (in steps of 16, as
+    /// libraries keep narrow tiles for skinny shapes); too few tiles to fill the device split
+    /// `k` over the idle multiprocessors (split-K, at least 256 of `k` each).
+    pub fn matmul_seconds(&self, s: &MatmulShape) -> f64 {
+        let r = &self.rates;
+        if s.m == 0 || s.n == 0 || s.batch == 0 {
+            return 0.0;
+        }
+        let tm = r.tile.0.clamp(1, s.m.next_multiple_of(16));
+        let tn = r.tile.1.clamp(1, s.n.next_multiple_of(16));
+        let sms = r.multiprocessors.max(1);
+        let tiles = s.batch * s.m.div_ceil(tm) * s.n.div_ceil(tn);
+        let split = if tiles < sms { (sms / tiles).min(s.k / 256).max(1) } else { 1 };
+        let slots = (tiles * split).div_ceil(sms) * sms * tm * tn;
+        let efficiency = ((s.batch * s.m * s.n * split) as f64 / slots as f64).min(1.0);
+        let flops = 2.0 * (s.batch * s.m * s.n * s.k) as f64;
+        let compute = flops / (r.matmul_rate(s.dtype) * efficiency);
+        let es = |d: DType| d.size_in_bytes() as f64;
+        let bytes = (s.batch * (s.m * s.k + s.k * s.n)) as f64 * es(s.dtype) + (s.batch * s.m * s.n) as f64 * es(s.out);
+        compute.max(bytes / r.memory) + r.launch
+    }
+
+    /// Seconds of a kernel streaming `bytes` and doing `flops` on the vector units.
+    pub fn stream_seconds(&self, bytes: f64, flops: f64, launches: usize) -> f64 {
+        (bytes / self.rates.memory).max(flops / self.rates.vector) + launches as f64 * self.rates.launch
+    }
+
+    /// Seconds of a node, with `matmul` the price of each matmul it runs.
+    pub fn node_seconds_with(
+        &self,
+        op: &Op,
+        args: &[&TensorType],
+        outs: &[&TensorType],
+        matmul: &dyn Fn(&MatmulShape) -> f64,
+    ) -> f64 {
+        let bytes = |ts: &[&TensorType]| ts.iter().map(|t| t.size_in_bytes() as f64).sum::<f64>();
+        let moved = bytes(args) + bytes(outs);
+        let f = flops(op, args, outs) as f64;
+        match op {
+            Op::Reshape { .. } | Op::Permute { .. } | Op::Slice { .. } | Op::Broadcast { .. }
+                if args.len() == 1 && outs.len() == 1 && view_offset(op, args[0], outs[0]).is_some() =>
+            {
+                0.0
+            }
+            Op::Full { .. } => self.stream_seconds(bytes(outs), 0.0, 1),
+            Op::Matmul { ta, tb } => matmul(&MatmulShape::of(args[0], args[1], *ta, *tb)),
+            Op::Attention { .. } | Op::AttentionBackward { .. } => {
+                let rate = self.rates.matmul_rate(args[0].dtype) * self.rates.attention_efficiency;
+                let launches = if matches!(op, Op::AttentionBackward { .. }) { 3 } else { 1 };
+                (f / rate).max(moved / self.rates.memory) + launches as f64 * self.rates.launch
+            }
+            Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyBackward { chunk, .. } => {
+                self.linear_ce_seconds(args, *chunk, matches!(op, Op::LinearCrossEntropyBackward { .. }), matmul)
+            }
+            Op::Reduce { .. } => self.stream_seconds(moved, f, 2),
+            _ => self.stream_seconds(moved, f, 1),
+        }
+    }
+
+    /// Fused linear cross-entropy on `x [N, C]`, `w [V, C]`, `chunk` rows at a time, as the
+    /// CUDA recipe runs it.
+    fn linear_ce_seconds(
+        &self,
+        args: &[&TensorType],
+        chunk: usize,
+        backward: bool,
+        matmul: &dyn Fn(&MatmulShape) -> f64,
+    ) -> f64 {
+        let (x, w) = (args[0], args[1]);
+        let (n, c, v) = (x.dims()[0], x.dims()[1], w.dims()[0]);
+        if n == 0 {
+            return self.rates.launch;
+        }
+        let t = x.dtype;
+        let s = stat_dtype(t);
+        let chunk = chunk.clamp(1, n);
+        let mm = |dtype: DType, out: DType, ta: bool, tb: bool, m: usize, nn: usize, k: usize| {
+            matmul(&MatmulShape { dtype, out, ta, tb, batch: 1, m, n: nn, k })
+        };
+        let (ssz, tsz) = (s.size_in_bytes() as f64, t.size_in_bytes() as f64);
+        let mut total = 0.0;
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = chunk.min(n - r0);
+            let logits = (rows * v) as f64;
+            total += mm(t, s, false, true, rows, v, c);
+            if backward {
+                // The logit gradient in the operand dtype, then dx = dl w and dw += dl^T x.
+                total += self.stream_seconds(logits * (ssz + tsz), 4.0 * logits, 1);
+                total += mm(t, t, false, false, rows, c, v);
+                total += mm(t, t, true, false, v, c, rows);
+            } else {
+                // Split log-sum-exp statistics, then each row's loss: two reads of the logits.
+                total += self.stream_seconds(2.0 * logits * ssz, 5.0 * logits, 2);
+            }
+            r0 += rows;
+        }
+        total + self.rates.launch
+    }
+}
+
+impl CostModel for Roofline {
+    fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        self.node_seconds_with(op, args, outs, &|s| self.matmul_seconds(s))
+    }
+
+    fn describe(&self) -> String {
+        format!("roofline {}", self.rates.name)
+    }
+}
+
+/// Measured times where there are any (by [`matmul_key`] for matmuls, also inside fused ops,
+/// and by [`node_key`] for whole nodes), the roofline elsewhere.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub roofline: Roofline,
+    /// Seconds by key.
+    pub times: HashMap<String, f64>,
+}
+
+impl Measured {
+    /// The times measured on `rates.name` in `dir` (none if the file is missing or unreadable:
+    /// the roofline answers).
+    pub fn load(dir: &Path, rates: DeviceRates) -> Self {
+        let file = times_file(dir, &rates.name);
+        let mut times = HashMap::new();
+        if let Ok(text) = std::fs::read_to_string(&file) {
+            for line in text.lines() {
+                if let Some((k, v)) = line.rsplit_once('\t')
+                    && let Ok(s) = v.trim().parse::<f64>()
+                    && s.is_finite()
+                    && s >= 0.0
+                {
+                    times.insert(k.to_string(), s);
+                }
+            }
+        }
+        Measured { roofline: Roofline::new(rates), times }
+    }
+
+    /// Seconds measured for `key`, if any.
+    pub fn get(&self, key: &str) -> Option<f64> {
+        self.times.get(key).copied()
+    }
+}
+
+impl CostModel for Measured {
+    fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        if let Some(s) = self.get(&node_key(op, args, outs)) {
+            return s + self.roofline.rates.launch;
+        }
+        self.roofline.node_seconds_with(op, args, outs, &|s| {
+            self.get(&matmul_key(s)).map_or_else(|| self.roofline.matmul_seconds(s), |t| t + self.roofline.rates.launch)
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("measured {} ({} times), roofline elsewhere", self.roofline.rates.name, self.times.len())
+    }
+}
+
+/// The file of measured times for device `device` in folder `dir`: `times-<device>.txt`, one
+/// `key<TAB>seconds` line each (the last line of a key wins).
+pub fn times_file(dir: &Path, device: &str) -> PathBuf {
+    let name: String = device.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    dir.join(format!("times-{name}.txt"))
+}
+
+/// Appends measured times to `device`'s file in `dir` (one whole line per write, so
+/// concurrent processes at worst repeat a key). Errors are returned, not hidden.
+pub fn record(dir: &Path, device: &str, times: &[(String, f64)]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(times_file(dir, device))?;
+    for (k, s) in times {
+        if k.contains('\t') || k.contains('\n') || !s.is_finite() {
+            continue;
+        }
+        f.write_all(format!("{k}\t{s:e}\n").as_bytes())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Shape;
+
+    fn ty(dtype: DType, dims: &[usize]) -> TensorType {
+        TensorType::new(dtype, Shape::from(dims))
+    }
+
+    #[test]
+    fn a_thin_matmul_is_less_efficient_than_a_wide_one() {
+        let r = Roofline::default();
+        let at = |m| MatmulShape {
+            dtype: DType::BF16,
+            out: DType::F32,
+            ta: false,
+            tb: true,
+            batch: 1,
+            m,
+            n: 151936,
+            k: 896,
+        };
+        let wide = r.matmul_seconds(&at(4096));
+        let thin: f64 = (0..32).map(|_| r.matmul_seconds(&at(128))).sum();
+        assert!(thin > 1.3 * wide, "32 thin matmuls {thin:e} s vs one wide {wide:e} s");
+        // A big square matmul runs near the bf16 rate.
+        let s = MatmulShape {
+            dtype: DType::BF16,
+            out: DType::BF16,
+            ta: false,
+            tb: false,
+            batch: 1,
+            m: 8192,
+            n: 8192,
+            k: 8192,
+        };
+        let rate = 2.0 * 8192f64.powi(3) / r.matmul_seconds(&s);
+        assert!(rate > 0.9 * 790e12 && rate <= 790e12, "{rate:e}");
+    }
+
+    #[test]
+    fn wider_loss_chunks_are_predicted_faster() {
+        let r = Roofline::default();
+        let (x, w, t) = (ty(DType::BF16, &[4096, 896]), ty(DType::BF16, &[151936, 896]), ty(DType::I64, &[4096]));
+        let out = ty(DType::F32, &[]);
+        let time = |chunk| {
+            let f = r.node_seconds(&Op::LinearCrossEntropy { ignore_index: -100, chunk }, &[&x, &w, &t], &[&out]);
+            let dl = ty(DType::F32, &[]);
+            let b = r.node_seconds(
+                &Op::LinearCrossEntropyBackward { ignore_index: -100, chunk },
+                &[&x, &w, &t, &dl],
+                &[&x, &w],
+            );
+            f + b
+        };
+        assert!(
+            time(128) > time(1024) && time(1024) >= time(4096) * 0.99,
+            "{} {} {}",
+            time(128),
+            time(1024),
+            time(4096)
+        );
+    }
+
+    #[test]
+    fn measured_times_override_the_roofline_and_round_trip_through_the_file() {
+        let dir = std::env::temp_dir().join(format!("rumble-cost-{}", std::process::id()));
+        let s =
+            MatmulShape { dtype: DType::BF16, out: DType::BF16, ta: false, tb: true, batch: 1, m: 64, n: 64, k: 64 };
+        record(&dir, "Test GPU", &[(matmul_key(&s), 1e-3)]).unwrap();
+        let m = Measured::load(&dir, DeviceRates { name: "Test GPU".into(), ..DeviceRates::h200() });
+        let (a, b) = (ty(DType::BF16, &[64, 64]), ty(DType::BF16, &[64, 64]));
+        let got = m.node_seconds(&Op::Matmul { ta: false, tb: true }, &[&a, &b], &[&a]);
+        assert!((got - (1e-3 + m.roofline.rates.launch)).abs() < 1e-12, "{got}");
+        let other = m.node_seconds(&Op::Matmul { ta: false, tb: false }, &[&a, &b], &[&a]);
+        assert!(other < 1e-4, "unmeasured shapes fall back to the roofline: {other}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,144 @@
+//! `compile`'s choices against a synthetic cost table: whatever the node times, the chosen plan
+//! fits its budget, is the fastest of every variant the test enumerates itself (each loss chunk,
+//! with and without recomputation), and an impossible budget is an error naming the smallest
+//! feasible peak.
+
+use proptest::prelude::*;
+use rumble_core::Trace;
+use rumble_core::autodiff::backward;
+use rumble_core::compile::choose::{chunk_candidates, fastest_lean, with_chunk};
+use rumble_core::compile::{Budget, CompileOptions, compile, plan};
+use rumble_core::cost::{Cost, CostModel, node_key, trace_seconds};
+use rumble_core::ir::{DType, Graph, Op, OutputRole, TensorType};
+use rumble_core::passes::remat::Remat;
+use rumble_core::plan::check::check;
+use std::sync::Arc;
+
+/// Node times from a hash of the node's key and a seed: any table at all.
+#[derive(Debug)]
+struct Table {
+    seed: u64,
+}
+
+impl CostModel for Table {
+    fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        let k = node_key(op, args, outs);
+        let h = k.bytes().fold(0xcbf29ce484222325u64 ^ self.seed, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+        (h % 1000 + 1) as f64 * 1e-6
+    }
+    fn describe(&self) -> String {
+        format!("table {}", self.seed)
+    }
+}
+
+/// A small step with a fused loss: embedding, an MLP with a wide middle, the loss; gradients
+/// of every parameter.
+fn step(n: usize, c: usize, f: usize, v: usize) -> Trace {
+    let g = Graph::new("lce_step");
+    let tokens = g.data("tokens", DType::I64, &[n]).unwrap();
+    let targets = g.data("targets", DType::I64, &[n]).unwrap();
+    let embed = g.param("embed", DType::F32, &[v, c]).unwrap();
+    let w1 = g.param("w1", DType::F32, &[f, c]).unwrap();
+    let w2 = g.param("w2", DType::F32, &[c, f]).unwrap();
+    let head = g.param("head", DType::F32, &[v, c]).unwrap();
+    let x = embed.gather(&tokens).unwrap(); // (N, C)
+    let h = x.matmul_t(&w1).unwrap().silu().unwrap(); // (N, F)
+    let y = x.add(&h.matmul_t(&w2).unwrap()).unwrap(); // (N, C)
+    let loss = y.linear_cross_entropy(&head, &targets, -100, 3).unwrap();
+    g.output(&loss, "loss").unwrap();
+    let params = [("embed", &embed), ("w1", &w1), ("w2", &w2), ("head", &head)];
+    let grads = backward(&loss, &params.iter().map(|p| p.1).collect::<Vec<_>>()).unwrap();
+    for ((name, p), gr) in params.iter().zip(&grads) {
+        g.output_with_role(gr, &format!("grad.{name}"), OutputRole::Grad { of: p.id() }).unwrap();
+    }
+    g.finish().unwrap()
+}
+
+/// Every variant the test can think of: each chunk, planned plain and recomputed for `budget`;
+/// `(seconds, peak)` each.
+fn enumerate(trace: &Trace, cost: &Cost, budget: Option<usize>) -> Vec<(f64, usize)> {
+    let mut out = Vec::new();
+    for c in chunk_candidates(trace) {
+        let t = with_chunk(trace, c);
+        let mut remats = vec![Remat::Off];
+        remats.extend(budget.map(|b| Remat::Budget { peak_bytes: b }));
+        for remat in remats {
+            let opts = CompileOptions { remat, cost: Some(cost.clone()), ..Default::default() };
+            let p = plan(&t, &opts).unwrap();
+            out.push((trace_seconds(cost.as_ref(), &p.trace), p.report.peak_bytes));
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn the_chosen_plan_fits_and_is_the_fastest_by_the_table(
+        n in 8usize..48, c in 2usize..6, f in 4usize..24, v in 8usize..40, seed in any::<u64>(), frac in 0.3f64..1.2,
+    ) {
+        let trace = step(n, c, f, v);
+        let cost: Cost = Arc::new(Table { seed });
+        let opts = CompileOptions { passes: false, cost: Some(cost.clone()), ..Default::default() };
+        // The default: the fastest, unless the leanest is nearly as fast.
+        let fast = compile(&trace, &opts).unwrap();
+        check(&fast.trace, &fast.plan).unwrap();
+        let all = enumerate(&trace, &cost, None);
+        let want = all[fastest_lean(&all).unwrap()];
+        prop_assert_eq!((fast.seconds, fast.report.peak_bytes), want);
+        // A budget between the smallest and the largest peak: it fits, and nothing the test
+        // enumerates fits faster.
+        let min = compile(&trace, &CompileOptions { budget: Budget::Min, ..opts.clone() }).unwrap();
+        let lo = min.report.peak_bytes;
+        let hi = all.iter().map(|v| v.1).max().unwrap();
+        let b = lo + ((hi.saturating_sub(lo)) as f64 * frac) as usize;
+        let fit = compile(&trace, &CompileOptions { budget: Budget::Bytes(b), ..opts.clone() }).unwrap();
+        check(&fit.trace, &fit.plan).unwrap();
+        prop_assert!(fit.report.peak_bytes <= b, "peak {} over the budget {b}", fit.report.peak_bytes);
+        let fastest_fit = enumerate(&trace, &cost, Some(b))
+            .into_iter()
+            .filter(|v| v.1 <= b)
+            .map(|v| v.0)
+            .fold(f64::INFINITY, f64::min);
+        prop_assert!(fit.seconds <= fastest_fit + 1e-15, "{} vs {fastest_fit}", fit.seconds);
+        // The smallest peak is no larger than any variant's.
+        prop_assert!(all.iter().all(|v| lo <= v.1));
+    }
+}
+
+#[test]
+fn an_impossible_budget_names_the_smallest_feasible_peak() {
+    let trace = step(32, 4, 16, 24);
+    let opts = CompileOptions { passes: false, ..Default::default() };
+    let min = compile(&trace, &CompileOptions { budget: Budget::Min, ..opts.clone() }).unwrap();
+    let err = compile(&trace, &CompileOptions { budget: Budget::Bytes(min.report.peak_bytes / 2), ..opts })
+        .expect_err("cannot fit half the smallest peak")
+        .to_string();
+    assert!(err.contains("smallest feasible peak") && err.contains(&min.report.peak_bytes.to_string()), "{err}");
+}
+
+#[test]
+fn budgets_parse_and_the_report_names_the_choice() {
+    assert_eq!("auto".parse::<Budget>(), Ok(Budget::Auto));
+    assert_eq!("min".parse::<Budget>(), Ok(Budget::Min));
+    assert_eq!("1.5GB".parse::<Budget>(), Ok(Budget::Bytes(1_500_000_000)));
+    assert_eq!("2GiB".parse::<Budget>(), Ok(Budget::Bytes(2 << 30)));
+    assert!("lots".parse::<Budget>().is_err());
+    let c = compile(&step(64, 4, 16, 24), &CompileOptions::default()).unwrap();
+    assert!(c.report.predicted_ms.is_some_and(|ms| ms > 0.0));
+    assert!(c.report.chosen.starts_with("linear_cross_entropy chunk"), "{}", c.report.chosen);
+    assert!(c.report.to_json().contains("\"predicted_step_ms\""));
+    assert!(c.report.to_string().contains("predicted"));
+}
+
+#[test]
+fn the_default_keeps_the_leanest_plan_unless_it_is_clearly_slower() {
+    // (seconds, peak)
+    // The leanest (the fastest of the smallest peaks, within 1%) is kept if within 10%.
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)]), Some(1));
+    // Otherwise the smallest peak among those within 1% of the fastest.
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.005, 800), (1.5, 500)]), Some(1));
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.02, 800), (1.5, 500)]), Some(0));
+    assert_eq!(fastest_lean(&[]), None);
+}

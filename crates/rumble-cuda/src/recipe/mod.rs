@@ -1,0 +1,217 @@
+//! Op -> [`Recipe`]: which kernels a node runs, with what launch shape and scalar arguments.
+//! Every op of `rumble_core::ir::Op` has an arm here; the recipes of each family of fixed
+//! kernels sit in their own module ([`layout`], [`reduce`], [`rows`], [`attention`], each for
+//! the kernel file of its name, `kernels::KernelFile`), elementwise ops and fused bodies go to
+//! generated kernels (`crate::fused`), matmuls to cuBLASLt, attention first to the flash kernels
+//! (`crate::flash`). Kernel names derive from op names and dtypes (`rms_norm_bf16`).
+
+mod attention;
+mod layout;
+mod reduce;
+mod rows;
+
+use rumble_core::ir::{DType, Op, TensorType};
+
+use crate::compile::Options;
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::fused::Fused;
+use crate::kernels::{KernelFile, PRELUDE};
+use crate::launch::{Arg, Recipe, Step};
+use crate::matmul::MatmulKey;
+
+/// `f32`, `bf16`, ... as kernel-name suffixes.
+fn sfx(d: DType) -> &'static str {
+    d.name()
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(256) * 256
+}
+
+/// The kernel named `name` of the fixed kernel file `file`.
+fn kernel(dev: &Device, file: KernelFile, name: &str) -> Result<crate::compile::Func> {
+    let m = dev.module(file.name(), &file.source(), Options { fmad: false })?;
+    m.function(name)
+}
+
+fn grid_for(dev: &Device, n: usize, block: u32) -> (u32, u32, u32) {
+    let blocks = n.div_ceil(block as usize).clamp(1, dev.multiprocessors.max(1) * 32);
+    (blocks as u32, 1, 1)
+}
+
+fn rows_grid(dev: &Device, rows: usize) -> (u32, u32, u32) {
+    (rows.clamp(1, dev.multiprocessors.max(1) * 64) as u32, 1, 1)
+}
+
+struct Builder<'a> {
+    dev: &'a Device,
+    op: &'static str,
+    steps: Vec<Step>,
+    scratch: usize,
+    node: usize,
+}
+
+impl Builder<'_> {
+    fn k(
+        &mut self,
+        file: KernelFile,
+        name: String,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<Arg>,
+    ) -> Result<()> {
+        let func = kernel(self.dev, file, &name)?;
+        self.steps.push(Step::Kernel { func, name, grid, block, smem, args });
+        Ok(())
+    }
+    /// Reserves `bytes` of the node's own scratch range and returns its offset.
+    fn node(&mut self, bytes: usize) -> usize {
+        let off = self.node;
+        self.node += align(bytes);
+        off
+    }
+    /// Reserves `bytes` of scratch and returns its offset.
+    fn scratch(&mut self, bytes: usize) -> usize {
+        let off = self.scratch;
+        self.scratch += align(bytes);
+        off
+    }
+}
+
+/// Prepares the work of `op` on operands of types `at` giving outputs of types `ot`,
+/// compiling its kernels now (never during graph capture).
+///
+/// Ops named by [`Device::set_host_ops`] (or `RUMBLE_HOST_OPS`) and ops with no CUDA kernel
+/// for these types become host nodes ([`Step::Host`]: the CPU reference between device work;
+/// the latter with a note on stderr, once per op and types).
+pub fn prepare(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
+    let host = || Recipe {
+        op: op.name(),
+        steps: vec![Step::Host {
+            op: Box::new(op.clone()),
+            args: at.iter().map(|t| (*t).clone()).collect(),
+            outs: ot.iter().map(|t| (*t).clone()).collect(),
+        }],
+        scratch: 0,
+        node_scratch: 0,
+    };
+    if dev.is_host_op(op.name()) {
+        return Ok(host());
+    }
+    match prepare_device(dev, op, at, ot) {
+        Err(CudaError::Unsupported(why)) => {
+            static NOTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+            if let Ok(mut n) = NOTED.lock()
+                && !n.contains(&why)
+            {
+                eprintln!("rumble: no CUDA kernel for {why}: this node runs on the host (CPU reference)");
+                n.push(why);
+            }
+            Ok(host())
+        }
+        other => other,
+    }
+}
+
+/// [`prepare`] on the device only.
+fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
+    let mut b = Builder { dev, op: op.name(), steps: Vec::new(), scratch: 0, node: 0 };
+    let out_n = ot.first().map(|t| t.numel()).unwrap_or(0);
+    let dt = at.first().map(|t| t.dtype).unwrap_or(ot[0].dtype);
+    let unsupported = |what: String| CudaError::Unsupported(format!("{} on {what}", op.name()));
+    match op {
+        Op::Full { .. }
+        | Op::Unary(_)
+        | Op::PowScalar { .. }
+        | Op::AddScalar { .. }
+        | Op::MulScalar { .. }
+        | Op::Cast { .. }
+        | Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Where
+        | Op::Swiglu
+        | Op::SwigluBackward => {
+            let f = Fused::of_op(op, at, ot).ok_or_else(|| unsupported("this op".into()))?;
+            return fused_recipe(dev, op.name(), &f, out_n);
+        }
+        Op::Fused(body) => return fused_recipe(dev, op.name(), &Fused::of_body(body)?, out_n),
+        Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Gather
+        | Op::ScatterAdd { .. } => layout::prepare(&mut b, op, at, ot)?,
+        Op::Reduce { op: r, axes, .. } => reduce::reduce(&mut b, *r, axes, at[0], out_n)?,
+        Op::Matmul { ta, tb } => {
+            let key = MatmulKey::new(at[0], at[1], *ta, *tb);
+            if key.k == 0 {
+                b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
+            } else if out_n > 0 {
+                let ws = dev.matmul_workspace(&key)?;
+                b.scratch = ws;
+                b.steps.push(Step::Matmul {
+                    key,
+                    a: Arg::In(0),
+                    b: Arg::In(1),
+                    c: Arg::Out(0),
+                    ws: 0,
+                    ws_bytes: ws,
+                    beta: 0.0,
+                });
+            }
+        }
+        Op::RmsNorm { .. }
+        | Op::RmsNormBackward { .. }
+        | Op::Rope { .. }
+        | Op::SwigluPacked
+        | Op::SwigluPackedBackward
+        | Op::Softmax
+        | Op::LogSoftmax
+        | Op::SoftmaxBackward
+        | Op::LogSoftmaxBackward
+        | Op::CrossEntropy { .. }
+        | Op::CrossEntropyBackward { .. }
+        | Op::LinearCrossEntropy { .. }
+        | Op::LinearCrossEntropyBackward { .. } => rows::prepare(&mut b, op, at, dt)?,
+        Op::Attention { .. } | Op::AttentionBackward { .. } => {
+            // The tiled kernels where `flash::choose` takes them; the per-row kernels otherwise.
+            if let Some(r) = crate::flash::recipe(dev, op, at) {
+                return r;
+            }
+            attention::prepare(&mut b, op, at, dt)?
+        }
+    }
+    let want = op.scratch_bytes(at);
+    if b.node > want {
+        return Err(CudaError::usage(format!(
+            "{}: the kernels need {} bytes of node scratch, Op::scratch_bytes plans {want}",
+            b.op, b.node
+        )));
+    }
+    Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch, node_scratch: b.node })
+}
+
+/// The recipe of an elementwise expression (one kernel).
+pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Result<Recipe> {
+    let (src, name) = f.source(PRELUDE)?;
+    let m = dev.module(&name, &src, Options { fmad: false })?;
+    let func = m.function(&name)?;
+    let mut args: Vec<Arg> = (0..f.inputs.len()).map(Arg::In).collect();
+    args.extend((0..f.outputs.len()).map(Arg::Out));
+    for ix in &f.scalar_inputs {
+        if let crate::fused::Indexing::Strided(w) = ix {
+            args.push(Arg::Blob(w.clone()));
+        }
+    }
+    args.extend(f.consts().into_iter().map(Arg::F64));
+    args.extend([Arg::I64(n as i64), Arg::Status, Arg::Tag]);
+    let steps = if n == 0 {
+        vec![]
+    } else {
+        vec![Step::Kernel { func, name, grid: grid_for(dev, n, 256), block: 256, smem: 0, args }]
+    };
+    Ok(Recipe { op, steps, scratch: 0, node_scratch: 0 })
+}

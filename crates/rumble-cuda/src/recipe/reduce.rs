@@ -1,0 +1,97 @@
+//! The recipe of `Op::Reduce` on `kernels/reduce.cu`: one block per output, or, for few outputs
+//! over many elements, each range split into fixed pieces over the whole GPU and summed in a
+//! second pass (deterministic).
+
+use rumble_core::ir::{ReduceOp, TensorType};
+
+use super::layout::{contiguous, strides_blob};
+use super::{Builder, sfx};
+use crate::error::Result;
+use crate::kernels::KernelFile;
+use crate::launch::Arg;
+
+pub(super) fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorType, n_out: usize) -> Result<()> {
+    let xs = contiguous(x.dims());
+    let (mut kd, mut ks, mut rd, mut rs) = (vec![], vec![], vec![], vec![]);
+    for (i, &d) in x.dims().iter().enumerate() {
+        if axes.contains(&i) {
+            rd.push(d);
+            rs.push(xs[i]);
+        } else {
+            kd.push(d);
+            ks.push(xs[i]);
+        }
+    }
+    let n_red: usize = rd.iter().product();
+    let kept = strides_blob(&kd, &ks, &ks)?;
+    let red = strides_blob(&rd, &rs, &rs)?;
+    let block = (n_red.next_power_of_two() as u32).clamp(32, 256);
+    let sms = b.dev.multiprocessors.max(1);
+    let grid = (n_out.clamp(1, sms * 64) as u32, 1, 1);
+    if n_out == 0 {
+        return Ok(());
+    }
+    let mode = match r {
+        ReduceOp::Sum => 0,
+        ReduceOp::Mean => 1,
+        ReduceOp::Max => 2,
+    };
+    // The reduced axes are the trailing ones: element r of an output's range is at base + r.
+    let contig = axes.iter().all(|&a| a >= x.rank() - axes.len());
+    // Few outputs, each over many elements: split each range into fixed pieces so that the
+    // whole GPU works on it (one block per output would leave all but a few SMs idle).
+    let pieces = (sms * 8).div_ceil(n_out);
+    if x.dtype.is_float() && n_red >= 1 << 16 && pieces > 1 {
+        let chunk = n_red.div_ceil(pieces).max(1 << 14);
+        let parts = n_red.div_ceil(chunk);
+        let acc = rumble_core::ir::stat_dtype(x.dtype).size_in_bytes(); // Acc<T> of the kernels
+        let part = b.scratch(n_out * parts * acc);
+        let sfx = sfx(x.dtype);
+        let args = vec![
+            Arg::In(0),
+            Arg::Scratch(part),
+            Arg::Blob(kept),
+            Arg::Blob(red),
+            Arg::I64(n_out as i64),
+            Arg::I64(n_red as i64),
+            Arg::I64(parts as i64),
+            Arg::I64(chunk as i64),
+            Arg::I32(mode),
+            Arg::I32(contig as i32),
+        ];
+        b.k(
+            KernelFile::Reduce,
+            format!("reduce_part_{sfx}"),
+            ((n_out * parts).min(sms * 64) as u32, 1, 1),
+            256,
+            0,
+            args,
+        )?;
+        let args = vec![
+            Arg::Scratch(part),
+            Arg::Out(0),
+            Arg::I64(n_out as i64),
+            Arg::I64(n_red as i64),
+            Arg::I64(parts as i64),
+            Arg::I32(mode),
+        ];
+        return b.k(
+            KernelFile::Reduce,
+            format!("reduce_fin_{sfx}"),
+            (n_out.div_ceil(256).min(sms * 8) as u32, 1, 1),
+            256,
+            0,
+            args,
+        );
+    }
+    let mut args =
+        vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red), Arg::I64(n_out as i64), Arg::I64(n_red as i64)];
+    let name = if x.dtype.is_float() {
+        args.push(Arg::I32(mode));
+        args.push(Arg::I32(contig as i32));
+        format!("reduce_{}", sfx(x.dtype))
+    } else {
+        format!("reduce_max_{}", sfx(x.dtype))
+    };
+    b.k(KernelFile::Reduce, name, grid, block, 0, args)
+}

@@ -1,0 +1,338 @@
+//! Recipes of the row-wise ops on `kernels/rows.cu`: RMS norm (and its backward's per-group
+//! weight-gradient pieces), RoPE (its cos/sin table computed once per node into scratch),
+//! packed SwiGLU, softmax, cross-entropy, and the fused linear cross-entropy.
+
+use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
+
+use super::{Builder, grid_for, rows_grid, sfx};
+use crate::error::{CudaError, Result};
+use crate::kernels::KernelFile;
+use crate::launch::{Arg, Step};
+
+/// The steps of a row-wise op (`dt`: its first operand's dtype).
+pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -> Result<()> {
+    let dev = b.dev;
+    match op {
+        Op::LinearCrossEntropy { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, false)?,
+        Op::LinearCrossEntropyBackward { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, true)?,
+        Op::RmsNorm { eps } => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let args =
+                vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
+            b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::RmsNormBackward { eps } => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let acc = if dt == DType::F64 { 8 } else { 4 };
+            let groups = rows.clamp(1, 64);
+            let rstd = b.scratch(rows * acc);
+            let part = b.scratch(groups * d * acc);
+            let s = sfx(dt);
+            let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
+            b.k(
+                KernelFile::Rows,
+                format!("rms_norm_backward_dx_{s}"),
+                rows_grid(dev, rows),
+                256,
+                0,
+                vec![
+                    Arg::In(0),
+                    Arg::In(1),
+                    Arg::In(2),
+                    Arg::Out(0),
+                    Arg::Scratch(rstd),
+                    r.clone(),
+                    dd.clone(),
+                    Arg::F64(*eps),
+                ],
+            )?;
+            let cols = d.div_ceil(128) as u32;
+            b.k(
+                KernelFile::Rows,
+                format!("rms_norm_backward_dw_part_{s}"),
+                (cols, groups as u32, 1),
+                128,
+                0,
+                vec![Arg::In(0), Arg::In(2), Arg::Scratch(rstd), Arg::Scratch(part), r, dd.clone()],
+            )?;
+            b.k(
+                KernelFile::Rows,
+                format!("rms_norm_backward_dw_sum_{s}"),
+                (cols, 1, 1),
+                128,
+                0,
+                vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd],
+            )?;
+        }
+        Op::Rope { theta, inverse, layout } => {
+            let [_, h, t, d] = layout.bhtd(at[0].dims());
+            // Rows of D between consecutive positions: 1 in [B, H, T, D], H in [B, T, H, D].
+            let per_pos = match layout {
+                HeadLayout::Bhtd => 1,
+                HeadLayout::Bthd => h,
+            };
+            let rows = at[0].numel() / d.max(1);
+            let half = d / 2;
+            if rows * half > 0 {
+                // (cos, sign * sin) per position and frequency, in the accumulation type.
+                let acc = if dt == DType::F64 { 8 } else { 4 };
+                let tab = b.scratch(t * half * 2 * acc);
+                let sign = if *inverse { -1.0 } else { 1.0 };
+                let args =
+                    vec![Arg::Scratch(tab), Arg::I64(t as i64), Arg::I64(d as i64), Arg::F64(*theta), Arg::F64(sign)];
+                b.k(KernelFile::Rows, format!("rope_table_{}", sfx(dt)), grid_for(dev, t * half, 256), 256, 0, args)?;
+                let args = vec![
+                    Arg::In(0),
+                    Arg::Out(0),
+                    Arg::Scratch(tab),
+                    Arg::I64(rows as i64),
+                    Arg::I64(t as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(per_pos as i64),
+                ];
+                b.k(KernelFile::Rows, format!("rope_{}", sfx(dt)), grid_for(dev, rows * half, 256), 256, 0, args)?;
+            }
+        }
+        Op::SwigluPacked | Op::SwigluPackedBackward => {
+            let f = at[0].shape.last() / 2;
+            let rows = at[0].numel() / (2 * f).max(1);
+            if rows * f > 0 {
+                let (name, mut args) = if matches!(op, Op::SwigluPacked) {
+                    ("swiglu_packed", vec![Arg::In(0), Arg::Out(0)])
+                } else {
+                    ("swiglu_packed_backward", vec![Arg::In(0), Arg::In(1), Arg::Out(0)])
+                };
+                args.extend([Arg::I64(rows as i64), Arg::I64(f as i64)]);
+                b.k(KernelFile::Rows, format!("{name}_{}", sfx(dt)), grid_for(dev, rows * f, 256), 256, 0, args)?;
+            }
+        }
+        Op::Softmax | Op::LogSoftmax => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let log = matches!(op, Op::LogSoftmax) as i32;
+            let args = vec![Arg::In(0), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::I32(log)];
+            b.k(KernelFile::Rows, format!("softmax_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::SoftmaxBackward | Op::LogSoftmaxBackward => {
+            let d = at[0].shape.last();
+            let rows = at[0].numel() / d.max(1);
+            let log = matches!(op, Op::LogSoftmaxBackward) as i32;
+            let args =
+                vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::I32(log)];
+            b.k(KernelFile::Rows, format!("softmax_backward_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+        }
+        Op::CrossEntropy { ignore_index } => {
+            let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);
+            let loss = b.scratch(rows * 8);
+            let valid = b.scratch(rows * 4);
+            let name = format!("cross_entropy_rows_{}_{}", sfx(dt), sfx(at[1].dtype));
+            let args = vec![
+                Arg::In(0),
+                Arg::In(1),
+                Arg::Scratch(loss),
+                Arg::Scratch(valid),
+                Arg::I64(rows as i64),
+                Arg::I64(v as i64),
+                Arg::I64(*ignore_index),
+                Arg::Status,
+                Arg::Tag,
+            ];
+            b.k(KernelFile::Rows, name, rows_grid(dev, rows), 256, 0, args)?;
+            let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(rows as i64)];
+            let stat = if dt == DType::F64 { "f64" } else { "f32" };
+            b.k(KernelFile::Rows, format!("cross_entropy_mean_{stat}"), (1, 1, 1), 256, 0, args)?;
+        }
+        Op::CrossEntropyBackward { ignore_index } => {
+            let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);
+            let count = b.scratch(4);
+            let args = vec![Arg::In(1), Arg::Scratch(count), Arg::I64(rows as i64), Arg::I64(*ignore_index)];
+            b.k(KernelFile::Rows, format!("cross_entropy_count_{}", sfx(at[1].dtype)), (1, 1, 1), 256, 0, args)?;
+            let name = format!("cross_entropy_backward_{}_{}", sfx(dt), sfx(at[1].dtype));
+            let args = vec![
+                Arg::In(0),
+                Arg::In(1),
+                Arg::In(2),
+                Arg::Scratch(count),
+                Arg::Out(0),
+                Arg::I64(rows as i64),
+                Arg::I64(v as i64),
+                Arg::I64(*ignore_index),
+                Arg::Status,
+                Arg::Tag,
+            ];
+            b.k(KernelFile::Rows, name, rows_grid(dev, rows), 256, 0, args)?;
+        }
+        _ => return Err(CudaError::usage(format!("{} is not a row-wise op", op.name()))),
+    }
+    Ok(())
+}
+
+/// `linear_cross_entropy` (and its backward) a chunk of rows at a time: each chunk's logits
+/// `x_c @ w^T` (f32, f64 for f64) go to the node's scratch through cuBLASLt; each row's
+/// log-sum-exp is computed in pieces over several blocks (`ce_split_*` in rows.cu), so a chunk
+/// of ~100 rows of a 150k vocabulary still fills the GPU. The backward recomputes the chunk's
+/// logits, writes their gradient in the operand dtype and multiplies it back
+/// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Workspace: the matmuls' and the pieces' statistics.
+fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, backward: bool) -> Result<()> {
+    let (x, w, tg) = (at[0], at[1], at[2]);
+    let (n, c, v) = (x.dims()[0], x.dims()[1], w.dims()[0]);
+    let t = x.dtype;
+    let s = rumble_core::ir::stat_dtype(t);
+    let (tsz, ssz, isz) = (t.size_in_bytes(), s.size_in_bytes(), tg.dtype.size_in_bytes());
+    let chunk = chunk.clamp(1, n.max(1));
+    let starts: Vec<usize> = (0..n).step_by(chunk).collect();
+    // Every matmul shape first: the workspace is the most any of them needs.
+    let key = |dtype: DType, out: DType, ta: bool, tb: bool, m: usize, nn: usize, k: usize| crate::matmul::MatmulKey {
+        dtype,
+        out,
+        ta,
+        tb,
+        batch: 1,
+        m: m as u64,
+        n: nn as u64,
+        k: k as u64,
+    };
+    let mut ws = 0;
+    for &r0 in &starts {
+        let rows = chunk.min(n - r0);
+        ws = ws.max(b.dev.matmul_workspace(&key(t, s, false, true, rows, v, c))?);
+        if backward {
+            ws = ws.max(b.dev.matmul_workspace(&key(t, t, false, false, rows, c, v))?);
+            ws = ws.max(b.dev.matmul_workspace(&key(t, t, true, false, v, c, rows))?);
+        }
+    }
+    b.scratch(ws);
+    // Each row's log-sum-exp in `splits` pieces (ce_split_* in rows.cu): enough blocks to fill
+    // the GPU even when a chunk has fewer rows than there are SMs.
+    let sms = b.dev.multiprocessors.max(1);
+    let splits = (sms * 8).div_ceil(chunk).clamp(1, v.div_ceil(4096).max(1));
+    let span = v.div_ceil(splits).max(1);
+    let stats = b.scratch(chunk * splits * 2 * ssz);
+    let piece_grid = |rows: usize| ((rows * splits).clamp(1, sms * 64) as u32, 1, 1);
+    // The chunk buffers live in the node's own scratch range (Op::scratch_bytes lays it out
+    // the same way), so the planner overlaps them with buffers dead at this node.
+    let logits = b.node(chunk * v * ssz);
+    let s_name = sfx(s);
+    let i_name = sfx(tg.dtype);
+    let stats_args = |rows: usize| {
+        vec![
+            Arg::Node(logits),
+            Arg::Scratch(stats),
+            Arg::I64(rows as i64),
+            Arg::I64(v as i64),
+            Arg::I64(splits as i64),
+            Arg::I64(span as i64),
+        ]
+    };
+    if !backward {
+        let loss = b.node(n * 8);
+        let valid = b.node(n * 4);
+        for &r0 in &starts {
+            let rows = chunk.min(n - r0);
+            let k = key(t, s, false, true, rows, v, c);
+            b.steps.push(Step::Matmul {
+                key: k,
+                a: Arg::InAt(0, r0 * c * tsz),
+                b: Arg::In(1),
+                c: Arg::Node(logits),
+                ws: 0,
+                ws_bytes: ws,
+                beta: 0.0,
+            });
+            b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))?;
+            let args = vec![
+                Arg::Node(logits),
+                Arg::InAt(2, r0 * isz),
+                Arg::Scratch(stats),
+                Arg::Node(loss + r0 * 8),
+                Arg::Node(valid + r0 * 4),
+                Arg::I64(rows as i64),
+                Arg::I64(v as i64),
+                Arg::I64(splits as i64),
+                Arg::I64(ignore),
+                Arg::Status,
+                Arg::Tag,
+            ];
+            b.k(
+                KernelFile::Rows,
+                format!("ce_split_rows_{s_name}_{i_name}"),
+                (rows.div_ceil(128) as u32, 1, 1),
+                128,
+                0,
+                args,
+            )?;
+        }
+        let args = vec![Arg::Node(loss), Arg::Node(valid), Arg::Out(0), Arg::I64(n as i64)];
+        return b.k(KernelFile::Rows, format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args);
+    }
+    // The logit gradient, written straight in the operand dtype (its slot is sized for the
+    // f32 logits, so it also fits them).
+    let dl = b.node(chunk * v * ssz);
+    let count = b.node(4);
+    let args = vec![Arg::In(2), Arg::Node(count), Arg::I64(n as i64), Arg::I64(ignore)];
+    b.k(KernelFile::Rows, format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
+    if n == 0 {
+        b.steps.push(Step::ZeroOut { out: 1, bytes: v * c * tsz });
+    }
+    for &r0 in &starts {
+        let rows = chunk.min(n - r0);
+        let k = key(t, s, false, true, rows, v, c);
+        b.steps.push(Step::Matmul {
+            key: k,
+            a: Arg::InAt(0, r0 * c * tsz),
+            b: Arg::In(1),
+            c: Arg::Node(logits),
+            ws: 0,
+            ws_bytes: ws,
+            beta: 0.0,
+        });
+        b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))?;
+        let args = vec![
+            Arg::Node(logits),
+            Arg::InAt(2, r0 * isz),
+            Arg::Scratch(stats),
+            Arg::In(3),
+            Arg::Node(count),
+            Arg::Node(dl),
+            Arg::I64(rows as i64),
+            Arg::I64(v as i64),
+            Arg::I64(splits as i64),
+            Arg::I64(span as i64),
+            Arg::I64(ignore),
+            Arg::Status,
+            Arg::Tag,
+        ];
+        b.k(
+            KernelFile::Rows,
+            format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t)),
+            piece_grid(rows),
+            256,
+            0,
+            args,
+        )?;
+        let kx = key(t, t, false, false, rows, c, v);
+        b.steps.push(Step::Matmul {
+            key: kx,
+            a: Arg::Node(dl),
+            b: Arg::In(1),
+            c: Arg::OutAt(0, r0 * c * tsz),
+            ws: 0,
+            ws_bytes: ws,
+            beta: 0.0,
+        });
+        let kw = key(t, t, true, false, v, c, rows);
+        let beta = if r0 == 0 { 0.0 } else { 1.0 };
+        b.steps.push(Step::Matmul {
+            key: kw,
+            a: Arg::Node(dl),
+            b: Arg::InAt(0, r0 * c * tsz),
+            c: Arg::Out(1),
+            ws: 0,
+            ws_bytes: ws,
+            beta,
+        });
+    }
+    Ok(())
+}
