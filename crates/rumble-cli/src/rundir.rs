@@ -279,6 +279,30 @@ impl LossLog {
         Ok(LossLog { path: path.to_path_buf(), file, empty_first: mode == Mode::Overwrite })
     }
 
+    /// Keeps the lines up to `step` (lines of later steps are dropped: a resumed run rewrites
+    /// what came after its checkpoint; lines without a step are kept).
+    pub fn keep_through(&mut self, step: u64) -> Result<()> {
+        let text = std::fs::read_to_string(&self.path).map_err(|e| ModelError::io(&self.path, e))?;
+        let kept: String = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_none_or(|s| s <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        if kept.len() != text.len() {
+            self.file.set_len(0).map_err(|e| ModelError::io(&self.path, e))?;
+            self.file
+                .write_all(kept.as_bytes())
+                .and_then(|_| self.file.flush())
+                .map_err(|e| ModelError::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+
     /// Appends `line` and a newline in one write, flushed to the file.
     pub fn line(&mut self, line: &str) -> Result<()> {
         if std::mem::take(&mut self.empty_first) {

@@ -1,18 +1,33 @@
 //! `rumble train`: builds the step, runs it on the chosen device over corpus windows, shows a
-//! progress bar (or prints JSON lines), and writes a checkpoint and a loss log.
+//! progress bar (or prints JSON lines, or off a terminal one plain line per logged step), and
+//! writes a checkpoint and a loss log.
 //!
 //! Every input is checked before the run folder is touched, and the folder before the first
 //! step (`rundir.rs`). A step with a non-finite loss stops the run before any checkpoint. A
 //! closed or full stdout stops the run too, after saving the checkpoint of the steps taken.
+//!
+//! Runs that lose nothing: `--save-every N` writes `OUT/checkpoint-STEP/` folders (the last
+//! `--keep-last K` kept), SIGINT/SIGTERM finish the step, save at OUT's root and exit non-zero,
+//! and `--resume DIR` continues the run in DIR from its newest complete checkpoint
+//! (`rumble_models::checkpoint`) bit for bit: parameters, optimizer state, step, schedule and
+//! the data position.
 
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rumble_core::cpu::Rng;
-use rumble_models::{Buckets, Corpus, DeviceChoice, LrSchedule, ModelError, Result, ScheduleKind, Trainer, Weights};
-use serde_json::json;
+use rumble_models::checkpoint::{self, TrainerState};
+use rumble_models::{
+    Buckets, Corpus, DeviceChoice, DeviceKind, LrSchedule, ModelError, Precision, Result, ScheduleKind, Trainer,
+    Weights,
+};
+use serde_json::{Value, json};
 
 use crate::common::{ModelArgs, human};
 use crate::rundir::{RunDir, RunDirArgs};
@@ -77,28 +92,108 @@ pub struct TrainArgs {
     /// (the default); see `rumble plan --memory-budget`.
     #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
     pub memory_budget: rumble_core::compile::Budget,
+
+    // Saving, resuming, validation (--precision is with the model's flags).
+    /// Save a checkpoint every N steps into OUT/checkpoint-STEP/ (the model folder, the
+    /// optimizer state and trainer_state.json), each written whole before it appears.
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<u64>,
+    /// Keep only the newest K checkpoint-STEP folders (default: all).
+    #[arg(long, value_name = "K")]
+    pub keep_last: Option<usize>,
+    /// Report the validation loss every N steps (and after the last), on the held-out last
+    /// tenth of the corpus (then not trained on).
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub eval_batches: usize,
+}
+
+/// Model FLOPs of one trained token (forward and backward), as PaLM's appendix B counts them:
+/// `6 N` for the matmul parameters (the embedding lookup is free unless the table is also the
+/// tied output projection) plus `12 L H D T` for attention's scores and mixing.
+fn flops_per_token(cfg: &rumble_models::Config, seq: usize) -> f64 {
+    let embed = if cfg.tie_word_embeddings { 0 } else { cfg.vocab_size * cfg.hidden_size };
+    let n = cfg.num_params().saturating_sub(embed) as f64;
+    let attn = 12.0 * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) as f64;
+    6.0 * n + attn
+}
+
+/// The dense bf16 tensor-core peak (FLOP/s) of a device, from NVIDIA's data sheets, by name;
+/// `None` for devices not listed (no MFU is shown then).
+fn bf16_peak(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    let sheet: [(&str, f64); 5] =
+        [("H200", 989.4e12), ("H100 PCIE", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12), ("L40S", 362.1e12)];
+    sheet.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
+}
+
+/// The share of the byte corpus held out for validation when `--eval-every` is given.
+const VAL_FRACTION: f64 = 0.1;
+
+/// The corpus split into training and validation parts: the last `VAL_FRACTION` held out
+/// when `eval` is asked for.
+fn split_corpus(bytes: Vec<u8>, eval: bool) -> (Corpus, Option<Corpus>) {
+    if !eval {
+        return (Corpus::new(bytes), None);
+    }
+    let cut = bytes.len() - (bytes.len() as f64 * VAL_FRACTION) as usize;
+    let val = bytes[cut..].to_vec();
+    let mut train = bytes;
+    train.truncate(cut);
+    (Corpus::new(train), Some(Corpus::new(val)))
+}
+
+/// The signal that asked the run to stop (0: none), set by the SIGINT/SIGTERM handlers.
+fn stop_flag() -> Result<Arc<AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicUsize::new(0));
+    for sig in [SIGINT, SIGTERM] {
+        // A second signal while the first is being handled ends the process at once.
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let err = |e: std::io::Error| ModelError::Usage(format!("cannot handle signal {sig}: {e}"));
+        signal_hook::flag::register_conditional_shutdown(sig, 130, armed.clone()).map_err(err)?;
+        signal_hook::flag::register(sig, armed).map_err(err)?;
+        signal_hook::flag::register_usize(sig, flag.clone(), sig as usize).map_err(err)?;
+    }
+    Ok(flag)
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
     if a.steps == 0 {
         return Err(ModelError::Usage("--steps must be at least 1".into()));
     }
-    if a.run_dir.resume.is_some() {
-        return Err(ModelError::Usage(
-            "--resume: continuing a run from its checkpoint is not in this build yet (it comes with --save-every)"
-                .into(),
-        ));
-    }
     let device: DeviceChoice = a.device.parse()?;
-    let r = a.model.resolve(a.init_from.as_deref())?;
+    // --resume: the newest complete checkpoint of the run, whose config.json is the model.
+    let resume = match &a.run_dir.resume {
+        Some(_) if a.init_from.is_some() => {
+            return Err(ModelError::Usage("give --resume or --init-from, not both".into()));
+        }
+        Some(dir) => {
+            crate::rundir::check(dir, crate::rundir::Mode::Resume, None)?;
+            Some(checkpoint::newest(dir)?)
+        }
+        None => None,
+    };
+    let beside = resume.as_ref().map(|n| n.dir.join("model.safetensors")).or(a.init_from.clone());
+    let r = a.model.resolve(beside.as_deref())?;
     let cfg = r.config.clone();
     let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
     let mode = a.run_dir.mode();
     crate::rundir::check(&out, mode, a.init_from.as_deref())?;
-    let corpus = match &a.data {
-        Some(p) => Corpus::from_file(p)?,
-        None => Corpus::new(CORPUS.to_vec()),
+    let precision: Precision = match r.step.precision {
+        Some(p) => p,
+        None => Precision::default_for(cfg.dtype)
+            .ok_or_else(|| ModelError::Usage(format!("`{}` is stored in {}: give --precision", r.name, cfg.dtype)))?,
     };
+    let mut step_cfg = r.step.clone();
+    step_cfg.precision = Some(precision);
+    let bytes = match &a.data {
+        Some(p) => rumble_models::guard::read_in_memory(p, "data", 1)?,
+        None => CORPUS.to_vec(),
+    };
+    let (corpus, val) = split_corpus(bytes, a.eval_every.is_some());
     if cfg.vocab_size < 256 {
         return Err(ModelError::Usage(format!(
             "byte-level training needs a vocabulary of at least 256, `{}` has {}",
@@ -107,66 +202,140 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     let data_name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
     let lr = a.lr.unwrap_or(r.lr);
-    let schedule = LrSchedule {
-        peak: lr,
-        warmup: a.warmup.unwrap_or((a.steps / 10).min(100)),
-        total: a.steps,
-        kind: match a.schedule {
-            ScheduleArg::Constant => ScheduleKind::Constant,
-            ScheduleArg::Cosine => ScheduleKind::Cosine,
-        },
+    let warmup = a.warmup.unwrap_or((a.steps / 10).min(100));
+    let kind = match a.schedule {
+        ScheduleArg::Constant => ScheduleKind::Constant,
+        ScheduleArg::Cosine => ScheduleKind::Cosine,
     };
+    let schedule = LrSchedule { peak: lr, warmup, total: a.steps, kind };
     let buckets = match &a.buckets {
         Some(_) if a.model.seq.is_some() => {
             return Err(ModelError::Usage("give --buckets or --seq, not both".into()));
         }
-        Some(list) => Some(Buckets::seqs(r.step.batch, list)?),
+        Some(list) => Some(Buckets::seqs(step_cfg.batch, list)?),
         None => None,
     };
     // Refused up front: windows longer than the data, hyper-parameters out of their domain,
     // parameters and optimizer state larger than the memory free.
-    let longest = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).max().unwrap_or(r.step.seq);
+    let longest = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).max().unwrap_or(step_cfg.seq);
     if let Some(b) = &buckets {
         for s in b.shapes() {
-            cfg.check_step_sizes(s.batch, s.seq, r.step.grad_accum)?;
+            cfg.check_step_sizes(s.batch, s.seq, step_cfg.grad_accum)?;
         }
     }
     corpus.check_window(longest, &data_name)?;
-    rumble_models::trainer::check_hyper(&r.step, &schedule)?;
+    rumble_models::trainer::check_hyper(&step_cfg, &schedule)?;
     crate::common::check_weights_fit(&r)?;
     crate::common::check_step_fits(&r, true)?;
-    let weights = match &a.init_from {
-        Some(p) => Weights::load(p, &cfg)?,
-        None => Weights::init(&cfg, a.seed)?,
+    // What shapes the step and the run: a resumed run must be given the same.
+    let args: BTreeMap<String, Value> = [
+        ("model", json!(r.name)),
+        ("batch", json!(step_cfg.batch)),
+        ("seq", json!(step_cfg.seq)),
+        ("grad_accum", json!(step_cfg.grad_accum)),
+        ("optimizer", json!(format!("{:?}", step_cfg.optimizer))),
+        ("objective", json!(step_cfg.objective.name())),
+        ("clip", json!(step_cfg.clip)),
+        ("fused_loss", json!(step_cfg.fused_loss)),
+        ("precision", json!(precision.name())),
+        ("lr", json!(lr)),
+        ("warmup", json!(warmup)),
+        ("schedule", json!(format!("{kind:?}"))),
+        ("seed", json!(a.seed)),
+        ("buckets", json!(a.buckets)),
+        ("data", json!(a.data.as_ref().map(|p| p.display().to_string()))),
+        ("eval_every", json!(a.eval_every)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+
+    let mut rng = Rng::for_name(a.seed, "batches");
+    let mut lengths = Rng::for_name(a.seed, "lengths");
+    let (weights, schedule, done) = match &resume {
+        Some(n) => {
+            let diff = checkpoint::mismatches(&n.state.args, &args);
+            if !diff.is_empty() {
+                return Err(ModelError::Usage(format!(
+                    "--resume {}: this command changes what the run was started with ({}); give the same flags",
+                    n.dir.display(),
+                    diff.join(", ")
+                )));
+            }
+            if a.steps <= n.state.step {
+                return Err(ModelError::Usage(format!(
+                    "--resume {}: the run is at step {}; --steps is the total, give more",
+                    n.dir.display(),
+                    n.state.step
+                )));
+            }
+            let data = &n.state.data;
+            let (Some(b), Some(l)) = (Rng::from_state(&data["batches"]), Rng::from_state(&data["lengths"])) else {
+                return Err(ModelError::Usage(format!("{}: no data position in trainer_state.json", n.dir.display())));
+            };
+            rng = b;
+            lengths = l;
+            (checkpoint::load(&n.dir, &cfg)?, n.state.schedule.schedule(a.steps)?, n.state.step)
+        }
+        None => {
+            let w = match &a.init_from {
+                Some(p) => Weights::load(p, &cfg)?,
+                None => Weights::init(&cfg, a.seed)?,
+            };
+            (w, schedule, 0)
+        }
     };
     let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
         Some(b) => {
-            Trainer::with_buckets_options(cfg.clone(), r.step.clone(), b.clone(), weights, schedule, device, &opts)?
+            Trainer::with_buckets_options(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?
         }
-        None => Trainer::with_options(cfg.clone(), r.step.clone(), weights, schedule, device, &opts)?,
+        None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
     };
+    trainer.set_steps_done(done);
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();
+    // Validation windows: the step's batch shape, shorter when the held-out text is.
+    let val_seq = val.as_ref().map(|v| sc.seq.min(v.len().saturating_sub(1)).max(1));
+    if let Some(seq) = val_seq {
+        trainer = trainer.with_eval(sc.batch, seq)?;
+    }
     let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
     let mut run_dir = RunDir::open(&out, mode, a.init_from.as_deref())?;
     if run_dir.removed_temps > 0 {
         note!("removed {} temporary file(s) of killed runs from {}", run_dir.removed_temps, out.display());
     }
+    if let Some(n) = &resume {
+        // A resumed run rewrites what came after its checkpoint.
+        run_dir.log.keep_through(n.state.step)?;
+    }
     let log_path = run_dir.log.path.clone();
+    let stop = stop_flag()?;
+    // Model FLOPs utilisation, on a GPU whose bf16 peak is known, for a bf16 step.
+    let peak_flops = match trainer.device() {
+        DeviceKind::Cuda if precision.compute() == rumble_core::DType::BF16 => {
+            rumble_cuda::Device::new(0).ok().and_then(|d| bf16_peak(&d.name))
+        }
+        _ => None,
+    };
+    let token_flops = flops_per_token(&cfg, sc.seq);
 
     let start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
         "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": a.steps,
-        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "corpus_bytes": corpus.len(),
-        "buckets": bucket_seqs,
+        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "precision": precision.name(),
+        "corpus_bytes": corpus.len(), "val_bytes": val.as_ref().map(Corpus::len), "buckets": bucket_seqs,
+        "resumed_from": resume.as_ref().map(|n| n.dir.display().to_string()), "start_step": done,
     });
+    // Off a terminal (a log file, a pipe): one plain line per logged step instead of a bar.
+    let plain = !a.json && !std::io::stderr().is_terminal();
     let bar = if a.json {
         output::line(&start)?;
         ProgressBar::hidden()
     } else {
         note!(
-            "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}",
+            "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}, {} \
+             (parameters and optimizer state {}, compute {})",
             r.name,
             human(cfg.num_params() as f64),
             trainer.device(),
@@ -175,34 +344,73 @@ pub fn run(a: TrainArgs) -> Result<()> {
             sc.grad_accum,
             a.steps,
             sc.optimizer.map(|o| o.name()).unwrap_or("-"),
+            precision,
+            precision.master(),
+            precision.compute(),
         );
+        if let Some(n) = &resume {
+            note!("resuming from {} at step {}", n.dir.display(), n.state.step);
+            for why in &n.skipped {
+                note!("passed over a newer checkpoint: {why}");
+            }
+        }
         if buckets.is_some() {
             note!("shape buckets: seq {bucket_seqs:?}; each step's length drawn from 1..={}", sc.seq);
         }
-        let bar = ProgressBar::new(a.steps);
-        let style =
-            ProgressStyle::with_template("{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-                .map_err(|e| ModelError::Usage(e.to_string()))?;
-        bar.set_style(style);
-        bar
+        if plain {
+            ProgressBar::hidden()
+        } else {
+            let bar = ProgressBar::new(a.steps);
+            bar.set_position(done);
+            let style = ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .map_err(|e| ModelError::Usage(e.to_string()))?;
+            bar.set_style(style);
+            bar
+        }
     };
 
-    let mut rng = Rng::for_name(a.seed, "batches");
-    let mut lengths = Rng::for_name(a.seed, "lengths");
+    let state = |trainer: &Trainer, rng: &Rng, lengths: &Rng, lr: f64| TrainerState {
+        step: trainer.steps_done(),
+        precision: Some(precision.name().to_string()),
+        schedule: trainer.schedule().into(),
+        lr,
+        seed: a.seed,
+        data: json!({"batches": rng.state(), "lengths": lengths.state()}),
+        args: args.clone(),
+        files: BTreeMap::new(),
+    };
+    let val_batches = |trainer: &mut Trainer| -> Result<Option<f32>> {
+        let (Some(v), Some(seq)) = (&val, val_seq) else { return Ok(None) };
+        // The same windows every time, so validation losses compare across steps.
+        let mut vr = Rng::for_name(a.seed, "validation");
+        let bs = (0..a.eval_batches.max(1)).map(|_| v.sample(&mut vr, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
+        trainer.eval(&bs).map(Some)
+    };
     let t0 = Instant::now();
     let mut first_loss = None;
     let mut last = None;
     // A failed write to stdout or the log stops the run; the checkpoint is still saved.
     let mut stopped: Option<ModelError> = None;
-    for i in 1..=a.steps {
+    let mut last_val = None;
+    let mut last_lr = trainer.schedule().at(done.max(1));
+    let mut interrupted = 0;
+    for i in done + 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
         let batches = (0..sc.grad_accum).map(|_| corpus.sample(&mut rng, sc.batch, seq)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
         let tps = s.tokens as f64 / dt.max(1e-9);
+        last_lr = s.lr;
         first_loss.get_or_insert(s.loss);
-        if i == 1 || i == a.steps || i % a.log_every.max(1) == 0 {
+        let val_loss = match a.eval_every {
+            Some(n) if i % n.max(1) == 0 || i == a.steps => val_batches(&mut trainer)?,
+            _ => None,
+        };
+        last_val = val_loss.or(last_val);
+        if i == done + 1 || i == a.steps || i % a.log_every.max(1) == 0 || val_loss.is_some() {
             let mut line = json!({
                 "event": "step", "step": s.step, "loss": s.loss, "lr": s.lr, "tokens_per_s": tps.round(),
                 "step_ms": (dt * 1e3 * 100.0).round() / 100.0, "elapsed_s": (t0.elapsed().as_secs_f64() * 100.0).round() / 100.0,
@@ -210,8 +418,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(g) = s.grad_norm {
                 line["grad_norm"] = json!(g);
             }
+            if let Some(v) = val_loss {
+                line["val_loss"] = json!(v);
+            }
             if buckets.is_some() {
                 line["seq"] = json!(seq);
+            }
+            let peak = trainer.stats().map(|st| st.peak_allocated_bytes).filter(|&b| b > 0);
+            if let Some(b) = peak {
+                line["peak_bytes"] = json!(b);
+            }
+            let mfu = peak_flops.map(|p| tps * token_flops / p);
+            if let Some(m) = mfu {
+                line["mfu"] = json!((m * 1e4).round() / 1e4);
             }
             let written =
                 run_dir.log.line(&line.to_string()).and_then(|_| if a.json { output::line(&line) } else { Ok(()) });
@@ -220,17 +439,68 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 last = Some(s);
                 break;
             }
+            if plain {
+                note!(
+                    "step {i}/{}  loss {:.4}{}  lr {:.3e}  {} tok/s{}{}",
+                    a.steps,
+                    s.loss,
+                    val_loss.map(|v| format!("  val_loss {v:.4}")).unwrap_or_default(),
+                    s.lr,
+                    human(tps),
+                    peak.map(|b| format!("  peak {}B", human(b as f64))).unwrap_or_default(),
+                    mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
+                );
+            }
         }
-        bar.set_message(format!("loss {:.4}  {} tok/s", s.loss, human(tps)));
+        bar.set_message(match last_val {
+            Some(v) => format!("loss {:.4}  val {v:.4}  {} tok/s", s.loss, human(tps)),
+            None => format!("loss {:.4}  {} tok/s", s.loss, human(tps)),
+        });
         bar.inc(1);
         last = Some(s);
+        interrupted = stop.load(Ordering::SeqCst);
+        if interrupted != 0 {
+            break;
+        }
+        if a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
+            let dir = checkpoint::save_step(&out, &trainer, &state(&trainer, &rng, &lengths, last_lr), a.keep_last)?;
+            if a.json {
+                if let Err(e) = output::line(json!({"event": "checkpoint", "step": i, "dir": dir})) {
+                    stopped = Some(e);
+                    break;
+                }
+            } else if plain {
+                note!("saved {}", dir.display());
+            }
+        }
     }
-    bar.finish();
-    trainer.save_checkpoint(&out)?;
+    checkpoint::save(&out, &trainer, &state(&trainer, &rng, &lengths, last_lr))?;
     if let Some(e) = stopped {
+        bar.abandon();
         note!("stopped after step {} ({e}); checkpoint of that step saved in {}", trainer.steps_done(), out.display());
         return Err(e);
     }
+    if interrupted != 0 {
+        bar.abandon();
+        let name = if interrupted == signal_hook::consts::SIGTERM as usize { "SIGTERM" } else { "SIGINT" };
+        let msg = format!(
+            "interrupted by {name} after step {} of {}: saved {} (model, optimizer state, trainer_state.json); \
+             continue with `rumble train --resume {} --steps {}` and the same flags",
+            trainer.steps_done(),
+            a.steps,
+            out.display(),
+            out.display(),
+            a.steps
+        );
+        if a.json {
+            // The process ends here either way; a closed stdout loses only this line.
+            let _ =
+                output::line(json!({"event": "interrupted", "signal": name, "step": trainer.steps_done(), "dir": out}));
+        }
+        note!("{msg}");
+        std::process::exit(128 + interrupted as i32);
+    }
+    bar.finish();
     let elapsed = t0.elapsed().as_secs_f64();
     let final_loss = last.map(|s| s.loss);
     let reports: Vec<_> = trainer
@@ -243,15 +513,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .collect();
     if a.json {
         output::line(
-            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "elapsed_s": elapsed,
-                   "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"), "loss_log": log_path,
-                   "buckets": reports}),
+            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "val_loss": last_val,
+                   "elapsed_s": elapsed, "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"),
+                   "loss_log": log_path, "buckets": reports}),
         )?;
     } else {
         note!(
-            "loss {:.4} -> {:.4} in {elapsed:.1} s; checkpoint {} (+ config.json), loss log {}",
+            "loss {:.4} -> {:.4}{} in {elapsed:.1} s; checkpoint {} (+ config.json, optimizer state, trainer_state.json), \
+             loss log {}",
             first_loss.unwrap_or(f32::NAN),
             final_loss.unwrap_or(f32::NAN),
+            last_val.map(|v| format!(" (validation {v:.4})")).unwrap_or_default(),
             out.join("model.safetensors").display(),
             log_path.display()
         );
@@ -267,4 +539,29 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peaks_by_name_and_flops_per_token() {
+        assert_eq!(bf16_peak("NVIDIA H200"), Some(989.4e12));
+        assert_eq!(bf16_peak("NVIDIA H100 PCIe"), Some(756.0e12));
+        assert_eq!(bf16_peak("NVIDIA H100 80GB HBM3"), Some(989.4e12));
+        assert_eq!(bf16_peak("Some GPU"), None);
+        let cfg = rumble_models::preset("tiny").unwrap().config;
+        // Tied: every parameter is a matmul weight (or a norm), counted 6 times a token.
+        let want = 6.0 * cfg.num_params() as f64 + 12.0 * (2 * 4 * 16 * 64) as f64;
+        assert_eq!(flops_per_token(&cfg, 64), want);
+    }
+
+    #[test]
+    fn the_validation_split_is_the_tail() {
+        let (train, val) = split_corpus((0..100u8).collect(), true);
+        assert_eq!((train.len(), val.map(|v| v.len())), (90, Some(10)));
+        let (train, val) = split_corpus(vec![1; 50], false);
+        assert_eq!((train.len(), val.is_none()), (50, true));
+    }
 }
