@@ -13,6 +13,7 @@ use rumble_core::compile::{CompileOptions, optimize};
 use rumble_core::cpu::Rng;
 use rumble_models::exec::{CpuExecutor, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
+use rumble_models::trainer::cast_weights;
 use rumble_models::{
     Batch, CudaExecutor, CudaMode, DeviceChoice, DynExecutor, ExecStats, LrSchedule, ModelError, Objective, Result,
     Trainer, Weights, build_train_step,
@@ -107,7 +108,8 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
     }
     crate::common::check_weights_fit(&r)?;
     crate::common::check_step_fits(&r, true)?;
-    let weights = Weights::init(&r.config, a.seed)?;
+    // In the step's master dtype (f32 under --precision bf16-mixed).
+    let weights = cast_weights(Weights::init(&r.config, a.seed)?, sc.master_dtype(r.config.dtype))?;
     if a.profile {
         return profile(a, &r.name, &r.config, &sc, weights);
     }

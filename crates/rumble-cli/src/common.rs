@@ -57,6 +57,11 @@ pub struct ModelArgs {
     /// the fused projection-and-loss op that never holds all the logits.
     #[arg(long)]
     pub materialize_logits: bool,
+    /// bf16-mixed (f32 master weights and optimizer state, bf16 compute), bf16-true or 32-true.
+    /// Default: train uses bf16-mixed for a bf16 model and 32-true for an f32 one; plan and
+    /// bench run the model as stored.
+    #[arg(long, value_name = "PRECISION")]
+    pub precision: Option<String>,
 }
 
 /// A resolved model choice.
@@ -78,8 +83,13 @@ impl ModelArgs {
                 (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
             }
             (None, Some(file)) => {
+                // A checkpoint of a preset (same config) keeps the preset's step shape and
+                // learning rate; any other config gets the config-file defaults.
                 let (name, cfg) = config_from_path(&file)?;
-                (name, cfg, 1, 256, Objective::CausalLm, 3e-4)
+                match PRESET_NAMES.iter().filter_map(|n| preset(n).ok()).find(|p| p.config == cfg) {
+                    Some(p) => (p.name.to_string(), cfg, p.batch, p.seq, p.objective, p.lr),
+                    None => (name, cfg, 1, 256, Objective::CausalLm, 3e-4),
+                }
             }
             (c, _) => {
                 let p = preset(c.as_deref().unwrap_or("tiny"))?;
@@ -111,6 +121,7 @@ impl ModelArgs {
             grad_accum: self.grad_accum,
             clip: self.clip,
             fused_loss: !self.materialize_logits,
+            precision: self.precision.as_deref().map(str::parse).transpose()?,
         };
         config.check_step_sizes(step.batch, step.seq, step.grad_accum)?;
         Ok(Resolved { name, config, step, lr })

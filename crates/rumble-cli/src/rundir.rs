@@ -14,7 +14,8 @@
 //! - **The loss log** ([`LossLog`]): `loss.jsonl` opened for append, never through a symbolic
 //!   link (`O_NOFOLLOW`), each line written whole and flushed. `--overwrite` empties it only when
 //!   the first new line is written (a run that fails before its first step leaves it as it was);
-//!   `--resume` trims a line cut short by a kill, then appends.
+//!   `--resume` trims a line cut short by a kill and the lines of steps past the checkpoint it
+//!   continues from ([`LossLog::keep_through`]), then appends.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -279,6 +280,30 @@ impl LossLog {
         Ok(LossLog { path: path.to_path_buf(), file, empty_first: mode == Mode::Overwrite })
     }
 
+    /// Keeps the lines up to `step` (lines of later steps are dropped: a resumed run rewrites
+    /// what came after its checkpoint; lines without a step are kept).
+    pub fn keep_through(&mut self, step: u64) -> Result<()> {
+        let text = std::fs::read_to_string(&self.path).map_err(|e| ModelError::io(&self.path, e))?;
+        let kept: String = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_none_or(|s| s <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        if kept.len() != text.len() {
+            self.file.set_len(0).map_err(|e| ModelError::io(&self.path, e))?;
+            self.file
+                .write_all(kept.as_bytes())
+                .and_then(|_| self.file.flush())
+                .map_err(|e| ModelError::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+
     /// Appends `line` and a newline in one write, flushed to the file.
     pub fn line(&mut self, line: &str) -> Result<()> {
         if std::mem::take(&mut self.empty_first) {
@@ -336,9 +361,19 @@ mod tests {
         run.log.line("{\"step\": 2}").unwrap();
         assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap(), "{\"step\": 1}\n{\"step\": 2}\n");
         drop(run);
+        // A resume from step 1 drops the lines of later steps, keeping lines without a step.
+        let mut run = RunDir::open(&d, Mode::Resume, None).unwrap();
+        run.log.line("{\"event\": \"note\"}").unwrap();
+        run.log.keep_through(1).unwrap();
+        run.log.line("{\"step\": 2}").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.join("loss.jsonl")).unwrap(),
+            "{\"step\": 1}\n{\"event\": \"note\"}\n{\"step\": 2}\n"
+        );
+        drop(run);
         // Overwrite keeps the old log until the first new line.
         let mut run = RunDir::open(&d, Mode::Overwrite, None).unwrap();
-        assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap().lines().count(), 2);
+        assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap().lines().count(), 3);
         run.log.line("{\"step\": 1}").unwrap();
         assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap(), "{\"step\": 1}\n");
         drop(run);

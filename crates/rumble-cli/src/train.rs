@@ -1,5 +1,6 @@
 //! `rumble train`: builds the step, runs it on the chosen device over corpus windows, shows a
-//! progress bar (or prints JSON lines), and writes a checkpoint and a loss log.
+//! progress bar (or prints JSON lines, or off a terminal one plain line per logged step), and
+//! writes a checkpoint and a loss log.
 //!
 //! Every input is checked before the run folder is touched, and the folder before the first
 //! step (`rundir.rs`). A step with a non-finite loss stops the run before any checkpoint. A
@@ -9,20 +10,31 @@
 //! single or sharded, and the tokenizer), `--data` text or JSONL documents are tokenized and
 //! packed ([`rumble_models::Dataset`]); the checkpoint folder gets the tokenizer files copied
 //! along. Without a tokenizer.json (the tiny preset) text is read as bytes, as before.
+//!
+//! Runs that lose nothing: `--save-every N` writes `OUT/checkpoint-STEP/` folders (the last
+//! `--keep-last K` kept), SIGINT/SIGTERM finish the step, save at OUT's root and exit non-zero,
+//! and `--resume DIR` continues the run in DIR from its newest complete checkpoint
+//! (`rumble_models::checkpoint`) bit for bit: parameters, optimizer state, step, schedule and
+//! the data position.
 
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rumble_core::cpu::Rng;
+use rumble_models::checkpoint::{self, TrainerState};
 use rumble_models::data::Batch;
 use rumble_models::folder::copy_tokenizer_files;
 use rumble_models::{
-    Buckets, Corpus, Dataset, DeviceChoice, Document, Loader, LrSchedule, ModelError, Result, ScheduleKind, Tokenizer,
-    Trainer, Validation, Weights,
+    Buckets, Corpus, Dataset, DeviceChoice, DeviceKind, Document, Loader, LoaderState, LrSchedule, ModelError,
+    Precision, Result, ScheduleKind, Tokenizer, Trainer, Validation, Weights,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::common::{ModelArgs, human};
 use crate::rundir::{RunDir, RunDirArgs};
@@ -56,22 +68,12 @@ pub struct TrainArgs {
     /// cpu, cuda or auto (cuda when usable, else cpu).
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Start from these weights instead of a random initialisation: a Hugging Face model
-    /// folder (config.json, model.safetensors or model.safetensors.index.json with its shards,
-    /// tokenizer.json) or a .safetensors file (its folder's config.json is used).
-    #[arg(long, value_name = "DIR|FILE.safetensors")]
+    /// Start from these weights instead of a random initialisation.
+    #[arg(long, value_name = "CHECKPOINT.safetensors")]
     pub init_from: Option<PathBuf>,
-    /// Data to train on: a JSONL file (`text`, or `prompt` and `response` with the loss on the
-    /// response) or a text file, tokenized with the model folder's tokenizer.json (bytes
-    /// without one). Default: the shipped corpus.
+    /// Text to train on, read as bytes (default: the shipped corpus).
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
-    /// Validation documents (text or JSONL, as --data).
-    #[arg(long, value_name = "FILE", conflicts_with = "val_fraction")]
-    pub val_data: Option<PathBuf>,
-    /// Hold out this fraction of the --data documents for validation (0 < F < 1).
-    #[arg(long, value_name = "F")]
-    pub val_fraction: Option<f64>,
     /// Where the checkpoint and the loss log go (default: runs/<model>). Must be empty or
     /// absent unless --overwrite or --resume.
     #[arg(long, value_name = "DIR")]
@@ -97,100 +99,262 @@ pub struct TrainArgs {
     /// (the default); see `rumble plan --memory-budget`.
     #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = crate::plan::parse_budget)]
     pub memory_budget: rumble_core::compile::Budget,
+
+    /// Validation documents (text or JSONL, as --data).
+    #[arg(long, value_name = "FILE", conflicts_with = "val_fraction")]
+    pub val_data: Option<PathBuf>,
+    /// Hold out this fraction of the --data documents for validation (0 < F < 1).
+    #[arg(long, value_name = "F")]
+    pub val_fraction: Option<f64>,
     /// Every N steps print a short greedy sample after --prompt (CPU, byte-level models).
     #[arg(long, value_name = "N", requires = "prompt")]
     pub sample_every: Option<u64>,
     /// The prompt of --sample-every's samples.
     #[arg(long, value_name = "TEXT")]
     pub prompt: Option<String>,
+
+    // Saving, resuming, validation (--precision is with the model's flags).
+    /// Save a checkpoint every N steps into OUT/checkpoint-STEP/ (the model folder, the
+    /// optimizer state and trainer_state.json), each written whole before it appears.
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<u64>,
+    /// Keep only the newest K checkpoint-STEP folders (default: all).
+    #[arg(long, value_name = "K")]
+    pub keep_last: Option<usize>,
+    /// Report the validation loss every N steps (and after the last), on the held-out last
+    /// tenth of the corpus (then not trained on).
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub eval_batches: usize,
+}
+
+/// Model FLOPs of one trained token (forward and backward), as PaLM's appendix B counts them:
+/// `6 N` for the matmul parameters (the embedding lookup is free unless the table is also the
+/// tied output projection) plus `12 L H D T` for attention's scores and mixing.
+fn flops_per_token(cfg: &rumble_models::Config, seq: usize) -> f64 {
+    let embed = if cfg.tie_word_embeddings { 0 } else { cfg.vocab_size * cfg.hidden_size };
+    let n = cfg.num_params().saturating_sub(embed) as f64;
+    let attn = 12.0 * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) as f64;
+    6.0 * n + attn
+}
+
+/// The dense bf16 tensor-core peak (FLOP/s) of a device, from NVIDIA's data sheets, by name;
+/// `None` for devices not listed (no MFU is shown then).
+fn bf16_peak(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    let sheet: [(&str, f64); 5] =
+        [("H200", 989.4e12), ("H100 PCIE", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12), ("L40S", 362.1e12)];
+    sheet.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
+}
+
+/// The share of the byte corpus held out for validation when `--eval-every` is given.
+const VAL_FRACTION: f64 = 0.1;
+
+/// The corpus split into training and validation parts: the last `VAL_FRACTION` held out
+/// when `eval` is asked for.
+fn split_corpus(bytes: Vec<u8>, eval: bool) -> (Corpus, Option<Corpus>) {
+    if !eval {
+        return (Corpus::new(bytes), None);
+    }
+    let cut = bytes.len() - (bytes.len() as f64 * VAL_FRACTION) as usize;
+    let val = bytes[cut..].to_vec();
+    let mut train = bytes;
+    train.truncate(cut);
+    (Corpus::new(train), Some(Corpus::new(val)))
+}
+
+/// The signal that asked the run to stop (0: none), set by the SIGINT/SIGTERM handlers.
+fn stop_flag() -> Result<Arc<AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let flag = Arc::new(AtomicUsize::new(0));
+    for sig in [SIGINT, SIGTERM] {
+        // A second signal while the first is being handled ends the process at once.
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let err = |e: std::io::Error| ModelError::Usage(format!("cannot handle signal {sig}: {e}"));
+        signal_hook::flag::register_conditional_shutdown(sig, 130, armed.clone()).map_err(err)?;
+        signal_hook::flag::register(sig, armed).map_err(err)?;
+        signal_hook::flag::register_usize(sig, flag.clone(), sig as usize).map_err(err)?;
+    }
+    Ok(flag)
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
     if a.steps == 0 {
         return Err(ModelError::Usage("--steps must be at least 1".into()));
     }
-    if a.run_dir.resume.is_some() {
-        return Err(ModelError::Usage(
-            "--resume: continuing a run from its checkpoint is not in this build yet (it comes with --save-every)"
-                .into(),
-        ));
-    }
     let device: DeviceChoice = a.device.parse()?;
+    // --resume: the newest complete checkpoint of the run, whose config.json is the model.
+    let resume = match &a.run_dir.resume {
+        Some(_) if a.init_from.is_some() => {
+            return Err(ModelError::Usage("give --resume or --init-from, not both".into()));
+        }
+        Some(dir) => {
+            crate::rundir::check(dir, crate::rundir::Mode::Resume, None)?;
+            Some(checkpoint::newest(dir)?)
+        }
+        None => None,
+    };
     // A folder's config.json is found as the sibling of a file in it.
-    let beside = a.init_from.as_ref().map(|p| if p.is_dir() { p.join("config.json") } else { p.clone() });
+    let beside = resume
+        .as_ref()
+        .map(|n| n.dir.join("model.safetensors"))
+        .or_else(|| a.init_from.as_ref().map(|p| if p.is_dir() { p.join("config.json") } else { p.clone() }));
     let r = a.model.resolve(beside.as_deref())?;
     let cfg = r.config.clone();
     let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
     let mode = a.run_dir.mode();
     crate::rundir::check(&out, mode, a.init_from.as_deref())?;
-    let model_dir = model_folder(a.init_from.as_deref(), a.model.config.as_deref());
+    let precision: Precision = match r.step.precision {
+        Some(p) => p,
+        None => Precision::default_for(cfg.dtype)
+            .ok_or_else(|| ModelError::Usage(format!("`{}` is stored in {}: give --precision", r.name, cfg.dtype)))?,
+    };
+    let mut step_cfg = r.step.clone();
+    step_cfg.precision = Some(precision);
+    let model_dir = model_folder(beside.as_deref(), a.model.config.as_deref());
     let tokenizer = match &model_dir {
         Some(d) => Tokenizer::from_folder(d)?,
         None => Tokenizer::bytes(),
     };
     let lr = a.lr.unwrap_or(r.lr);
-    let schedule = LrSchedule {
-        peak: lr,
-        warmup: a.warmup.unwrap_or((a.steps / 10).min(100)),
-        total: a.steps,
-        kind: match a.schedule {
-            ScheduleArg::Constant => ScheduleKind::Constant,
-            ScheduleArg::Cosine => ScheduleKind::Cosine,
-        },
+    let warmup = a.warmup.unwrap_or((a.steps / 10).min(100));
+    let kind = match a.schedule {
+        ScheduleArg::Constant => ScheduleKind::Constant,
+        ScheduleArg::Cosine => ScheduleKind::Cosine,
     };
+    let schedule = LrSchedule { peak: lr, warmup, total: a.steps, kind };
     let buckets = match &a.buckets {
         Some(_) if a.model.seq.is_some() => {
             return Err(ModelError::Usage("give --buckets or --seq, not both".into()));
         }
-        Some(list) => Some(Buckets::seqs(r.step.batch, list)?),
+        Some(list) => Some(Buckets::seqs(step_cfg.batch, list)?),
         None => None,
     };
     // Refused up front: windows longer than the data, hyper-parameters out of their domain,
     // parameters and optimizer state larger than the memory free.
-    let longest = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).max().unwrap_or(r.step.seq);
+    let longest = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).max().unwrap_or(step_cfg.seq);
     if let Some(b) = &buckets {
         for s in b.shapes() {
-            cfg.check_step_sizes(s.batch, s.seq, r.step.grad_accum)?;
+            cfg.check_step_sizes(s.batch, s.seq, step_cfg.grad_accum)?;
         }
     }
     // The data is read (and its windows checked) before anything is allocated for the step.
     let mut data = DataSource::new(&a, &tokenizer, cfg.vocab_size, longest, &r.name)?;
     data.check_window(longest)?;
-    rumble_models::trainer::check_hyper(&r.step, &schedule)?;
+    rumble_models::trainer::check_hyper(&step_cfg, &schedule)?;
     crate::common::check_weights_fit(&r)?;
     crate::common::check_step_fits(&r, true)?;
-    let weights = match &a.init_from {
-        Some(p) => Weights::load(p, &cfg)?,
-        None => Weights::init(&cfg, a.seed)?,
+    // What shapes the step and the run: a resumed run must be given the same.
+    let args: BTreeMap<String, Value> = [
+        ("model", json!(r.name)),
+        ("batch", json!(step_cfg.batch)),
+        ("seq", json!(step_cfg.seq)),
+        ("grad_accum", json!(step_cfg.grad_accum)),
+        ("optimizer", json!(format!("{:?}", step_cfg.optimizer))),
+        ("objective", json!(step_cfg.objective.name())),
+        ("clip", json!(step_cfg.clip)),
+        ("fused_loss", json!(step_cfg.fused_loss)),
+        ("precision", json!(precision.name())),
+        ("lr", json!(lr)),
+        ("warmup", json!(warmup)),
+        ("schedule", json!(format!("{kind:?}"))),
+        ("seed", json!(a.seed)),
+        ("buckets", json!(a.buckets)),
+        ("data", json!(a.data.as_ref().map(|p| p.display().to_string()))),
+        ("eval_every", json!(a.eval_every)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+
+    let mut lengths = Rng::for_name(a.seed, "lengths");
+    let (weights, schedule, done) = match &resume {
+        Some(n) => {
+            let diff = checkpoint::mismatches(&n.state.args, &args);
+            if !diff.is_empty() {
+                return Err(ModelError::Usage(format!(
+                    "--resume {}: this command changes what the run was started with ({}); give the same flags",
+                    n.dir.display(),
+                    diff.join(", ")
+                )));
+            }
+            if a.steps <= n.state.step {
+                return Err(ModelError::Usage(format!(
+                    "--resume {}: the run is at step {}; --steps is the total, give more",
+                    n.dir.display(),
+                    n.state.step
+                )));
+            }
+            let pos = &n.state.data;
+            let Some(l) = Rng::from_state(&pos["lengths"]) else {
+                return Err(ModelError::Usage(format!("{}: no data position in trainer_state.json", n.dir.display())));
+            };
+            data.restore(&pos["batches"], &n.dir)?;
+            lengths = l;
+            (checkpoint::load(&n.dir, &cfg)?, n.state.schedule.schedule(a.steps)?, n.state.step)
+        }
+        None => {
+            let w = match &a.init_from {
+                Some(p) => Weights::load(p, &cfg)?,
+                None => Weights::init(&cfg, a.seed)?,
+            };
+            (w, schedule, 0)
+        }
     };
     let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
         Some(b) => {
-            Trainer::with_buckets_options(cfg.clone(), r.step.clone(), b.clone(), weights, schedule, device, &opts)?
+            Trainer::with_buckets_options(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?
         }
-        None => Trainer::with_options(cfg.clone(), r.step.clone(), weights, schedule, device, &opts)?,
+        None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
     };
+    trainer.set_steps_done(done);
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();
+    // Validation windows: the step's batch shape, shorter when the held-out text is.
+    let val_seq = data.val_seq(sc.seq);
+    if let Some(seq) = val_seq {
+        trainer = trainer.with_eval(sc.batch, seq)?;
+    }
     let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
     let mut run_dir = RunDir::open(&out, mode, a.init_from.as_deref())?;
     if run_dir.removed_temps > 0 {
         note!("removed {} temporary file(s) of killed runs from {}", run_dir.removed_temps, out.display());
     }
+    if let Some(n) = &resume {
+        // A resumed run rewrites what came after its checkpoint.
+        run_dir.log.keep_through(n.state.step)?;
+    }
     let log_path = run_dir.log.path.clone();
+    let stop = stop_flag()?;
+    // Model FLOPs utilisation, on a GPU whose bf16 peak is known, for a bf16 step.
+    let peak_flops = match trainer.device() {
+        DeviceKind::Cuda if precision.compute() == rumble_core::DType::BF16 => {
+            rumble_cuda::Device::new(0).ok().and_then(|d| bf16_peak(&d.name))
+        }
+        _ => None,
+    };
+    let token_flops = flops_per_token(&cfg, sc.seq);
 
     let mut start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
         "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": a.steps,
-        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "buckets": bucket_seqs,
+        "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "precision": precision.name(),
+        "buckets": bucket_seqs,
+        "resumed_from": resume.as_ref().map(|n| n.dir.display().to_string()), "start_step": done,
     });
     data.describe(&mut start, &tokenizer);
+    // Off a terminal (a log file, a pipe): one plain line per logged step instead of a bar.
+    let plain = !a.json && !std::io::stderr().is_terminal();
     let bar = if a.json {
         output::line(&start)?;
         ProgressBar::hidden()
     } else {
         note!(
-            "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}",
+            "training {} ({} parameters) on {}: batch {} x seq {} x {} micro-batch(es), {} steps, {} lr {lr}, {} \
+             (parameters and optimizer state {}, compute {})",
             r.name,
             human(cfg.num_params() as f64),
             trainer.device(),
@@ -199,33 +363,73 @@ pub fn run(a: TrainArgs) -> Result<()> {
             sc.grad_accum,
             a.steps,
             sc.optimizer.map(|o| o.name()).unwrap_or("-"),
+            precision,
+            precision.master(),
+            precision.compute(),
         );
+        if let Some(n) = &resume {
+            note!("resuming from {} at step {}", n.dir.display(), n.state.step);
+            for why in &n.skipped {
+                note!("passed over a newer checkpoint: {why}");
+            }
+        }
         if buckets.is_some() {
             note!("shape buckets: seq {bucket_seqs:?}; each step's length drawn from 1..={}", sc.seq);
         }
-        let bar = ProgressBar::new(a.steps);
-        let style =
-            ProgressStyle::with_template("{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-                .map_err(|e| ModelError::Usage(e.to_string()))?;
-        bar.set_style(style);
-        bar
+        if plain {
+            ProgressBar::hidden()
+        } else {
+            let bar = ProgressBar::new(a.steps);
+            bar.set_position(done);
+            let style = ProgressStyle::with_template(
+                "{bar:30.cyan/blue} {pos:>5}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .map_err(|e| ModelError::Usage(e.to_string()))?;
+            bar.set_style(style);
+            bar
+        }
     };
 
-    let mut lengths = Rng::for_name(a.seed, "lengths");
+    let state = |trainer: &Trainer, data: &DataSource, lengths: &Rng, lr: f64| TrainerState {
+        step: trainer.steps_done(),
+        precision: Some(precision.name().to_string()),
+        schedule: trainer.schedule().into(),
+        lr,
+        seed: a.seed,
+        data: json!({"batches": data.state(), "lengths": lengths.state()}),
+        args: args.clone(),
+        files: BTreeMap::new(),
+    };
+    let val_batches = |trainer: &mut Trainer, data: &DataSource| -> Result<Option<f32>> {
+        let Some(seq) = val_seq else { return Ok(None) };
+        match data.val_batches(a.seed, sc.batch, seq, a.eval_batches.max(1))? {
+            Some(bs) => trainer.eval(&bs).map(Some),
+            None => Ok(None),
+        }
+    };
     let t0 = Instant::now();
     let mut first_loss = None;
     let mut last = None;
     // A failed write to stdout or the log stops the run; the checkpoint is still saved.
     let mut stopped: Option<ModelError> = None;
-    for i in 1..=a.steps {
+    let mut last_val = None;
+    let mut last_lr = trainer.schedule().at(done.max(1));
+    let mut interrupted = 0;
+    for i in done + 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
         let batches = (0..sc.grad_accum).map(|_| data.next(sc.batch, seq)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
         let tps = s.tokens as f64 / dt.max(1e-9);
+        last_lr = s.lr;
         first_loss.get_or_insert(s.loss);
-        if i == 1 || i == a.steps || i % a.log_every.max(1) == 0 {
+        let val_loss = match a.eval_every {
+            Some(n) if i % n.max(1) == 0 || i == a.steps => val_batches(&mut trainer, &data)?,
+            _ => None,
+        };
+        last_val = val_loss.or(last_val);
+        if i == done + 1 || i == a.steps || i % a.log_every.max(1) == 0 || val_loss.is_some() {
             let mut line = json!({
                 "event": "step", "step": s.step, "loss": s.loss, "lr": s.lr, "tokens_per_s": tps.round(),
                 "step_ms": (dt * 1e3 * 100.0).round() / 100.0, "elapsed_s": (t0.elapsed().as_secs_f64() * 100.0).round() / 100.0,
@@ -233,8 +437,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(g) = s.grad_norm {
                 line["grad_norm"] = json!(g);
             }
+            if let Some(v) = val_loss {
+                line["val_loss"] = json!(v);
+            }
             if buckets.is_some() {
                 line["seq"] = json!(seq);
+            }
+            let peak = trainer.stats().map(|st| st.peak_allocated_bytes).filter(|&b| b > 0);
+            if let Some(b) = peak {
+                line["peak_bytes"] = json!(b);
+            }
+            let mfu = peak_flops.map(|p| tps * token_flops / p);
+            if let Some(m) = mfu {
+                line["mfu"] = json!((m * 1e4).round() / 1e4);
             }
             let written =
                 run_dir.log.line(&line.to_string()).and_then(|_| if a.json { output::line(&line) } else { Ok(()) });
@@ -243,6 +458,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 last = Some(s);
                 break;
             }
+            if plain {
+                note!(
+                    "step {i}/{}  loss {:.4}{}  lr {:.3e}  {} tok/s{}{}",
+                    a.steps,
+                    s.loss,
+                    val_loss.map(|v| format!("  val_loss {v:.4}")).unwrap_or_default(),
+                    s.lr,
+                    human(tps),
+                    peak.map(|b| format!("  peak {}B", human(b as f64))).unwrap_or_default(),
+                    mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
+                );
+            }
         }
         if let (Some(n), Some(p)) = (a.sample_every, &a.prompt)
             && n > 0
@@ -250,21 +477,60 @@ pub fn run(a: TrainArgs) -> Result<()> {
         {
             let text = crate::generate::sample_text(&cfg, &trainer.weights()?, p, 64)?;
             let line = json!({"event": "sample", "step": i, "prompt": p, "text": text});
-            if a.json { println!("{line}") } else { bar.println(format!("step {i}: {p}{text}")) }
+            if a.json { output::line(&line)? } else { bar.println(format!("step {i}: {p}{text}")) }
         }
-        bar.set_message(format!("loss {:.4}  {} tok/s", s.loss, human(tps)));
+        bar.set_message(match last_val {
+            Some(v) => format!("loss {:.4}  val {v:.4}  {} tok/s", s.loss, human(tps)),
+            None => format!("loss {:.4}  {} tok/s", s.loss, human(tps)),
+        });
         bar.inc(1);
         last = Some(s);
+        interrupted = stop.load(Ordering::SeqCst);
+        if interrupted != 0 {
+            break;
+        }
+        if a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
+            let dir = checkpoint::save_step(&out, &trainer, &state(&trainer, &data, &lengths, last_lr), a.keep_last)?;
+            if a.json {
+                if let Err(e) = output::line(json!({"event": "checkpoint", "step": i, "dir": dir})) {
+                    stopped = Some(e);
+                    break;
+                }
+            } else if plain {
+                note!("saved {}", dir.display());
+            }
+        }
     }
-    bar.finish();
-    trainer.save_checkpoint(&out)?;
-    if let Some(d) = &model_dir {
+    checkpoint::save(&out, &trainer, &state(&trainer, &data, &lengths, last_lr))?;
+    if let Some(d) = model_dir.as_ref().filter(|d| d.as_path() != out.as_path()) {
         copy_tokenizer_files(d, &out)?;
     }
     if let Some(e) = stopped {
+        bar.abandon();
         note!("stopped after step {} ({e}); checkpoint of that step saved in {}", trainer.steps_done(), out.display());
         return Err(e);
     }
+    if interrupted != 0 {
+        bar.abandon();
+        let name = if interrupted == signal_hook::consts::SIGTERM as usize { "SIGTERM" } else { "SIGINT" };
+        let msg = format!(
+            "interrupted by {name} after step {} of {}: saved {} (model, optimizer state, trainer_state.json); \
+             continue with `rumble train --resume {} --steps {}` and the same flags",
+            trainer.steps_done(),
+            a.steps,
+            out.display(),
+            out.display(),
+            a.steps
+        );
+        if a.json {
+            // The process ends here either way; a closed stdout loses only this line.
+            let _ =
+                output::line(json!({"event": "interrupted", "signal": name, "step": trainer.steps_done(), "dir": out}));
+        }
+        note!("{msg}");
+        std::process::exit(128 + interrupted as i32);
+    }
+    bar.finish();
     let elapsed = t0.elapsed().as_secs_f64();
     let final_loss = last.map(|s| s.loss);
     let reports: Vec<_> = trainer
@@ -277,15 +543,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .collect();
     if a.json {
         output::line(
-            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "elapsed_s": elapsed,
-                   "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"), "loss_log": log_path,
-                   "buckets": reports}),
+            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "val_loss": last_val,
+                   "elapsed_s": elapsed, "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"),
+                   "loss_log": log_path, "buckets": reports}),
         )?;
     } else {
         note!(
-            "loss {:.4} -> {:.4} in {elapsed:.1} s; checkpoint {} (+ config.json), loss log {}",
+            "loss {:.4} -> {:.4}{} in {elapsed:.1} s; checkpoint {} (+ config.json, optimizer state, trainer_state.json), \
+             loss log {}",
             first_loss.unwrap_or(f32::NAN),
             final_loss.unwrap_or(f32::NAN),
+            last_val.map(|v| format!(" (validation {v:.4})")).unwrap_or_default(),
             out.join("model.safetensors").display(),
             log_path.display()
         );
@@ -321,8 +589,17 @@ fn model_folder(init_from: Option<&std::path::Path>, config: Option<&str>) -> Op
 /// Where batches come from: random windows of a byte corpus (the tiny preset's text), or
 /// packed documents through a tokenizer.
 enum DataSource {
-    Corpus { corpus: Corpus, name: String, rng: Rng },
-    Packed { train: Loader, val: Option<Loader> },
+    /// `val`: the corpus's held-out tail under `--eval-every`.
+    Corpus {
+        corpus: Corpus,
+        name: String,
+        rng: Rng,
+        val: Option<Corpus>,
+    },
+    Packed {
+        train: Loader,
+        val: Option<Loader>,
+    },
 }
 
 impl DataSource {
@@ -339,12 +616,13 @@ impl DataSource {
                     "byte-level training needs a vocabulary of at least 256, `{model}` has {vocab}"
                 )));
             }
-            let corpus = match &a.data {
-                Some(p) => Corpus::from_file(p)?,
-                None => Corpus::new(CORPUS.to_vec()),
+            let bytes = match &a.data {
+                Some(p) => rumble_models::guard::read_in_memory(p, "data", 1)?,
+                None => CORPUS.to_vec(),
             };
+            let (corpus, val) = split_corpus(bytes, a.eval_every.is_some());
             let name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
-            return Ok(DataSource::Corpus { corpus, name, rng: Rng::for_name(a.seed, "batches") });
+            return Ok(DataSource::Corpus { corpus, name, rng: Rng::for_name(a.seed, "batches"), val });
         }
         let Dataset { train, val } = match &a.data {
             Some(path) => Dataset::load(path, &validation, tok, seq, vocab, a.seed)?,
@@ -355,6 +633,50 @@ impl DataSource {
             }
         };
         Ok(DataSource::Packed { train, val })
+    }
+
+    /// The data position (`--resume` restores it): the corpus sampler's state, or the packed
+    /// loader's.
+    fn state(&self) -> Value {
+        match self {
+            DataSource::Corpus { rng, .. } => rng.state(),
+            DataSource::Packed { train, .. } => serde_json::to_value(train.state()).unwrap_or(Value::Null),
+        }
+    }
+
+    /// Restores a position [`DataSource::state`] gave (from the checkpoint in `dir`).
+    fn restore(&mut self, v: &Value, dir: &std::path::Path) -> Result<()> {
+        let bad = || ModelError::Usage(format!("{}: no data position in trainer_state.json", dir.display()));
+        match self {
+            DataSource::Corpus { rng, .. } => *rng = Rng::from_state(v).ok_or_else(bad)?,
+            DataSource::Packed { train, .. } => {
+                let st: LoaderState = serde_json::from_value(v.clone()).map_err(|_| bad())?;
+                train.restore(st)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The sequence length of validation windows (`None`: no validation data): the step's,
+    /// shorter when the held-out text is.
+    fn val_seq(&self, seq: usize) -> Option<usize> {
+        match self {
+            DataSource::Corpus { val, .. } => val.as_ref().map(|v| seq.min(v.len().saturating_sub(1)).max(1)),
+            DataSource::Packed { val, .. } => val.as_ref().map(|_| seq),
+        }
+    }
+
+    /// `n` validation micro-batches of `batch` rows of `seq` tokens, the same every time (so
+    /// validation losses compare across steps).
+    fn val_batches(&self, seed: u64, batch: usize, seq: usize, n: usize) -> Result<Option<Vec<Batch>>> {
+        match self {
+            DataSource::Corpus { val: Some(v), .. } => {
+                let mut vr = Rng::for_name(seed, "validation");
+                (0..n).map(|_| v.sample(&mut vr, batch, seq)).collect::<Result<Vec<_>>>().map(Some)
+            }
+            DataSource::Packed { val: Some(v), .. } => Ok(Some(v.all_batches(batch).into_iter().take(n).collect())),
+            _ => Ok(None),
+        }
     }
 
     /// Refuses windows of `seq` tokens longer than a byte corpus (packed documents are checked
@@ -385,7 +707,10 @@ impl DataSource {
     /// Adds what the data is to the start line.
     fn describe(&self, start: &mut serde_json::Value, tok: &Tokenizer) {
         match self {
-            DataSource::Corpus { corpus, .. } => start["corpus_bytes"] = json!(corpus.len()),
+            DataSource::Corpus { corpus, val, .. } => {
+                start["corpus_bytes"] = json!(corpus.len());
+                start["val_bytes"] = json!(val.as_ref().map(Corpus::len));
+            }
             DataSource::Packed { train, val } => {
                 start["tokenizer"] = json!(tok.file().map(|f| f.display().to_string()).unwrap_or("bytes".into()));
                 start["data_tokens"] = json!(train.tokens());
@@ -396,5 +721,30 @@ impl DataSource {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peaks_by_name_and_flops_per_token() {
+        assert_eq!(bf16_peak("NVIDIA H200"), Some(989.4e12));
+        assert_eq!(bf16_peak("NVIDIA H100 PCIe"), Some(756.0e12));
+        assert_eq!(bf16_peak("NVIDIA H100 80GB HBM3"), Some(989.4e12));
+        assert_eq!(bf16_peak("Some GPU"), None);
+        let cfg = rumble_models::preset("tiny").unwrap().config;
+        // Tied: every parameter is a matmul weight (or a norm), counted 6 times a token.
+        let want = 6.0 * cfg.num_params() as f64 + 12.0 * (2 * 4 * 16 * 64) as f64;
+        assert_eq!(flops_per_token(&cfg, 64), want);
+    }
+
+    #[test]
+    fn the_validation_split_is_the_tail() {
+        let (train, val) = split_corpus((0..100u8).collect(), true);
+        assert_eq!((train.len(), val.map(|v| v.len())), (90, Some(10)));
+        let (train, val) = split_corpus(vec![1; 50], false);
+        assert_eq!((train.len(), val.is_none()), (50, true));
     }
 }

@@ -69,7 +69,9 @@ fn train_writes_json_lines_checkpoint_and_log_then_resumes() {
     let (ok, stdout, stderr) = rumble(&args);
     assert!(ok, "{stderr}");
     let ls = lines(&stdout);
-    assert_eq!(ls[0]["model"], format!("rumble-cli-{}-train", std::process::id()));
+    // A checkpoint of the tiny preset keeps the preset's name (and its defaults, flags aside).
+    assert_eq!(ls[0]["model"], "tiny");
+    assert_eq!((ls[0]["batch"].as_u64(), ls[0]["seq"].as_u64(), ls[0]["lr"].as_f64()), (Some(2), Some(16), Some(0.01)));
     assert_eq!((ls[0]["grad_accum"].as_u64(), ls[0]["optimizer"].as_str()), (Some(2), Some("sgd")));
     // The resumed model starts where the first run ended, well below ln 256.
     let first = ls.iter().find(|l| l["event"] == "step").unwrap()["loss"].as_f64().unwrap();

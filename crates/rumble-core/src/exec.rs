@@ -113,6 +113,15 @@ pub trait Executor {
         self.persistent_names().into_iter().map(|n| self.persistent(&n).map(|t| (n, t))).collect()
     }
 
+    /// Runs the validation program built beside the step (tokens and targets in, the loss
+    /// out; persistent inputs unchanged), or `None` when the executor has none: the caller
+    /// then evaluates its own forward-only trace over [`Executor::persistent_values`].
+    #[allow(clippy::type_complexity)]
+    fn eval(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<HostTensor>>, Self::Error> {
+        let _ = inputs;
+        Ok(None)
+    }
+
     /// Bytes held (zero for executors that do not count them).
     fn memory(&self) -> MemoryStats {
         MemoryStats::default()

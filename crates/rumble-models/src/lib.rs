@@ -6,12 +6,13 @@
 //! [`model`] (the forward pass, built with rumble_core's builder) -> [`step`] with [`optim`]
 //! (loss, backward, clipping, optimizer in one trace) -> executors of
 //! `rumble_core::exec::Executor`: [`exec`] (the CPU one, and the choice of one), [`cuda`] (the
-//! CUDA one), [`buckets`] (one step per shape bucket, batches padded to it) -> [`trainer`]
-//! (steps, learning-rate schedule, checkpoints), fed by [`data`] (byte-level corpus windows;
+//! CUDA one), [`buckets`] (one step per shape bucket, batches padded to it), [`paired`] (a step and its validation program over one GPU arena) ->
+//! [`trainer`] (steps, learning-rate schedule; [`checkpoint`]: the state a run resumes from), fed by [`data`] (byte-level corpus windows;
 //! text and JSONL documents through a [`tokenizer`]); [`guard`] holds the checks on user input;
 //! [`generate`] samples text with a KV cache (prefill and decode traces).
 
 pub mod buckets;
+pub mod checkpoint;
 pub mod config;
 pub mod cuda;
 pub mod data;
@@ -23,6 +24,7 @@ pub mod guard;
 pub mod host;
 pub mod model;
 pub mod optim;
+pub mod paired;
 pub mod presets;
 pub mod step;
 pub mod tokenizer;
@@ -38,7 +40,7 @@ pub use error::{ModelError, Result};
 pub use exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, Executor, HostTensor};
 pub use optim::Optimizer;
 pub use presets::{Objective, PRESET_NAMES, Preset, preset};
-pub use step::{StepConfig, TrainStep, build_forward, build_train_step};
+pub use step::{Precision, StepConfig, TrainStep, build_forward, build_train_step};
 pub use tokenizer::Tokenizer;
 pub use trainer::{LrSchedule, PIPELINE, ScheduleKind, StepStats, Trainer, save_checkpoint};
 pub use weights::{OnDtypeMismatch, Weights};

@@ -100,6 +100,13 @@ impl Params {
         Ok(Params { list, names, index })
     }
 
+    /// The same parameters cast to `dtype` (the compute copies of mixed precision); a
+    /// parameter already of `dtype` is itself.
+    pub fn cast(&self, dtype: DType) -> Result<Params> {
+        let list = self.list.iter().map(|p| p.cast(dtype)).collect::<rumble_core::Result<Vec<_>>>()?;
+        Ok(Params { list, names: self.names.clone(), index: self.index.clone() })
+    }
+
     pub fn get(&self, name: &str) -> Result<&Tensor> {
         self.index
             .get(name)

@@ -13,12 +13,22 @@
 //! equals the full-batch mean when every micro-batch has as many counted targets (always true
 //! for corpus windows and for Hugging Face's `labels = input_ids`).
 //!
+//! **Precision** ([`Precision`], litgpt's names): `32-true` and `bf16-true` keep parameters and
+//! optimizer state in the compute dtype. `bf16-mixed` keeps f32 *master* parameters and f32
+//! optimizer state and computes in bf16: the step's first forward ops cast each master to a bf16
+//! copy (values of the arena, like any activation), the model runs on the copies, and the
+//! gradients flow back through the casts' VJPs to the f32 masters (the micro-batch sums are f32),
+//! which the optimizer updates in f32. Everything stays one trace, planned once.
+//!
 //! Trace inputs, in order: per micro-batch `tokens` (i64 `[B, T]`) and, for the causal-LM
 //! objective, `targets` (i64 `[B*T]`), named `tokens.{i}`/`targets.{i}` when `k > 1`; the
 //! optimizer's scalars (`lr`, ...); the parameters (Hugging Face names); the optimizer states.
 //! Outputs: `loss` (f32 `[]`), `grad_norm` when clipping, then `new.{name}` updates of every
 //! parameter and state. Without an optimizer the outputs are `loss` and `grad.{name}` (role
 //! `Grad`): the benchmark workloads' forward + backward.
+
+use std::fmt;
+use std::str::FromStr;
 
 use rumble_core::ir::{InputRole, OutputRole, Phase};
 use rumble_core::{DType, Graph, Tensor, TensorType, Trace};
@@ -28,6 +38,71 @@ use crate::error::{ModelError, Result};
 use crate::model::{self, Params};
 use crate::optim::{self, Optimizer};
 use crate::presets::Objective;
+
+/// How parameters are stored and computed with (PyTorch Lightning / litgpt's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// f32 master parameters and optimizer state; the forward and backward run on bf16 copies.
+    Bf16Mixed,
+    /// Parameters, optimizer state and compute in bf16 (updates below bf16's resolution vanish).
+    Bf16True,
+    /// Everything in f32.
+    F32True,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 3] = [Precision::Bf16Mixed, Precision::Bf16True, Precision::F32True];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Bf16True => "bf16-true",
+            Precision::F32True => "32-true",
+        }
+    }
+
+    /// The dtype the forward and backward compute in.
+    pub fn compute(self) -> DType {
+        match self {
+            Precision::Bf16Mixed | Precision::Bf16True => DType::BF16,
+            Precision::F32True => DType::F32,
+        }
+    }
+
+    /// The dtype of the parameters (masters) and optimizer state the step keeps.
+    pub fn master(self) -> DType {
+        match self {
+            Precision::Bf16True => DType::BF16,
+            Precision::Bf16Mixed | Precision::F32True => DType::F32,
+        }
+    }
+
+    /// The default for a checkpoint stored in `dtype`: bf16-mixed for bf16, 32-true for f32;
+    /// `None` for other dtypes (their step runs as stored).
+    pub fn default_for(dtype: DType) -> Option<Precision> {
+        match dtype {
+            DType::BF16 => Some(Precision::Bf16Mixed),
+            DType::F32 => Some(Precision::F32True),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| ModelError::Usage(format!("unknown precision `{s}` (bf16-mixed, bf16-true or 32-true)")))
+    }
+}
 
 /// The shape of one step.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,6 +119,23 @@ pub struct StepConfig {
     /// Compute the last projection and the cross-entropy as one `linear_cross_entropy` op
     /// (never materialising the `(B*T, V)` logits) instead of `matmul` + `cross_entropy`.
     pub fused_loss: bool,
+    /// `None`: parameters, optimizer state and compute all in the config's dtype. `Some(p)`:
+    /// parameters and state in `p.master()`, compute in `p.compute()` (the config's dtype is
+    /// then only the dtype checkpoints are stored in).
+    pub precision: Option<Precision>,
+}
+
+impl StepConfig {
+    /// The dtype of the step's parameter inputs (and optimizer state) for a model stored in
+    /// `stored`.
+    pub fn master_dtype(&self, stored: DType) -> DType {
+        self.precision.map_or(stored, Precision::master)
+    }
+
+    /// The dtype the step computes in for a model stored in `stored`.
+    pub fn compute_dtype(&self, stored: DType) -> DType {
+        self.precision.map_or(stored, Precision::compute)
+    }
 }
 
 /// A built step and what its inputs are.
@@ -67,6 +159,34 @@ pub fn build_forward(cfg: &Config, batch: usize, seq: usize, objective: Objectiv
     };
     let params = Params::declare(&g, cfg)?;
     let loss = model::objective(cfg, &params, &tokens, targets.as_ref(), fused_loss)?; // f32[]
+    g.output(&loss, "loss")?;
+    Ok(g.finish()?)
+}
+
+/// The validation program of the step `sc` (causal-LM): `tokens` and `targets` in, `loss` out,
+/// forward only. Its persistent inputs are the step's own, in the same order and types
+/// (parameters in the master dtype, cast to the compute dtype as the step does; the optimizer
+/// states, unused), so it can share the step's persistent region and arena.
+pub fn build_eval_step(cfg: &Config, sc: &StepConfig) -> Result<Trace> {
+    if sc.objective != Objective::CausalLm {
+        return Err(ModelError::Usage("validation needs the causal-LM objective".into()));
+    }
+    let g = Graph::new(format!("{}_eval", cfg.arch.model_type()));
+    let (b, t) = (sc.batch, sc.seq);
+    let tokens = g.data("tokens", DType::I64, &[b, t])?;
+    let targets = g.data("targets", DType::I64, &[b * t])?;
+    let params = Params::declare(&g, &Config { dtype: sc.master_dtype(cfg.dtype), ..cfg.clone() })?;
+    if let Some(opt) = &sc.optimizer {
+        for (name, p) in params.names.iter().zip(&params.list) {
+            for (sname, ty) in opt.state_specs(name, p.ty()) {
+                g.input(&sname, ty, InputRole::OptState)?;
+            }
+        }
+    }
+    g.set_phase(Phase::Forward);
+    let compute_cfg = Config { dtype: sc.compute_dtype(cfg.dtype), ..cfg.clone() };
+    let compute = params.cast(compute_cfg.dtype)?;
+    let loss = model::objective(&compute_cfg, &compute, &tokens, Some(&targets), sc.fused_loss)?; // f32[]
     g.output(&loss, "loss")?;
     Ok(g.finish()?)
 }
@@ -111,7 +231,12 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
         }
         None => None,
     };
-    let params = Params::declare(&g, cfg)?;
+    // Parameters as stored (masters), and the copies the model computes with.
+    let compute_cfg = Config { dtype: sc.compute_dtype(cfg.dtype), ..cfg.clone() };
+    let params = Params::declare(&g, &Config { dtype: sc.master_dtype(cfg.dtype), ..cfg.clone() })?;
+    g.set_phase(Phase::Forward);
+    let compute = params.cast(compute_cfg.dtype)?; // each master cast once, at the step's start
+    let cfg = &compute_cfg;
     let mut states = Vec::new();
     let mut state_tensors = Vec::new();
     if let Some(opt) = &sc.optimizer {
@@ -131,7 +256,7 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
     let mut losses = Vec::new();
     for (tokens, targets) in &micro {
         g.set_phase(Phase::Forward);
-        let loss = model::objective(cfg, &params, tokens, targets.as_ref(), sc.fused_loss)?; // f32[]
+        let loss = model::objective(cfg, &compute, tokens, targets.as_ref(), sc.fused_loss)?; // f32[]
         let grads = rumble_core::autodiff::backward(&loss, &wrt)?;
         g.set_phase(Phase::Backward);
         sums = if sums.is_empty() && k == 1 {

@@ -2,24 +2,30 @@
 //!
 //! It owns the schedule of the learning rate (an input of the trace each step), the step count
 //! (Adam's bias corrections), and writes checkpoints as Hugging Face folders
-//! (`model.safetensors` and `config.json`).
+//! (`model.safetensors` and `config.json`, in the config's dtype whatever the precision) plus,
+//! through [`crate::checkpoint`], the state a run resumes from.
+//!
+//! Weights are given in the config's dtype and cast to the step's master dtype
+//! ([`StepConfig::master_dtype`]); optimizer states start at zero unless the weights given carry
+//! them by name (a resumed run: [`crate::checkpoint::load`]).
 
 use std::path::Path;
 
-use rumble_core::Trace;
 pub use rumble_core::compile::PIPELINE;
 use rumble_core::compile::{CompileOptions, optimize};
+use rumble_core::{DType, TensorType, Trace};
 
 use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, cuda_unavailable, executor_with};
+use crate::exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, Executor, cuda_unavailable, executor_with};
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
+use crate::paired::StepWithEval;
 use crate::presets::Objective;
-use crate::step::{StepConfig, TrainStep, build_train_step};
+use crate::step::{StepConfig, TrainStep, build_eval_step, build_train_step};
 use crate::weights::Weights;
 
 /// How the learning rate moves over a run.
@@ -83,6 +89,34 @@ pub struct Trainer {
     step: u64,
     /// Shape buckets: batches of any shape a bucket holds, padded to it by the executor.
     buckets: Option<Buckets>,
+    /// Validation programs by batch shape, built on first use (run on the CPU reference).
+    evals: Vec<((usize, usize), Trace)>,
+    /// The batch shape of the executor's own validation program ([`Trainer::with_eval`]).
+    eval_shape: Option<(usize, usize)>,
+}
+
+/// Stands in for an executor between dropping one and building the next (so their device
+/// memory is never held twice); every call is an error.
+struct Released;
+
+impl Executor for Released {
+    type Error = ModelError;
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+    fn step(&mut self, _: &[HostTensor]) -> Result<Vec<HostTensor>> {
+        Err(ModelError::Usage("the trainer's executor was released".into()))
+    }
+    fn output(&self, name: &str) -> Result<HostTensor> {
+        Err(ModelError::Usage(format!("the trainer's executor was released (output `{name}`)")))
+    }
+    fn persistent_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+    fn persistent(&self, name: &str) -> Result<HostTensor> {
+        Err(ModelError::Usage(format!("the trainer's executor was released (`{name}`)")))
+    }
 }
 
 impl Trainer {
@@ -127,10 +161,20 @@ impl Trainer {
         check_hyper(&sc, &schedule)?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
         let (trace, _log) = optimize(&trace, &CompileOptions { passes: true, ..opts.clone() })?;
-        let mut persistent = weights.tensors;
-        persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
+        let persistent = persistent_values(&cfg, &sc, weights, &states)?;
         let exec = make(trace, persistent)?;
-        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec, schedule, step: 0, buckets: None })
+        Ok(Trainer {
+            cfg,
+            sc,
+            optimizer,
+            data_inputs,
+            exec,
+            schedule,
+            step: 0,
+            buckets: None,
+            evals: Vec::new(),
+            eval_shape: None,
+        })
     }
 
     /// As `new`, with one step per shape bucket (`sc`'s batch and seq are replaced by each
@@ -188,13 +232,23 @@ impl Trainer {
         }
         let TrainStep { data_inputs, states, .. } =
             first.ok_or_else(|| ModelError::Usage("shape buckets: none given".into()))?;
-        let mut persistent = weights.tensors;
-        persistent.extend(states.iter().map(|(name, ty)| (name.clone(), host::zeros(ty))));
+        let persistent = persistent_values(&cfg, &sc, weights, &states)?;
         let opts = CompileOptions { passes: false, ..opts.clone() };
         let exec = BucketedExecutor::with_options(buckets.clone(), traces, persistent, device, &opts)?;
         let max = buckets.max();
         let sc = StepConfig { batch: max.batch, seq: max.seq, ..sc };
-        Ok(Trainer { cfg, sc, optimizer, data_inputs, exec: Box::new(exec), schedule, step: 0, buckets: Some(buckets) })
+        Ok(Trainer {
+            cfg,
+            sc,
+            optimizer,
+            data_inputs,
+            exec: Box::new(exec),
+            schedule,
+            step: 0,
+            buckets: Some(buckets),
+            evals: Vec::new(),
+            eval_shape: None,
+        })
     }
 
     /// Per shape bucket: steps run, graph captures and their seconds (empty without buckets).
@@ -223,6 +277,22 @@ impl Trainer {
     /// Steps taken so far.
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// Continues a run after `step` steps (a resumed run): the next step is `step + 1`, for the
+    /// schedule and Adam's bias corrections.
+    pub fn set_steps_done(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    pub fn schedule(&self) -> &LrSchedule {
+        &self.schedule
+    }
+
+    /// The optimizer states, by name, in trace order.
+    pub fn optimizer_states(&self) -> Result<Vec<(String, HostTensor)>> {
+        let params: std::collections::HashSet<String> = param_specs(&self.cfg).into_iter().map(|s| s.name).collect();
+        Ok(self.exec.persistent_values()?.into_iter().filter(|(n, _)| !params.contains(n)).collect())
     }
 
     /// One optimizer step over `batches` (one per micro-batch).
@@ -293,7 +363,97 @@ impl Trainer {
         Ok(StepStats { step, loss, grad_norm, lr, tokens: b * t * batches.len() })
     }
 
-    /// The current parameters.
+    /// Builds the validation program for batches of `(batch, seq)` beside the step: on CUDA
+    /// (without shape buckets) the executor becomes a [`StepWithEval`], the step and the
+    /// program as CUDA graphs over one persistent region and one arena. Elsewhere nothing
+    /// changes ([`Trainer::eval`] runs on the CPU reference).
+    pub fn with_eval(mut self, batch: usize, seq: usize) -> Result<Trainer> {
+        if self.exec.device() != DeviceKind::Cuda || self.buckets.is_some() || self.eval_shape.is_some() {
+            return Ok(self);
+        }
+        let sc = StepConfig { batch, seq, grad_accum: 1, ..self.sc.clone() };
+        let opts = CompileOptions::default();
+        let eval = optimize(&build_eval_step(&self.cfg, &sc)?, &opts)?.0;
+        let step = optimize(&build_train_step(&self.cfg, &self.sc)?.trace, &opts)?.0;
+        let values = self.exec.persistent_values()?;
+        drop(std::mem::replace(&mut self.exec, Box::new(Released)));
+        self.exec = Box::new(StepWithEval::new(step, eval, values, &CompileOptions { passes: false, ..opts })?);
+        self.eval_shape = Some((batch, seq));
+        Ok(self)
+    }
+
+    /// The mean validation loss over `batches` (any shapes; causal-LM), the current parameters
+    /// unchanged: the step's forward only ([`crate::step::build_eval_step`]).
+    ///
+    /// Batches of the shape given to [`Trainer::with_eval`] run on the executor's own program
+    /// (on the GPU, in the step's arena); others on the CPU reference with the executor's
+    /// current persistent values (copied off the device on CUDA: correct, but slow for a large
+    /// model).
+    pub fn eval(&mut self, batches: &[Batch]) -> Result<f32> {
+        if batches.is_empty() {
+            return Err(ModelError::Usage("validation over no batches".into()));
+        }
+        let mut values: Option<std::collections::HashMap<String, HostTensor>> = None;
+        let mut total = 0.0f64;
+        for batch in batches {
+            let shape = (batch.batch, batch.seq);
+            if batch.tokens.len() != shape.0 * shape.1 || batch.targets.len() != batch.tokens.len() {
+                return Err(ModelError::Usage(format!(
+                    "validation batch ({}, {}) holds {} tokens and {} targets",
+                    shape.0,
+                    shape.1,
+                    batch.tokens.len(),
+                    batch.targets.len()
+                )));
+            }
+            let vocab = self.cfg.vocab_size as i64;
+            if let Some(bad) = batch.tokens.iter().find(|&&x| x < 0 || x >= vocab) {
+                return Err(ModelError::Usage(format!(
+                    "validation token id {bad} is outside the vocabulary 0..{vocab}"
+                )));
+            }
+            if self.eval_shape == Some(shape) {
+                let data = [
+                    host::from_i64s(&[shape.0, shape.1], &batch.tokens)?,
+                    host::from_i64s(&[shape.0 * shape.1], &batch.targets)?,
+                ];
+                if let Some(outs) = self.exec.eval(&data)? {
+                    let loss = outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?;
+                    total += host::item(loss)? as f64;
+                    continue;
+                }
+            }
+            if values.is_none() {
+                values = Some(self.exec.persistent_values()?.into_iter().collect());
+            }
+            let values = values.as_ref().ok_or_else(|| ModelError::Usage("validation: no values".into()))?;
+            if !self.evals.iter().any(|(s, _)| *s == shape) {
+                let sc = StepConfig { batch: shape.0, seq: shape.1, grad_accum: 1, ..self.sc.clone() };
+                let trace = optimize(&build_eval_step(&self.cfg, &sc)?, &CompileOptions::default())?.0;
+                self.evals.push((shape, trace));
+            }
+            let trace =
+                &self.evals.iter().find(|(s, _)| *s == shape).ok_or_else(|| ModelError::Usage("eval".into()))?.1;
+            let mut inputs = Vec::with_capacity(trace.inputs.len());
+            for inp in &trace.inputs {
+                inputs.push(match inp.name.as_str() {
+                    "tokens" => host::from_i64s(&[shape.0, shape.1], &batch.tokens)?,
+                    "targets" => host::from_i64s(&[shape.0 * shape.1], &batch.targets)?,
+                    n => values
+                        .get(n)
+                        .cloned()
+                        .ok_or_else(|| ModelError::Usage(format!("validation: the executor has no `{n}`")))?,
+                });
+            }
+            let outs = rumble_core::cpu::eval(trace, &inputs)?;
+            total += host::item(outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?)?
+                as f64;
+        }
+        Ok((total / batches.len() as f64) as f32)
+    }
+
+    /// The current parameters as the step keeps them (in the master dtype: f32 under
+    /// bf16-mixed).
     pub fn weights(&self) -> Result<Weights> {
         let mut all: std::collections::HashMap<String, HostTensor> =
             self.exec.persistent_values()?.into_iter().collect();
@@ -307,10 +467,16 @@ impl Trainer {
         Ok(Weights { tensors })
     }
 
-    /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads).
-    /// Refuses (writing nothing) when a parameter holds NaN or infinity, naming it.
+    /// The current parameters in the config's dtype (what a model folder stores).
+    pub fn model_weights(&self) -> Result<Weights> {
+        cast_weights(self.weights()?, self.cfg.dtype)
+    }
+
+    /// Writes `dir/model.safetensors` and `dir/config.json` (a folder transformers loads), in
+    /// the config's dtype. Refuses (writing nothing) when a parameter holds NaN or infinity,
+    /// naming it.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
-        save_checkpoint(dir, &self.cfg, &self.weights()?)
+        save_checkpoint(dir, &self.cfg, &self.model_weights()?)
     }
 
     /// Names the first parameter (in `param_specs` order) holding a non-finite value, read
@@ -373,6 +539,59 @@ pub fn check_hyper(sc: &StepConfig, schedule: &LrSchedule) -> Result<()> {
         None => {}
     }
     Ok(())
+}
+
+/// Every tensor of `w` cast to `dtype` (e.g. a model's weights to a step's master dtype).
+pub fn cast_weights(w: Weights, dtype: DType) -> Result<Weights> {
+    Ok(Weights { tensors: w.tensors.into_iter().map(|(n, t)| cast(t, dtype).map(|t| (n, t))).collect::<Result<_>>()? })
+}
+
+/// `t` cast to `dtype` (a float tensor; rounded to nearest even when narrowing).
+pub fn cast(t: HostTensor, dtype: DType) -> Result<HostTensor> {
+    if t.ty.dtype == dtype {
+        return Ok(t);
+    }
+    if !t.ty.dtype.is_float() || !dtype.is_float() {
+        return Err(ModelError::Usage(format!("cannot cast a {} tensor to {dtype}", t.ty)));
+    }
+    host::from_f32s(dtype, t.ty.dims(), &host::to_f32s(&t)?)
+}
+
+/// The starting persistent values of a step: `weights`' parameters (in the config's dtype, or
+/// already in the master dtype) cast to the step's master dtype, then every optimizer state
+/// of `states`, taken from `weights` where it holds one of that name and type (a resumed run)
+/// and zero otherwise. Anything else in `weights` is an error naming it.
+fn persistent_values(
+    cfg: &Config,
+    sc: &StepConfig,
+    weights: Weights,
+    states: &[(String, TensorType)],
+) -> Result<Vec<(String, HostTensor)>> {
+    let master = sc.master_dtype(cfg.dtype);
+    let mut given: std::collections::HashMap<String, HostTensor> = weights.tensors.into_iter().collect();
+    let mut out = Vec::with_capacity(given.len() + states.len());
+    for spec in param_specs(cfg) {
+        let t = given
+            .remove(&spec.name)
+            .ok_or_else(|| ModelError::Usage(format!("no value given for parameter `{}` ({})", spec.name, spec.ty)))?;
+        out.push((spec.name, cast(t, master)?));
+    }
+    for (name, ty) in states {
+        let t = match given.remove(name) {
+            Some(t) if &t.ty == ty => t,
+            Some(t) => {
+                return Err(ModelError::Usage(format!("optimizer state `{name}` is {}, the step keeps {ty}", t.ty)));
+            }
+            None => host::zeros(ty),
+        };
+        out.push((name.clone(), t));
+    }
+    let mut extra: Vec<String> = given.into_keys().collect();
+    extra.sort();
+    if let Some(name) = extra.first() {
+        return Err(ModelError::Usage(format!("`{name}` is neither a parameter nor an optimizer state of this step")));
+    }
+    Ok(out)
 }
 
 /// Writes a Hugging Face model folder: `config.json` and `model.safetensors` (sharded with an

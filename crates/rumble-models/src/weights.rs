@@ -177,15 +177,13 @@ fn checked(path: &Path, name: &str, want: &TensorType, t: HostTensor, on: OnDtyp
             got: t.ty.dims().to_vec(),
         });
     }
-    if t.ty.dtype != want.dtype {
-        if !(on == OnDtypeMismatch::Cast && t.ty.dtype.is_float() && want.dtype.is_float()) {
-            return Err(ModelError::DType {
-                file: path.into(),
-                name: name.to_string(),
-                expected: want.dtype.to_string(),
-                got: t.ty.dtype.to_string(),
-            });
-        }
+    if t.ty.dtype != want.dtype && !(on == OnDtypeMismatch::Cast && t.ty.dtype.is_float() && want.dtype.is_float()) {
+        return Err(ModelError::DType {
+            file: path.into(),
+            name: name.to_string(),
+            expected: want.dtype.to_string(),
+            got: t.ty.dtype.to_string(),
+        });
     }
     // The finite check runs on the stored values (a cast to bf16 could overflow to infinity too).
     if let Some((index, value)) = crate::guard::first_non_finite(&t) {

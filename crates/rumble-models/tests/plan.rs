@@ -27,6 +27,7 @@ fn presets_plan_within_two_percent_of_load() {
                 grad_accum: 1,
                 clip: None,
                 fused_loss: true,
+                precision: None,
             };
             let step = build_train_step(&p.config, &sc).unwrap();
             let (trace, _) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE).unwrap();
@@ -58,6 +59,7 @@ fn step_of(name: &str, optimizer: Option<rumble_models::Optimizer>) -> rumble_co
         grad_accum: 1,
         clip: None,
         fused_loss: true,
+        precision: None,
     };
     build_train_step(&p.config, &sc).unwrap().trace
 }

@@ -86,7 +86,16 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
 
 /// The causal-LM step without an optimizer (loss and every gradient).
 fn step_config(batch: usize, seq: usize, fused_loss: bool) -> StepConfig {
-    StepConfig { batch, seq, objective: Objective::CausalLm, optimizer: None, grad_accum: 1, clip: None, fused_loss }
+    StepConfig {
+        batch,
+        seq,
+        objective: Objective::CausalLm,
+        optimizer: None,
+        grad_accum: 1,
+        clip: None,
+        fused_loss,
+        precision: None,
+    }
 }
 
 /// The loss and every gradient output of `trace` (the `i`-th output, named `n`, from

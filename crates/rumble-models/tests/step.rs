@@ -12,7 +12,7 @@ fn small_cfg() -> Config {
 }
 
 fn sc(objective: Objective, optimizer: Option<Optimizer>, grad_accum: usize, clip: Option<f64>) -> StepConfig {
-    StepConfig { batch: 2, seq: 8, objective, optimizer, grad_accum, clip, fused_loss: false }
+    StepConfig { batch: 2, seq: 8, objective, optimizer, grad_accum, clip, fused_loss: false, precision: None }
 }
 
 #[test]
@@ -28,6 +28,7 @@ fn every_preset_builds_a_whole_training_step() {
             grad_accum: 1,
             clip: Some(1.0),
             fused_loss: true,
+            precision: None,
         };
         let t = build_train_step(&p.config, &s).unwrap().trace;
         let fused = t.op_counts().into_iter().any(|(op, _)| op == "linear_cross_entropy");

@@ -19,6 +19,7 @@ fn tiny_model_loss_falls_on_the_corpus() {
         grad_accum: 1,
         clip: Some(1.0),
         fused_loss: true,
+        precision: None,
     };
     let schedule = LrSchedule { peak: p.lr, warmup: 20, total: steps, kind: ScheduleKind::Cosine };
     let weights = Weights::init(&p.config, 0).unwrap();

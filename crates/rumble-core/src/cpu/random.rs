@@ -28,6 +28,17 @@ impl Rng {
         Rng::new(seed ^ h.finish().rotate_left(17))
     }
 
+    /// The generator's whole state, as JSON (for a checkpoint): [`Rng::from_state`] of it
+    /// continues exactly where `self` is.
+    pub fn state(&self) -> serde_json::Value {
+        serde_json::to_value(&self.0).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The generator [`Rng::state`] returned, or `None` when `v` is not such a state.
+    pub fn from_state(v: &serde_json::Value) -> Option<Rng> {
+        serde_json::from_value(v.clone()).ok().map(Rng)
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         self.0.next_u64()
     }
@@ -71,5 +82,10 @@ mod tests {
         assert_ne!(Rng::for_name(1, "a").next_u64(), Rng::for_name(1, "b").next_u64());
         assert_eq!(Rng::for_name(1, "a").next_u64(), Rng::for_name(1, "a").next_u64());
         assert_eq!(Rng::new(3).next_u64(), Rng::new(3).next_u64());
+        let mut a = Rng::new(9);
+        a.normal();
+        let mut b = Rng::from_state(&a.state()).unwrap();
+        assert_eq!(a.next_u64(), b.next_u64());
+        assert!(Rng::from_state(&serde_json::json!(3)).is_none());
     }
 }

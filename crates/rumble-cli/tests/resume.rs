@@ -1,0 +1,132 @@
+//! Runs that lose nothing, as a user runs them: 20 steps in one run equal 10 + 10 with
+//! `--resume`, loss line for loss line; SIGINT finishes the step, saves and exits non-zero, and
+//! the run resumes from there to the same losses; a resume with other flags is refused.
+//! Validation losses land in the loss log every `--eval-every` steps.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+fn rumble(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rumble-resume-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The loss log's step lines without their timings: (step, loss, lr, grad_norm) as text.
+fn losses(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("loss.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            format!("{} {} {} {}", v["step"], v["loss"], v["lr"], v["grad_norm"])
+        })
+        .collect()
+}
+
+/// The flags of a run of the tiny model on the CPU.
+fn flags(out: &Path, steps: u32, extra: &str) -> Vec<String> {
+    let s = format!("train --steps {steps} --clip 1 --warmup 3 --device cpu --json --out {} {extra}", out.display());
+    s.split_whitespace().map(String::from).collect()
+}
+
+fn run(args: &[String]) -> (bool, String, String) {
+    rumble(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+#[test]
+fn ten_plus_ten_resumed_equals_twenty() {
+    // A constant schedule: the learning rate of a step does not depend on --steps, so a
+    // 10-step run is the first half of the 20-step one.
+    let shape = "--batch 2 --seq 16 --schedule constant";
+    let one = tmp("one");
+    let (ok, _, err) = run(&flags(&one, 20, shape));
+    assert!(ok, "{err}");
+    let two = tmp("two");
+    let (ok, _, err) = run(&flags(&two, 10, &format!("{shape} --save-every 4 --keep-last 1")));
+    assert!(ok, "{err}");
+    assert!(two.join("checkpoint-8").is_dir() && !two.join("checkpoint-4").exists());
+    assert_eq!(losses(&two).len(), 10);
+
+    // Other flags than the run's are refused, naming what differs.
+    let (ok, _, err) = run(&flags(&two, 20, &format!("{shape} --lr 0.1 --resume {}", two.display())));
+    assert!(!ok && err.contains("lr: 0.003 -> 0.1"), "{err}");
+
+    let (ok, stdout, err) = run(&flags(&two, 20, &format!("{shape} --resume {}", two.display())));
+    assert!(ok, "{err}");
+    assert!(stdout.contains("\"start_step\":10"), "{stdout}");
+    assert_eq!(losses(&one), losses(&two), "20 steps vs 10 + 10 resumed");
+    for d in [&one, &two] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn sigint_finishes_the_step_saves_and_the_run_resumes_to_the_same_losses() {
+    // The cosine schedule over 40 steps; the tiny preset's batch shape.
+    let one = tmp("whole");
+    let (ok, _, err) = run(&flags(&one, 40, ""));
+    assert!(ok, "{err}");
+
+    let cut = tmp("cut");
+    let args = flags(&cut, 40, "");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rumble"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Wait for the first step, then interrupt as Ctrl-C would.
+    for l in lines.by_ref() {
+        if l.unwrap().contains("\"event\":\"step\"") {
+            break;
+        }
+    }
+    let killed = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(killed.success());
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted by SIGINT after step") && err.contains("--resume"), "{err}");
+    let stopped: Value = serde_json::from_str(rest.last().unwrap()).unwrap();
+    assert_eq!(stopped["event"], "interrupted");
+    let at = stopped["step"].as_u64().unwrap();
+    assert!(at < 40 && losses(&cut).len() as u64 == at, "stopped at {at}");
+
+    let (ok, _, err) = run(&flags(&cut, 40, &format!("--resume {}", cut.display())));
+    assert!(ok, "{err}");
+    assert_eq!(losses(&one), losses(&cut), "interrupted at {at} and resumed");
+    for d in [&one, &cut] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn eval_every_reports_validation_loss() {
+    let out = tmp("eval");
+    let (ok, stdout, err) = run(&flags(&out, 6, "--batch 2 --seq 16 --eval-every 3 --log-every 100"));
+    assert!(ok, "{err}");
+    let log: Vec<Value> = std::fs::read_to_string(out.join("loss.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let with_val: Vec<u64> =
+        log.iter().filter(|l| l["val_loss"].is_number()).map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(with_val, vec![3, 6], "{log:?}");
+    let v = log.last().unwrap()["val_loss"].as_f64().unwrap();
+    assert!(v > 1.0 && v < 6.0, "{v}");
+    assert!(stdout.contains("\"val_bytes\":") && stdout.contains("\"precision\":\"32-true\""), "{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
+}
