@@ -132,7 +132,7 @@ fn every_bad_input_is_one_named_error_and_changes_nothing() {
         ("config_layers_1e9.json", &["config_layers_1e9", "needs", "free"]),
         ("config_vocab_1e12.json", &["config_vocab_1e12", "needs", "free"]),
         ("config_rope_theta_negative.json", &["config_rope_theta_negative.json", "`rope_theta`"]),
-        ("config_rope_scaling_yarn.json", &["config_rope_scaling_yarn.json", "`rope_scaling`"]),
+        ("config_rope_scaling_yarn.json", &["config_rope_scaling_yarn.json", "`rope_scaling.type`", "yarn"]),
         ("config_kv_heads_zero.json", &["config_kv_heads_zero.json", "`num_key_value_heads`"]),
         ("config_truncated.json", &["config_truncated.json", "JSON"]),
         ("config_binary.json", &["config_binary.json", "UTF-8"]),
