@@ -142,6 +142,11 @@ pub trait CostModel: Send + Sync + fmt::Debug {
     fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64;
     /// What the model is (printed in reports): `roofline NVIDIA H200`.
     fn describe(&self) -> String;
+    /// Whether its times are measured on the device the plan runs on (not estimated), so
+    /// that small differences between variants can be trusted (`compile::choose`).
+    fn is_measured(&self) -> bool {
+        false
+    }
 }
 
 /// A shared cost model.
@@ -265,13 +270,15 @@ impl Roofline {
             let logits = (rows * v) as f64;
             total += mm(t, s, false, true, rows, v, c);
             if backward {
-                // The logit gradient in the operand dtype, then dx = dl w and dw += dl^T x.
+                // The split log-sum-exp again (one read of the logits), the logit gradient in
+                // the operand dtype, then dx = dl w and dw += dl^T x.
+                total += self.stream_seconds(logits * ssz, 3.0 * logits, 1);
                 total += self.stream_seconds(logits * (ssz + tsz), 4.0 * logits, 1);
                 total += mm(t, t, false, false, rows, c, v);
                 total += mm(t, t, true, false, v, c, rows);
             } else {
-                // Split log-sum-exp statistics, then each row's loss: two reads of the logits.
-                total += self.stream_seconds(2.0 * logits * ssz, 5.0 * logits, 2);
+                // Split log-sum-exp statistics (one read of the logits), then each row's loss.
+                total += self.stream_seconds(logits * ssz, 3.0 * logits, 2);
             }
             r0 += rows;
         }

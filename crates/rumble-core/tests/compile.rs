@@ -6,7 +6,9 @@
 use proptest::prelude::*;
 use rumble_core::Trace;
 use rumble_core::autodiff::backward;
-use rumble_core::compile::choose::{chunk_candidates, fastest_lean, with_chunk};
+use rumble_core::compile::choose::{
+    LEAN_TOLERANCE, MEASURED_LEAN_TOLERANCE, chunk_candidates, fastest_lean, with_chunk,
+};
 use rumble_core::compile::{Budget, CompileOptions, compile, plan};
 use rumble_core::cost::{Cost, CostModel, node_key, trace_seconds};
 use rumble_core::ir::{DType, Graph, Op, OutputRole, TensorType};
@@ -87,7 +89,7 @@ proptest! {
         let fast = compile(&trace, &opts).unwrap();
         check(&fast.trace, &fast.plan).unwrap();
         let all = enumerate(&trace, &cost, None);
-        let want = all[fastest_lean(&all).unwrap()];
+        let want = all[fastest_lean(&all, LEAN_TOLERANCE).unwrap()];
         prop_assert_eq!((fast.seconds, fast.report.peak_bytes), want);
         // A budget between the smallest and the largest peak: it fits, and nothing the test
         // enumerates fits faster.
@@ -138,9 +140,12 @@ fn budgets_parse_and_the_report_names_the_choice() {
 fn the_default_keeps_the_leanest_plan_unless_it_is_clearly_slower() {
     // (seconds, peak)
     // The leanest (the fastest of the smallest peaks, within 1%) is kept if within 10%.
-    assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)]), Some(1));
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)], LEAN_TOLERANCE), Some(1));
     // Otherwise the smallest peak among those within 1% of the fastest.
-    assert_eq!(fastest_lean(&[(1.0, 1000), (1.005, 800), (1.5, 500)]), Some(1));
-    assert_eq!(fastest_lean(&[(1.0, 1000), (1.02, 800), (1.5, 500)]), Some(0));
-    assert_eq!(fastest_lean(&[]), None);
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.005, 800), (1.5, 500)], LEAN_TOLERANCE), Some(1));
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.02, 800), (1.5, 500)], LEAN_TOLERANCE), Some(0));
+    assert_eq!(fastest_lean(&[], LEAN_TOLERANCE), None);
+    // With times measured on the device, an 8% gain is trusted: the faster plan is taken.
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)], MEASURED_LEAN_TOLERANCE), Some(0));
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.015, 500)], MEASURED_LEAN_TOLERANCE), Some(1));
 }

@@ -33,5 +33,6 @@ pub use device::{Device, available};
 pub use error::{CudaError, Result};
 
 pub use exec::{
-    BucketedGraphs, EagerExecutor, Executor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor, Program,
+    BucketedGraphs, DeviceCost, EagerExecutor, Executor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor,
+    Program,
 };

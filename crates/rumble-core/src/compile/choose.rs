@@ -10,8 +10,10 @@
 //!
 //! - [`Budget::Fastest`] (the default): the fastest plan, recomputing nothing, but no bytes
 //!   for speed the model cannot tell apart: the leanest plan (the fastest of those within
-//!   [`PEAK_TOLERANCE`] of the smallest peak) stays if it is within [`LEAN_TOLERANCE`] of the fastest; otherwise the
-//!   smallest peak among plans within [`SPEED_TOLERANCE`] of the fastest;
+//!   [`PEAK_TOLERANCE`] of the smallest peak) stays if it is within the lean tolerance of the
+//!   fastest ([`LEAN_TOLERANCE`] for estimated times, [`MEASURED_LEAN_TOLERANCE`] where the
+//!   cost model measures on the device: `CostModel::is_measured`); otherwise the smallest peak
+//!   among plans within [`SPEED_TOLERANCE`] of the fastest;
 //! - [`Budget::Bytes`]: the fastest plan whose peak fits, recomputing where that is what
 //!   makes it fit; an error naming the smallest feasible peak if none does;
 //! - [`Budget::Auto`]: `Bytes` of the device's free memory less [`AUTO_MARGIN`] of it, or
@@ -37,6 +39,9 @@ pub const SPEED_TOLERANCE: f64 = 0.01;
 /// (the accuracy asked of the predicted step time: a smaller gain is not trusted, and not
 /// worth any bytes).
 pub const LEAN_TOLERANCE: f64 = 0.10;
+/// The same for times measured on the device the plan runs on: the variants differ in a few
+/// nodes, each measured alone, so a gain this large is real.
+pub const MEASURED_LEAN_TOLERANCE: f64 = 0.02;
 /// Peaks within this fraction of each other count as the same memory.
 pub const PEAK_TOLERANCE: f64 = 0.01;
 /// `Budget::Auto` keeps this fraction of the device's free memory free.
@@ -189,7 +194,8 @@ pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Res
     let plain = variants(trace, opts, cost, opts.remat)?;
     let Some(b) = target else {
         let lines = weighed(&plain);
-        let i = fastest_lean(&plain.iter().map(|v| (v.seconds, v.peak())).collect::<Vec<_>>())
+        let lean = if cost.is_measured() { MEASURED_LEAN_TOLERANCE } else { LEAN_TOLERANCE };
+        let i = fastest_lean(&plain.iter().map(|v| (v.seconds, v.peak())).collect::<Vec<_>>(), lean)
             .ok_or_else(|| Error::Plan("compile: no variant was planned".into()))?;
         let pick = plain.into_iter().nth(i).ok_or_else(|| Error::Plan("compile: no variant was planned".into()))?;
         return Ok((pick, lines));
@@ -227,8 +233,9 @@ pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Res
     }
 }
 
-/// The index `Budget::Fastest` picks among `(seconds, peak)` variants (see the module doc).
-pub fn fastest_lean(all: &[(f64, usize)]) -> Option<usize> {
+/// The index `Budget::Fastest` picks among `(seconds, peak)` variants (see the module doc),
+/// keeping the leanest if it is within `lean_tolerance` of the fastest.
+pub fn fastest_lean(all: &[(f64, usize)], lean_tolerance: f64) -> Option<usize> {
     let fastest = all.iter().map(|v| v.0).fold(f64::INFINITY, f64::min);
     let least = all.iter().map(|v| v.1).min()?;
     // The leanest: the fastest of the plans within PEAK_TOLERANCE of the smallest peak.
@@ -237,7 +244,7 @@ pub fn fastest_lean(all: &[(f64, usize)]) -> Option<usize> {
         .enumerate()
         .filter(|v| v.1.1 as f64 <= least as f64 * (1.0 + PEAK_TOLERANCE))
         .min_by(|x, y| x.1.0.total_cmp(&y.1.0).then(x.1.1.cmp(&y.1.1)))?;
-    if lean.1.0 <= fastest * (1.0 + LEAN_TOLERANCE) {
+    if lean.1.0 <= fastest * (1.0 + lean_tolerance) {
         return Some(lean.0);
     }
     all.iter()

@@ -31,11 +31,12 @@ mod buckets;
 mod eager;
 mod graphed;
 mod planned;
+mod probe;
 
 use std::sync::Arc;
 
 use rumble_core::compile::CompileOptions;
-use rumble_core::cost::{Cost, DeviceRates, Measured, Roofline};
+use rumble_core::cost::{Cost, DeviceRates, Roofline};
 use rumble_core::cpu::HostTensor;
 use rumble_core::ir::{InputRole, OutputRole, Trace, ValueId, verify};
 use rumble_core::plan::{BackendScratch, MemoryPlan, PlanOptions, Region};
@@ -49,6 +50,7 @@ pub use buckets::{BucketedGraphs, check_shared_layout};
 pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;
+pub use probe::{DeviceCost, PROBE_MEMORY_FRACTION, PROBE_RUNS, probe};
 
 // The one executor trait and its figures live in rumble-core; every executor here implements it.
 pub use rumble_core::exec::{BucketStats, DeviceKind, Executor, MemoryStats};
@@ -94,15 +96,15 @@ impl Program {
 
     /// `base` made for `dev`: each node's recipe scratch planned with the node
     /// ([`Program::plan_options`]), the device's free memory (for `Budget::Auto`), and, unless
-    /// `base` has one, a cost model of the times measured on this device (in the kernel cache
-    /// folder; the matmul tuner records them) over an H200's roofline with this device's
-    /// multiprocessors.
+    /// `base` has one, the device's cost model ([`DeviceCost`]: node times measured on this
+    /// device, probed on first use and remembered in the kernel cache folder, over an H200's
+    /// roofline with this device's multiprocessors; the roofline alone without a cache folder).
     pub fn compile_options(dev: &Arc<Device>, base: &CompileOptions) -> Result<CompileOptions> {
         let cost = base.cost.clone().or_else(|| {
             let rates =
                 DeviceRates { name: dev.name.clone(), multiprocessors: dev.multiprocessors, ..DeviceRates::h200() };
             let m: Cost = match dev.knobs().cache {
-                Some(dir) => Arc::new(Measured::load(&dir, rates)),
+                Some(_) => Arc::new(DeviceCost::new(dev.clone(), rates)),
                 None => Arc::new(Roofline::new(rates)),
             };
             Some(m)

@@ -101,6 +101,27 @@ __device__ __forceinline__ void stf(float* p, float v) { *p = v; }
 __device__ __forceinline__ void stf(double* p, double v) { *p = v; }
 __device__ __forceinline__ void stf(bf16* p, float v) { st(p, v); }
 __device__ __forceinline__ void stf(f16* p, float v) { st(p, v); }
+// Four consecutive values from f32, rounding each once; p is aligned to four elements.
+__device__ __forceinline__ void st4(float* p, float a, float b, float c, float d) {
+  float4 f;
+  f.x = a;
+  f.y = b;
+  f.z = c;
+  f.w = d;
+  *reinterpret_cast<float4*>(p) = f;
+}
+__device__ __forceinline__ void st4(bf16* p, float a, float b, float c, float d) {
+  uint2 u;
+  u.x = (unsigned)f32_to_bf16_bits(a) | ((unsigned)f32_to_bf16_bits(b) << 16);
+  u.y = (unsigned)f32_to_bf16_bits(c) | ((unsigned)f32_to_bf16_bits(d) << 16);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ void st4(f16* p, float a, float b, float c, float d) {
+  uint2 u;
+  u.x = (unsigned)f32_to_f16_bits(a) | ((unsigned)f32_to_f16_bits(b) << 16);
+  u.y = (unsigned)f32_to_f16_bits(c) | ((unsigned)f32_to_f16_bits(d) << 16);
+  *reinterpret_cast<uint2*>(p) = u;
+}
 
 // ---- the status word: the first failing kernel writes its tag, a code and a value ----
 __device__ __forceinline__ void report(int* status, int tag, int code, i64 v) {

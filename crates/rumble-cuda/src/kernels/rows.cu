@@ -2,20 +2,75 @@
 // cross-entropy (+ backward). One block per row; statistics in the arithmetic type (f32, f64
 // for f64) with fixed-order block reductions, so results are deterministic.
 
+// RMSNorm and its backward: one warp per row (rows of a few thousand at most: no block-wide
+// synchronisation), 16-byte loads and stores where the row width and the pointers allow
+// (`vec16`), statistics reduced by the warp's fixed-order shuffles.
+template <typename T> struct Vec16 { static const int n = 16 / sizeof(T); };
+template <typename T> union Pack16 {
+  uint4 u;
+  T e[Vec16<T>::n];
+};
+// Whether rows of d elements at these pointers can be read 16 bytes at a time.
+template <typename T>
+__device__ __forceinline__ bool vec16(i64 d, const void* a, const void* b, const void* c, const void* e) {
+  const unsigned long long m = (unsigned long long)a | (unsigned long long)b | (unsigned long long)c |
+                               (unsigned long long)e;
+  return d % Vec16<T>::n == 0 && (m & 15) == 0;
+}
+template <typename T>
+__device__ __forceinline__ void ld16(const T* p, typename Acc<T>::t* a) {
+  Pack16<T> k;
+  k.u = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < Vec16<T>::n; ++i) a[i] = ldf(k.e[i]);
+}
+template <typename T>
+__device__ __forceinline__ void st16(T* p, const typename Acc<T>::t* a) {
+  Pack16<T> k;
+#pragma unroll
+  for (int i = 0; i < Vec16<T>::n; ++i) stf(&k.e[i], a[i]);
+  *reinterpret_cast<uint4*>(p) = k.u;
+}
+#define WARP_ROWS(row, rows)                                                                            \
+  for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;                 \
+       row += (i64)gridDim.x * (blockDim.x >> 5))
+
 template <typename T>
 __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, i64 rows, i64 d, double eps) {
   typedef typename Acc<T>::t A;
-  __shared__ A buf[32];
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  constexpr int N = Vec16<T>::n;
+  const int lane = threadIdx.x & 31;
+  const bool vec = vec16<T>(d, x, w, y, y);
+  WARP_ROWS(row, rows) {
     const T* xr = x + row * d;
     A ss = 0;
-    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-      A v = ldf(xr[c]);
-      ss += v * v;
+    if (vec) {
+      for (i64 c = lane * N; c < d; c += 32 * N) {
+        A a[N];
+        ld16(xr + c, a);
+#pragma unroll
+        for (int i = 0; i < N; ++i) ss += a[i] * a[i];
+      }
+    } else {
+      for (i64 c = lane; c < d; c += 32) {
+        A v = ldf(xr[c]);
+        ss += v * v;
+      }
     }
-    ss = block_sum(ss, buf);
-    A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
-    for (i64 c = threadIdx.x; c < d; c += blockDim.x) stf(&y[row * d + c], ldf(xr[c]) * r * ldf(w[c]));
+    ss = warp_sum(ss);
+    const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
+    if (vec) {
+      for (i64 c = lane * N; c < d; c += 32 * N) {
+        A a[N], g[N];
+        ld16(xr + c, a);
+        ld16(w + c, g);
+#pragma unroll
+        for (int i = 0; i < N; ++i) a[i] = a[i] * r * g[i];
+        st16(y + row * d + c, a);
+      }
+    } else {
+      for (i64 c = lane; c < d; c += 32) stf(&y[row * d + c], ldf(xr[c]) * r * ldf(w[c]));
+    }
   }
 }
 
@@ -24,22 +79,50 @@ template <typename T>
 __device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
                                 T* __restrict__ dx, typename Acc<T>::t* rstd, i64 rows, i64 d, double eps) {
   typedef typename Acc<T>::t A;
-  __shared__ A buf[32];
-  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  constexpr int N = Vec16<T>::n;
+  const int lane = threadIdx.x & 31;
+  const bool vec = vec16<T>(d, x, w, dy, dx);
+  WARP_ROWS(row, rows) {
     const T* xr = x + row * d;
     const T* gr = dy + row * d;
     A ss = 0, dot = 0;
-    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-      A v = ldf(xr[c]);
-      ss += v * v;
-      dot += ldf(w[c]) * ldf(gr[c]) * v;
+    if (vec) {
+      for (i64 c = lane * N; c < d; c += 32 * N) {
+        A a[N], g[N], q[N];
+        ld16(xr + c, a);
+        ld16(w + c, q);
+        ld16(gr + c, g);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          ss += a[i] * a[i];
+          dot += q[i] * g[i] * a[i];
+        }
+      }
+    } else {
+      for (i64 c = lane; c < d; c += 32) {
+        A v = ldf(xr[c]);
+        ss += v * v;
+        dot += ldf(w[c]) * ldf(gr[c]) * v;
+      }
     }
-    ss = block_sum(ss, buf);
-    dot = block_sum(dot, buf);
-    A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
-    A k = r * r * r * dot / (A)d;
-    for (i64 c = threadIdx.x; c < d; c += blockDim.x) stf(&dx[row * d + c], r * ldf(w[c]) * ldf(gr[c]) - ldf(xr[c]) * k);
-    if (threadIdx.x == 0) rstd[row] = r;
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
+    const A k = r * r * r * dot / (A)d;
+    if (vec) {
+      for (i64 c = lane * N; c < d; c += 32 * N) {
+        A a[N], g[N], q[N];
+        ld16(xr + c, a);
+        ld16(w + c, q);
+        ld16(gr + c, g);
+#pragma unroll
+        for (int i = 0; i < N; ++i) a[i] = r * q[i] * g[i] - a[i] * k;
+        st16(dx + row * d + c, a);
+      }
+    } else {
+      for (i64 c = lane; c < d; c += 32) stf(&dx[row * d + c], r * ldf(w[c]) * ldf(gr[c]) - ldf(xr[c]) * k);
+    }
+    if (lane == 0) rstd[row] = r;
   }
 }
 
@@ -58,14 +141,18 @@ __device__ void rms_norm_bwd_dw_part(const T* __restrict__ x, const T* __restric
   part[g * d + c] = acc;
 }
 
+// dw[c] = the sum over the groups' partials: one warp per column, lanes over the groups, then
+// the warp's fixed-order reduction.
 template <typename T>
 __device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* part, T* __restrict__ dw, i64 groups, i64 d) {
   typedef typename Acc<T>::t A;
-  i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= d) return;
-  A acc = 0;
-  for (i64 g = 0; g < groups; ++g) acc += part[g * d + c];
-  stf(&dw[c], acc);
+  const int lane = threadIdx.x & 31;
+  WARP_ROWS(c, d) {
+    A acc = 0;
+    for (i64 g = lane; g < groups; g += 32) acc += part[g * d + c];
+    acc = warp_sum(acc);
+    if (lane == 0) stf(&dw[c], acc);
+  }
 }
 
 // Rotate-half RoPE on [B, H, T, D]; angle t * inv_freq_j in f32 (as Hugging Face), sin/cos in f64.
@@ -231,24 +318,53 @@ __device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const 
 // grid works on row b / splits, columns [s * span, min(v, (s + 1) * span)) with s = b % splits,
 // so a chunk of a few hundred rows still fills the GPU. ce_split_stats writes each piece's
 // (max, sum of exp(x - max)); the row's log-sum-exp combines them in piece order (the same
-// value in every block that needs it: deterministic).
+// value in every block that needs it: deterministic). The logits are read once: each thread
+// keeps a running (max, sum) (online log-sum-exp), as float4 where the rows and pieces are
+// multiples of 4 wide (`vec4`), and the block combines its threads' pairs in a fixed order.
+template <typename T> struct IsF32 { static const bool v = false; };
+template <> struct IsF32<float> { static const bool v = true; };
+
+// Adds x to the running pair (m, s = sum of exp(. - m)). A NaN makes s NaN; -inf adds nothing.
+template <typename A>
+__device__ __forceinline__ void online_lse(A& m, A& s, A x) {
+  if (x > m) {
+    s = s * ex_(m - x) + (A)1;
+    m = x;
+  } else if (m != (A)(-F64_INF) || x != x) {
+    s += ex_(x - m);
+  }
+}
+
 template <typename T>
 __device__ void ce_split_stats(const T* __restrict__ x, typename Acc<T>::t* __restrict__ stats, i64 rows, i64 v,
                                i64 splits, i64 span) {
   typedef typename Acc<T>::t A;
   __shared__ A buf[32];
+  const bool vec4 = IsF32<T>::v && ((v | span) & 3) == 0;
   for (i64 b = blockIdx.x; b < rows * splits; b += gridDim.x) {
     const i64 row = b / splits, c0 = (b % splits) * span, c1 = c0 + span < v ? c0 + span : v;
     const T* xr = x + row * v;
-    A m = (A)(-F64_INF);
-    for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) m = fmax_(m, ldf(xr[c]));
-    m = block_max(m, buf);
-    A sum = 0;
-    if (m != (A)(-F64_INF))
-      for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) sum += ex_(ldf(xr[c]) - m);
-    sum = block_sum(sum, buf);
+    A m = (A)(-F64_INF), s = 0;
+    if constexpr (IsF32<T>::v) {
+      if (vec4) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr + c0);
+        const i64 n4 = c1 > c0 ? (c1 - c0) >> 2 : 0;
+        for (i64 q = threadIdx.x; q < n4; q += blockDim.x) {
+          const float4 f = x4[q];
+          online_lse(m, s, f.x);
+          online_lse(m, s, f.y);
+          online_lse(m, s, f.z);
+          online_lse(m, s, f.w);
+        }
+      }
+    }
+    if (!vec4)
+      for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) online_lse(m, s, ldf(xr[c]));
+    const A mb = block_max(m, buf);
+    // A thread that saw nothing (s = 0) adds nothing; a NaN stays NaN.
+    const A sum = block_sum(s == (A)0 ? (A)0 : s * ex_(m - mb), buf);
     if (threadIdx.x == 0) {
-      stats[2 * b] = m;
+      stats[2 * b] = mb;
       stats[2 * b + 1] = sum;
     }
   }
@@ -305,6 +421,21 @@ __device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, 
     const int n = *count;
     const A scale = (A)((double)*dloss / (double)(n > 0 ? n : 1));
     const T* xr = x + row * v;
+    if constexpr (IsF32<T>::v) {
+      if (((v | span) & 3) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr + c0);
+        const i64 n4 = c1 > c0 ? (c1 - c0) >> 2 : 0;
+        for (i64 q = threadIdx.x; q < n4; q += blockDim.x) {
+          const float4 f = x4[q];
+          const i64 c = c0 + 4 * q;
+          st4(&dr[c], (ex_(f.x - lse) - (c == t ? 1.0f : 0.0f)) * scale,
+              (ex_(f.y - lse) - (c + 1 == t ? 1.0f : 0.0f)) * scale,
+              (ex_(f.z - lse) - (c + 2 == t ? 1.0f : 0.0f)) * scale,
+              (ex_(f.w - lse) - (c + 3 == t ? 1.0f : 0.0f)) * scale);
+        }
+        continue;
+      }
+    }
     for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
       A p = ex_(ldf(xr[c]) - lse) - (c == t ? (A)1 : (A)0);
       stf(&dr[c], p * scale);

@@ -44,6 +44,11 @@ fn rows_grid(dev: &Device, rows: usize) -> (u32, u32, u32) {
     (rows.clamp(1, dev.multiprocessors.max(1) * 64) as u32, 1, 1)
 }
 
+/// Blocks of 256 threads for kernels that give each row a warp (8 rows a block).
+fn warp_rows_grid(dev: &Device, rows: usize) -> (u32, u32, u32) {
+    (rows.div_ceil(8).clamp(1, dev.multiprocessors.max(1) * 64) as u32, 1, 1)
+}
+
 struct Builder<'a> {
     dev: &'a Device,
     op: &'static str,

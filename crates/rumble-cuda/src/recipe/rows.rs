@@ -4,7 +4,7 @@
 
 use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 
-use super::{Builder, grid_for, rows_grid, sfx};
+use super::{Builder, grid_for, rows_grid, sfx, warp_rows_grid};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelFile;
 use crate::launch::{Arg, Step};
@@ -20,13 +20,14 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             let rows = at[0].numel() / d.max(1);
             let args =
                 vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
-            b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), rows_grid(dev, rows), 256, 0, args)?;
+            b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), warp_rows_grid(dev, rows), 256, 0, args)?;
         }
         Op::RmsNormBackward { eps } => {
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);
             let acc = if dt == DType::F64 { 8 } else { 4 };
-            let groups = rows.clamp(1, 64);
+            // Row groups of at least 32 rows for the dw partials, enough of them to fill the GPU.
+            let groups = rows.div_ceil(32).clamp(1, 256);
             let rstd = b.scratch(rows * acc);
             let part = b.scratch(groups * d * acc);
             let s = sfx(dt);
@@ -34,7 +35,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             b.k(
                 KernelFile::Rows,
                 format!("rms_norm_backward_dx_{s}"),
-                rows_grid(dev, rows),
+                warp_rows_grid(dev, rows),
                 256,
                 0,
                 vec![
@@ -60,8 +61,8 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             b.k(
                 KernelFile::Rows,
                 format!("rms_norm_backward_dw_sum_{s}"),
-                (cols, 1, 1),
-                128,
+                warp_rows_grid(dev, d),
+                256,
                 0,
                 vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd],
             )?;
@@ -208,8 +209,13 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
     // Each row's log-sum-exp in `splits` pieces (ce_split_* in rows.cu): enough blocks to fill
     // the GPU even when a chunk has fewer rows than there are SMs.
     let sms = b.dev.multiprocessors.max(1);
+    // Pieces a multiple of 4 wide where the rows are (the kernels then read float4).
     let splits = (sms * 8).div_ceil(chunk).clamp(1, v.div_ceil(4096).max(1));
-    let span = v.div_ceil(splits).max(1);
+    let mut span = v.div_ceil(splits).max(1);
+    if v % 4 == 0 {
+        span = span.next_multiple_of(4);
+    }
+    let splits = v.div_ceil(span).max(1);
     let stats = b.scratch(chunk * splits * 2 * ssz);
     let piece_grid = |rows: usize| ((rows * splits).clamp(1, sms * 64) as u32, 1, 1);
     // The chunk buffers live in the node's own scratch range (Op::scratch_bytes lays it out

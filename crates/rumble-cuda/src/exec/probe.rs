@@ -1,0 +1,196 @@
+//! The device's own cost model: each node's time measured on the device the first time the
+//! compiler asks for it.
+//!
+//! [`DeviceCost`] answers `CostModel::node_seconds` from, in order: the times already measured
+//! on this device (`cost::Measured`, the `times-<device>.txt` file in the kernel cache folder,
+//! written by earlier probes, `--profile` and the matmul tuner); a **probe**, which runs the node
+//! alone and records its time there; and the roofline, where a node cannot be probed (no cache
+//! folder to remember it in, the stream is capturing a graph, its buffers would take more than
+//! [`PROBE_MEMORY_FRACTION`] of the free memory, or it failed to prepare).
+//!
+//! A probe is the node as a one-node program (its operands as step inputs, its results as
+//! outputs), prepared and planned like any program, in an arena filled with small numbers
+//! (0x3c bytes: about 0.0115 in every float type) and zero integers (a valid index, position or
+//! target for every op that reads one). It runs once to warm up, then [`PROBE_RUNS`] times
+//! timed by CUDA events around each of its launches; before each timed run a buffer larger
+//! than the L2 cache is overwritten, so the node reads its operands from device memory, as it
+//! mostly does inside a step. The median run's sum of launch times is recorded.
+//!
+//! So the compiler weighs every variant (the fused loss's chunk rows, recomputation) by times
+//! measured on the device it runs on, and `rumble plan`/`bench` predict the step from them.
+//! The cost is one probe per distinct node (by `cost::node_key`: the layers of a model share
+//! theirs), once per machine.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result as drv, sys};
+use rumble_core::cost::{CostModel, DeviceRates, Measured, Roofline, node_key, record};
+use rumble_core::ir::{InputRole, Op, OutputRole, Phase, TensorType, Trace, TraceInput, TraceOutput};
+use rumble_core::plan::plan_naive;
+
+use super::Program;
+use super::planned::Placed;
+use crate::device::Device;
+use crate::error::{DriverContext, Result};
+use crate::memory::DeviceBuffer;
+
+/// Timed runs of each probe (after one warm-up); the median is kept.
+pub const PROBE_RUNS: usize = 3;
+/// A probe may take at most this fraction of the device's free memory.
+pub const PROBE_MEMORY_FRACTION: f64 = 0.5;
+/// Bytes overwritten before each timed run (more than any current GPU's L2 cache).
+const SCRUB_BYTES: usize = 256 << 20;
+
+/// Node times measured on the device on demand (see the module doc).
+pub struct DeviceCost {
+    dev: Arc<Device>,
+    state: Mutex<State>,
+}
+
+struct State {
+    measured: Measured,
+    /// Keys whose probe failed (not retried).
+    failed: HashSet<String>,
+    probed: usize,
+    scrub: Option<DeviceBuffer>,
+}
+
+impl std::fmt::Debug for DeviceCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl DeviceCost {
+    /// The times measured on `dev` so far (in its kernel cache folder), over `rates`' roofline.
+    pub fn new(dev: Arc<Device>, rates: DeviceRates) -> Self {
+        let measured = match dev.knobs().cache {
+            Some(dir) => Measured::load(&dir, rates),
+            None => Measured { roofline: Roofline::new(rates), ..Default::default() },
+        };
+        DeviceCost { dev, state: Mutex::new(State { measured, failed: HashSet::new(), probed: 0, scrub: None }) }
+    }
+
+    /// How many nodes this model has probed.
+    pub fn probed(&self) -> usize {
+        self.state.lock().map(|s| s.probed).unwrap_or(0)
+    }
+
+    fn can_probe(&self, args: &[&TensorType], outs: &[&TensorType]) -> bool {
+        let capturing = unsafe { drv::stream::is_capturing(self.dev.stream()) }
+            .map(|s| s != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+            .unwrap_or(true);
+        if capturing || self.dev.knobs().cache.is_none() {
+            return false;
+        }
+        let bytes: usize = args.iter().chain(outs).map(|t| t.size_in_bytes()).sum();
+        let free = self.dev.mem_info().map(|m| m.0).unwrap_or(0);
+        ((bytes + SCRUB_BYTES) as f64) < PROBE_MEMORY_FRACTION * free as f64
+    }
+}
+
+impl CostModel for DeviceCost {
+    fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        let Ok(mut st) = self.state.lock() else {
+            return Roofline::default().node_seconds(op, args, outs);
+        };
+        let launch = st.measured.roofline.rates.launch;
+        let key = node_key(op, args, outs);
+        if let Some(s) = st.measured.get(&key) {
+            return s + launch;
+        }
+        // Views cost nothing in a plan (the roofline knows which nodes are views).
+        let roofline = st.measured.node_seconds(op, args, outs);
+        if roofline == 0.0 || st.failed.contains(&key) || !self.can_probe(args, outs) {
+            return roofline;
+        }
+        let scrub = match st.scrub.take() {
+            Some(b) => Ok(b),
+            None => DeviceBuffer::new(&self.dev, SCRUB_BYTES, "the cost probe's L2 scrub"),
+        };
+        let got = scrub.and_then(|b| {
+            let r = probe(&self.dev, op, args, outs, &b);
+            st.scrub = Some(b);
+            r
+        });
+        match got {
+            Ok(s) => {
+                st.probed += 1;
+                st.measured.times.insert(key.clone(), s);
+                if let Some(dir) = self.dev.knobs().cache {
+                    // A cache that cannot be written only loses the measurement.
+                    let _ = record(&dir, &self.dev.name, &[(key, s)]);
+                }
+                s + launch
+            }
+            Err(_) => {
+                st.failed.insert(key);
+                roofline
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self.state.lock() {
+            Ok(s) => format!(
+                "measured on {} ({} times, {} probed now), roofline elsewhere",
+                s.measured.roofline.rates.name,
+                s.measured.times.len(),
+                s.probed
+            ),
+            Err(_) => "measured on the device".into(),
+        }
+    }
+
+    fn is_measured(&self) -> bool {
+        true
+    }
+}
+
+/// Seconds one run of `op` on operands of types `args` giving `outs` takes on `dev` (the
+/// median of [`PROBE_RUNS`] runs; see the module doc).
+pub fn probe(
+    dev: &Arc<Device>,
+    op: &Op,
+    args: &[&TensorType],
+    outs: &[&TensorType],
+    scrub: &DeviceBuffer,
+) -> Result<f64> {
+    let mut t = Trace::new(format!("probe {}", op.name()));
+    let a: Vec<_> = args.iter().map(|ty| t.new_value((*ty).clone())).collect();
+    let o: Vec<_> = outs.iter().map(|ty| t.new_value((*ty).clone())).collect();
+    t.inputs = a
+        .iter()
+        .enumerate()
+        .map(|(i, v)| TraceInput { value: *v, name: format!("arg{i}"), role: InputRole::Input })
+        .collect();
+    t.outputs = o
+        .iter()
+        .enumerate()
+        .map(|(i, v)| TraceOutput { value: *v, name: format!("out{i}"), role: OutputRole::Output })
+        .collect();
+    t.nodes.push(rumble_core::ir::Node { op: op.clone(), args: a.clone(), outs: o, phase: Phase::Forward });
+    let ws = Program::workspace_bytes(dev, &t)?;
+    let prog = Arc::new(Program::new(dev.clone(), t.clone(), plan_naive(&t, ws))?);
+    let placed = Placed::new(prog.clone(), &[])?;
+    dev.bind()?;
+    unsafe { drv::memset_d8_sync(placed.arena.ptr, 0, placed.arena.bytes.max(1)) }
+        .ctx(|| "probe: cuMemsetD8".into())?;
+    for (v, ty) in a.iter().zip(args) {
+        if ty.dtype.is_float() && ty.size_in_bytes() > 0 {
+            let p = placed.ptr(*v)?;
+            unsafe { drv::memset_d8_sync(p, 0x3c, ty.size_in_bytes()) }.ctx(|| "probe: cuMemsetD8".into())?;
+        }
+    }
+    placed.launch_timed(0..1)?;
+    let mut runs = Vec::with_capacity(PROBE_RUNS);
+    for _ in 0..PROBE_RUNS {
+        unsafe { drv::memset_d8_async(scrub.ptr, 0, scrub.bytes, dev.stream()) }.ctx(|| "probe: scrub".into())?;
+        let times = placed.launch_timed(0..1)?;
+        runs.push(times.iter().map(|x| x.2).sum::<f64>() / 1e3);
+    }
+    placed.check()?;
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[runs.len() / 2])
+}
