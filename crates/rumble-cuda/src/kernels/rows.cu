@@ -188,7 +188,28 @@ template <typename T>
 __device__ void rope(const T* __restrict__ x, T* __restrict__ y, const typename Acc<T>::t* __restrict__ tab, i64 rows,
                      i64 t_len, i64 d, i64 per_pos) {
   typedef typename Acc<T>::t A;
+  constexpr int N = Vec16<T>::n;
   i64 half = d / 2, total = rows * half;
+  if (vec16<T>(half, x, y, y, y)) {
+    // N neighbouring frequencies a thread: 16-byte loads of both halves.
+    const i64 hv = half / N;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < rows * hv; q += (i64)gridDim.x * blockDim.x) {
+      const i64 row = q / hv, j = (q - row * hv) * N;
+      const A* tb = tab + 2 * (((row / per_pos) % t_len) * half + j);
+      A a[N], b[N];
+      ld16(x + row * d + j, a);
+      ld16(x + row * d + j + half, b);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const A c = tb[2 * i], sn = tb[2 * i + 1], ai = a[i];
+        a[i] = ai * c - b[i] * sn;
+        b[i] = b[i] * c + ai * sn;
+      }
+      st16(y + row * d + j, a);
+      st16(y + row * d + j + half, b);
+    }
+    return;
+  }
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 row = e / half, j = e % half;
     i64 k = ((row / per_pos) % t_len) * half + j;
@@ -340,7 +361,7 @@ __device__ void ce_split_stats(const T* __restrict__ x, typename Acc<T>::t* __re
                                i64 splits, i64 span) {
   typedef typename Acc<T>::t A;
   __shared__ A buf[32];
-  const bool vec4 = IsF32<T>::v && ((v | span) & 3) == 0;
+  const bool vec4 = IsF32<T>::v && ((v | span) & 3) == 0 && ((unsigned long long)x & 15) == 0;
   for (i64 b = blockIdx.x; b < rows * splits; b += gridDim.x) {
     const i64 row = b / splits, c0 = (b % splits) * span, c1 = c0 + span < v ? c0 + span : v;
     const T* xr = x + row * v;
@@ -422,7 +443,7 @@ __device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, 
     const A scale = (A)((double)*dloss / (double)(n > 0 ? n : 1));
     const T* xr = x + row * v;
     if constexpr (IsF32<T>::v) {
-      if (((v | span) & 3) == 0) {
+      if (((v | span) & 3) == 0 && (((unsigned long long)x | (unsigned long long)dx) & 15) == 0) {
         const float4* x4 = reinterpret_cast<const float4*>(xr + c0);
         const i64 n4 = c1 > c0 ? (c1 - c0) >> 2 : 0;
         for (i64 q = threadIdx.x; q < n4; q += blockDim.x) {
@@ -541,6 +562,24 @@ template <typename T>
 __device__ void swiglu_packed(const T* __restrict__ x, T* __restrict__ y, i64 rows, i64 f) {
   typedef typename Acc<T>::t A;
   const A one = 1;
+  constexpr int N = Vec16<T>::n;
+  if (vec16<T>(f, x, y, y, y)) {
+    // N neighbouring columns a thread, 16-byte loads and stores.
+    const i64 fv = f / N;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < rows * fv; q += (i64)gridDim.x * blockDim.x) {
+      const i64 r = q / fv, c = (q - r * fv) * N;
+      A g[N], u[N];
+      ld16(x + r * 2 * f + c, g);
+      ld16(x + r * 2 * f + f + c, u);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        A s = one / (one + ex_(-g[i]));
+        g[i] = (g[i] * s) * u[i];
+      }
+      st16(y + r * f + c, g);
+    }
+    return;
+  }
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < rows * f; e += (i64)gridDim.x * blockDim.x) {
     i64 r = e / f, c = e % f;
     A g = ldf(x[r * 2 * f + c]), u = ldf(x[r * 2 * f + f + c]);
@@ -553,6 +592,28 @@ __device__ void swiglu_packed_bwd(const T* __restrict__ x, const T* __restrict__
                                   i64 f) {
   typedef typename Acc<T>::t A;
   const A one = 1;
+  constexpr int N = Vec16<T>::n;
+  if (vec16<T>(f, x, dy, dx, dx)) {
+    const i64 fv = f / N;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < rows * fv; q += (i64)gridDim.x * blockDim.x) {
+      const i64 r = q / fv, c = (q - r * fv) * N;
+      A g[N], u[N], d[N];
+      ld16(x + r * 2 * f + c, g);
+      ld16(x + r * 2 * f + f + c, u);
+      ld16(dy + r * f + c, d);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        A s = one / (one + ex_(-g[i]));
+        A t = g[i] * (s * (A)-1 + one) + one;
+        A du = (d[i] * g[i]) * s;
+        g[i] = ((d[i] * u[i]) * s) * t;
+        u[i] = du;
+      }
+      st16(dx + r * 2 * f + c, g);
+      st16(dx + r * 2 * f + f + c, u);
+    }
+    return;
+  }
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < rows * f; e += (i64)gridDim.x * blockDim.x) {
     i64 r = e / f, c = e % f;
     A g = ldf(x[r * 2 * f + c]), u = ldf(x[r * 2 * f + f + c]), d = ldf(dy[e]);
