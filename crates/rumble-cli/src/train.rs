@@ -244,7 +244,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut data = DataSource::new(&a, &tokenizer, cfg.vocab_size, longest, &r.name)?;
     data.check_window(longest)?;
     rumble_models::trainer::check_hyper(&step_cfg, &schedule)?;
-    crate::common::check_weights_fit(&r)?;
+    crate::common::check_weights_fit(&r.name, &cfg, &step_cfg)?;
     crate::common::check_step_fits(&r, true)?;
     // What shapes the step and the run: a resumed run must be given the same.
     let args: BTreeMap<String, Value> = [
