@@ -235,7 +235,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .as_ref()
         .map(|n| n.dir.join("model.safetensors"))
         .or_else(|| a.init_from.as_ref().map(|p| if p.is_dir() { p.join("config.json") } else { p.clone() }));
-    let r = a.model.resolve(beside.as_deref())?;
+    let mut r = a.model.resolve(beside.as_deref())?;
+    // A resumed run keeps the name it started with: its config.json now sits in the run's own
+    // folder, whose name is not the model's (`--init-from path/to/Qwen2.5-0.5B --out runs/ft`).
+    if let Some(name) = resume.as_ref().and_then(|n| n.state.args.get("model")).and_then(Value::as_str) {
+        r.name = name.to_string();
+    }
     let cfg = r.config.clone();
     let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
     let mode = a.run_dir.mode();
