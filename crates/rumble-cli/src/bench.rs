@@ -106,7 +106,7 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
     if !a.train {
         sc.optimizer = None;
     }
-    crate::common::check_weights_fit(&r)?;
+    crate::common::check_weights_fit(&r.name, &r.config, &sc)?;
     crate::common::check_step_fits(&r, true)?;
     // In the step's master dtype (f32 under --precision bf16-mixed).
     let weights = cast_weights(Weights::init(&r.config, a.seed)?, sc.master_dtype(r.config.dtype))?;

@@ -142,21 +142,39 @@ fn config_from_path(p: &Path) -> Result<(String, Config)> {
     Ok((name, cfg))
 }
 
-/// Refuses, before any weight is allocated, parameters and optimizer state (each a copy of the
-/// parameters for AdamW's two moments, one for SGD's momentum) larger than the host memory free.
-pub fn check_weights_fit(r: &Resolved) -> Result<()> {
-    let copies: u64 = match r.step.optimizer {
-        Some(Optimizer::AdamW { .. }) => 3,
-        Some(Optimizer::Sgd { momentum, .. }) if momentum != 0.0 => 2,
-        _ => 1,
+/// Host bytes of the weights a run holds before its step is built: the parameters in the
+/// step's master dtype (f32 under bf16-mixed, whatever the model is stored in), the optimizer
+/// state in the same dtype (AdamW's two moments, SGD's momentum: each a copy of the
+/// parameters), and, when the masters are cast from another stored dtype, the stored copy
+/// the cast reads. `None` when the count overflows.
+pub fn weight_bytes(cfg: &Config, sc: &StepConfig) -> Option<u64> {
+    let states: u64 = match sc.optimizer {
+        Some(Optimizer::AdamW { .. }) => 2,
+        Some(Optimizer::Sgd { momentum, .. }) if momentum != 0.0 => 1,
+        _ => 0,
     };
-    let bytes = r.config.checked_param_bytes().ok_or_else(|| ModelError::TooLarge {
-        what: format!("the parameters of `{}`", r.name),
+    let n = cfg.checked_num_params()? as u64;
+    let master = sc.master_dtype(cfg.dtype);
+    let stored = if master == cfg.dtype { 0 } else { cfg.dtype.size_in_bytes() as u64 };
+    let per_param = (master.size_in_bytes() as u64).checked_mul(1 + states)?.checked_add(stored)?;
+    n.checked_mul(per_param)
+}
+
+/// Refuses, before any weight is allocated, the weights of [`weight_bytes`] larger than the
+/// host memory free. `sc` is the step as it will run (its precision resolved).
+pub fn check_weights_fit(name: &str, cfg: &Config, sc: &StepConfig) -> Result<()> {
+    let bytes = weight_bytes(cfg, sc).ok_or_else(|| ModelError::TooLarge {
+        what: format!("the parameters of `{name}`"),
         msg: "their size overflows".into(),
-    })? as u64;
+    })?;
+    let master = sc.master_dtype(cfg.dtype);
     rumble_models::guard::check_host_memory(
-        &format!("`{}`: {} parameters and optimizer state", r.name, human(r.config.num_params() as f64)),
-        bytes.saturating_mul(copies),
+        &format!(
+            "`{name}`: {} parameters and optimizer state in {master}{}",
+            human(cfg.num_params() as f64),
+            if master == cfg.dtype { String::new() } else { format!(" (cast from {})", cfg.dtype) }
+        ),
+        bytes,
     )
 }
 
@@ -185,5 +203,60 @@ pub fn human(n: f64) -> String {
         n if n >= 1e6 => format!("{:.2} M", n / 1e6),
         n if n >= 1e3 => format!("{:.1} k", n / 1e3),
         n => format!("{n:.0}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumble_core::DType;
+    use rumble_models::Precision;
+
+    fn bf16_model() -> Config {
+        Config { dtype: DType::BF16, ..preset("small").unwrap().config }
+    }
+
+    fn step(optimizer: Option<Optimizer>, precision: Option<Precision>) -> StepConfig {
+        StepConfig {
+            batch: 1,
+            seq: 8,
+            objective: Objective::CausalLm,
+            optimizer,
+            grad_accum: 1,
+            clip: None,
+            fused_loss: true,
+            precision,
+        }
+    }
+
+    #[test]
+    fn weight_bytes_count_the_master_dtype_and_the_state() {
+        let cfg = bf16_model();
+        let n = cfg.num_params() as u64;
+        let adam = Some(Optimizer::adamw());
+        // bf16-mixed: f32 masters and two f32 moments, and the bf16 checkpoint they are cast from.
+        assert_eq!(weight_bytes(&cfg, &step(adam, Some(Precision::Bf16Mixed))), Some(n * (3 * 4 + 2)));
+        assert_eq!(weight_bytes(&cfg, &step(adam, Some(Precision::Bf16True))), Some(n * 3 * 2));
+        assert_eq!(weight_bytes(&cfg, &step(adam, Some(Precision::F32True))), Some(n * (3 * 4 + 2)));
+        assert_eq!(weight_bytes(&cfg, &step(adam, None)), Some(n * 3 * 2), "no precision: as stored");
+        let f32_cfg = Config { dtype: DType::F32, ..cfg.clone() };
+        assert_eq!(weight_bytes(&f32_cfg, &step(adam, Some(Precision::F32True))), Some(n * 3 * 4));
+        let sgd = Some(Optimizer::Sgd { momentum: 0.9, weight_decay: 0.0 });
+        assert_eq!(weight_bytes(&cfg, &step(sgd, Some(Precision::Bf16Mixed))), Some(n * (2 * 4 + 2)));
+        let plain = Some(Optimizer::Sgd { momentum: 0.0, weight_decay: 0.0 });
+        assert_eq!(weight_bytes(&cfg, &step(plain, Some(Precision::Bf16True))), Some(n * 2));
+        assert_eq!(weight_bytes(&cfg, &step(None, Some(Precision::Bf16Mixed))), Some(n * (4 + 2)));
+    }
+
+    #[test]
+    fn a_model_too_large_for_the_host_is_refused_naming_the_master_dtype() {
+        // A vocabulary of 2^40 rows: terabytes of masters, more than any host has free.
+        let cfg = Config { vocab_size: 1 << 40, ..bf16_model() };
+        let e = check_weights_fit("huge", &cfg, &step(Some(Optimizer::adamw()), Some(Precision::Bf16Mixed)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`huge`") && e.contains("in f32 (cast from bf16)"), "{e}");
+        let big = Config { vocab_size: usize::MAX / 2, ..bf16_model() };
+        assert!(weight_bytes(&big, &step(Some(Optimizer::adamw()), Some(Precision::Bf16Mixed))).is_none());
     }
 }

@@ -130,14 +130,48 @@ pub struct TrainArgs {
     pub eval_batches: usize,
 }
 
-/// Model FLOPs of one trained token (forward and backward), as PaLM's appendix B counts them:
-/// `6 N` for the matmul parameters (the embedding lookup is free unless the table is also the
-/// tied output projection) plus `12 L H D T` for attention's scores and mixing.
-fn flops_per_token(cfg: &rumble_models::Config, seq: usize) -> f64 {
-    let embed = if cfg.tie_word_embeddings { 0 } else { cfg.vocab_size * cfg.hidden_size };
-    let n = cfg.num_params().saturating_sub(embed) as f64;
-    let attn = 12.0 * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) as f64;
-    6.0 * n + attn
+/// What the run's timed steps did, for the `done` line: every step but the run's first (which
+/// captures the CUDA graphs) when there are several, so the figures are the steady state.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Throughput {
+    steps: u64,
+    tokens: f64,
+    /// Model FLOPs ([`crate::suite::flops_per_step`]) of those steps.
+    flops: f64,
+    secs: f64,
+    /// The run's first step, kept apart until a second one comes.
+    first: Option<(f64, f64, f64)>,
+}
+
+impl Throughput {
+    fn add(&mut self, tokens: f64, flops: f64, secs: f64) {
+        if self.first.is_none() && self.steps == 0 {
+            self.first = Some((tokens, flops, secs));
+            return;
+        }
+        self.steps += 1;
+        (self.tokens, self.flops, self.secs) = (self.tokens + tokens, self.flops + flops, self.secs + secs);
+    }
+
+    /// `(tokens per second, model FLOPs per second)` over the timed steps (the first step alone
+    /// when it is the only one); `None` before any step.
+    fn rates(&self) -> Option<(f64, f64)> {
+        let (t, f, s) = if self.steps > 0 { (self.tokens, self.flops, self.secs) } else { self.first? };
+        Some((t / s.max(1e-9), f / s.max(1e-9)))
+    }
+
+    /// The `done` line's `tokens_per_s`, `peak_bytes` (the device's arena and persistent region,
+    /// `None` off a GPU) and `mfu` (model FLOP/s over `peak_flops`, the device's dense bf16
+    /// peak; `None` off a GPU or for a step not computed in bf16).
+    fn done_fields(&self, peak_bytes: Option<usize>, peak_flops: Option<f64>) -> serde_json::Value {
+        let rates = self.rates();
+        json!({
+            "tokens_per_s": rates.map(|(t, _)| t.round()),
+            "timed_steps": if self.steps > 0 { self.steps } else { u64::from(self.first.is_some()) },
+            "peak_bytes": peak_bytes,
+            "mfu": rates.zip(peak_flops).map(|((_, f), p)| (f / p * 1e4).round() / 1e4),
+        })
+    }
 }
 
 /// The dense bf16 tensor-core peak (FLOP/s) of a device, from NVIDIA's data sheets, by name;
@@ -201,7 +235,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .as_ref()
         .map(|n| n.dir.join("model.safetensors"))
         .or_else(|| a.init_from.as_ref().map(|p| if p.is_dir() { p.join("config.json") } else { p.clone() }));
-    let r = a.model.resolve(beside.as_deref())?;
+    let mut r = a.model.resolve(beside.as_deref())?;
+    // A resumed run keeps the name it started with: its config.json now sits in the run's own
+    // folder, whose name is not the model's (`--init-from path/to/Qwen2.5-0.5B --out runs/ft`).
+    if let Some(name) = resume.as_ref().and_then(|n| n.state.args.get("model")).and_then(Value::as_str) {
+        r.name = name.to_string();
+    }
     let cfg = r.config.clone();
     let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
     let mode = a.run_dir.mode();
@@ -244,7 +283,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut data = DataSource::new(&a, &tokenizer, cfg.vocab_size, longest, &r.name)?;
     data.check_window(longest)?;
     rumble_models::trainer::check_hyper(&step_cfg, &schedule)?;
-    crate::common::check_weights_fit(&r)?;
+    crate::common::check_weights_fit(&r.name, &cfg, &step_cfg)?;
     crate::common::check_step_fits(&r, true)?;
     // What shapes the step and the run: a resumed run must be given the same.
     let args: BTreeMap<String, Value> = [
@@ -336,7 +375,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         _ => None,
     };
-    let token_flops = flops_per_token(&cfg, sc.seq);
+    let mut timed = Throughput::default();
 
     let mut start = json!({
         "event": "start", "model": r.name, "params": cfg.num_params(), "device": trainer.device().to_string(),
@@ -422,6 +461,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
         let tps = s.tokens as f64 / dt.max(1e-9);
+        let flops = crate::suite::flops_per_step(&cfg, sc.batch, seq) * sc.grad_accum as f64;
+        timed.add(s.tokens as f64, flops, dt);
         last_lr = s.lr;
         first_loss.get_or_insert(s.loss);
         let val_loss = match a.eval_every {
@@ -447,7 +488,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(b) = peak {
                 line["peak_bytes"] = json!(b);
             }
-            let mfu = peak_flops.map(|p| tps * token_flops / p);
+            let mfu = peak_flops.map(|p| flops / dt.max(1e-9) / p);
             if let Some(m) = mfu {
                 line["mfu"] = json!((m * 1e4).round() / 1e4);
             }
@@ -542,11 +583,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         })
         .collect();
     if a.json {
-        output::line(
-            json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "val_loss": last_val,
-                   "elapsed_s": elapsed, "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"),
-                   "loss_log": log_path, "buckets": reports}),
-        )?;
+        let mut done = json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "val_loss": last_val,
+               "elapsed_s": elapsed, "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"),
+               "loss_log": log_path, "buckets": reports});
+        let peak = match trainer.device() {
+            DeviceKind::Cuda => trainer.stats().map(|st| st.peak_allocated_bytes),
+            DeviceKind::Cpu => None,
+        };
+        if let (Some(d), serde_json::Value::Object(f)) = (done.as_object_mut(), timed.done_fields(peak, peak_flops)) {
+            d.extend(f);
+        }
+        output::line(done)?;
     } else {
         note!(
             "loss {:.4} -> {:.4}{} in {elapsed:.1} s; checkpoint {} (+ config.json, optimizer state, trainer_state.json), \
@@ -729,15 +776,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn peaks_by_name_and_flops_per_token() {
+    fn peaks_by_name_and_flops_per_step() {
         assert_eq!(bf16_peak("NVIDIA H200"), Some(989.4e12));
         assert_eq!(bf16_peak("NVIDIA H100 PCIe"), Some(756.0e12));
         assert_eq!(bf16_peak("NVIDIA H100 80GB HBM3"), Some(989.4e12));
         assert_eq!(bf16_peak("Some GPU"), None);
         let cfg = rumble_models::preset("tiny").unwrap().config;
-        // Tied: every parameter is a matmul weight (or a norm), counted 6 times a token.
-        let want = 6.0 * cfg.num_params() as f64 + 12.0 * (2 * 4 * 16 * 64) as f64;
-        assert_eq!(flops_per_token(&cfg, 64), want);
+        // Tied: every parameter is a matmul weight (or a norm), counted 6 times a token; causal
+        // attention 2 * 2 * T * T * D * H / 2 a layer and sequence forward, 3 times that with
+        // the backward.
+        let (l, h, d, t, b) = (2.0, 4.0, 16.0, 64.0, 3.0);
+        let want = 6.0 * cfg.num_params() as f64 * b * t + 3.0 * (2.0 * 2.0 * t * t * d * h / 2.0) * l * b;
+        assert_eq!(crate::suite::flops_per_step(&cfg, 3, 64), want);
+        assert_eq!((cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim), (2, 4, 16));
+    }
+
+    #[test]
+    fn the_done_figures_leave_the_first_step_out() {
+        let mut t = Throughput::default();
+        assert_eq!(
+            t.done_fields(None, None),
+            json!({"tokens_per_s": null, "timed_steps": 0, "peak_bytes": null, "mfu": null})
+        );
+        t.add(100.0, 1e12, 10.0); // the first step: graph capture
+        assert_eq!(t.rates(), Some((10.0, 1e11)), "one step: itself");
+        t.add(100.0, 1e12, 0.5);
+        t.add(300.0, 3e12, 1.5);
+        assert_eq!(t.rates(), Some((200.0, 2e12)));
+        let f = t.done_fields(Some(1 << 30), Some(1e13));
+        assert_eq!(f, json!({"tokens_per_s": 200.0, "timed_steps": 2, "peak_bytes": 1u64 << 30, "mfu": 0.2}));
+        assert_eq!(t.done_fields(None, None)["mfu"], json!(null));
     }
 
     #[test]

@@ -39,7 +39,14 @@ fn train_writes_json_lines_checkpoint_and_log_then_resumes() {
         assert!(s["loss"].as_f64().is_some_and(|l| l > 0.0 && l < 6.0), "{s}");
         assert!(s["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0) && s["grad_norm"].is_number(), "{s}");
     }
-    assert_eq!(ls.last().unwrap()["event"], "done");
+    let done = ls.last().unwrap();
+    assert_eq!(done["event"], "done");
+    // The throughput of steps 2..=6 (the first left out); no device memory or MFU on the CPU.
+    assert!(done["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{done}");
+    assert_eq!(done["timed_steps"], 5, "{done}");
+    for key in ["peak_bytes", "mfu"] {
+        assert!(done.get(key).is_some_and(Value::is_null), "`{key}` must be null on the CPU: {done}");
+    }
     assert_eq!(std::fs::read_to_string(out.join("loss.jsonl")).unwrap().lines().count(), 6);
     assert!(out.join("model.safetensors").is_file() && out.join("config.json").is_file());
 

@@ -1,6 +1,7 @@
 //! Fuzzing of the readers of user files: each reader takes arbitrary bytes and must return
 //! (`Ok` or a clear error), never panic, hang or wrap an size. Readers are listed once in
-//! [`READERS`]: adding one (the JSONL data reader, a tokenizer.json reader) is one line there.
+//! [`READERS`] (config.json, safetensors, JSONL data, tokenizer.json): adding one is one line
+//! there.
 //!
 //! In CI: `proptest` runs a few hundred cases a reader (arbitrary bytes, and mutations of valid
 //! seeds). Long runs, with a mutation loop for a set time (run in the dev profile so arithmetic
@@ -19,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use rumble_core::cpu::Rng;
-use rumble_models::{Config, Weights, guard, preset, weights};
+use rumble_models::data::packed::parse_jsonl;
+use rumble_models::{Config, Dataset, Tokenizer, Validation, Weights, guard, preset, weights};
 
 /// A reader: its name, the function run on the bytes, and valid seed inputs to mutate.
 struct Reader {
@@ -31,9 +33,72 @@ struct Reader {
 const READERS: &[Reader] = &[
     Reader { name: "config", run: read_config, seeds: config_seeds },
     Reader { name: "safetensors", run: read_safetensors, seeds: safetensors_seeds },
-    // hfdata's readers go here, e.g.:
-    // Reader { name: "jsonl", run: read_jsonl, seeds: jsonl_seeds },
+    Reader { name: "jsonl", run: read_jsonl, seeds: jsonl_seeds },
+    Reader { name: "tokenizer", run: read_tokenizer, seeds: tokenizer_seeds },
 ];
+
+/// The fine-tuning fixture (a model folder with a BPE tokenizer.json, and JSONL data).
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/finetune").join(name)
+}
+
+/// The fixture folder's tokenizer, read once.
+fn bpe() -> &'static Tokenizer {
+    static TOK: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    TOK.get_or_init(|| Tokenizer::from_folder(&fixture("model")).unwrap())
+}
+
+/// JSONL data: parse the records, then tokenize, split (a validation fraction) and pack them
+/// into windows through bytes and through the fixture's BPE tokenizer, and draw batches.
+fn read_jsonl(bytes: &[u8]) {
+    let Ok(text) = std::str::from_utf8(bytes) else { return };
+    let Ok(docs) = parse_jsonl(text, Path::new("fuzz.jsonl")) else { return };
+    for (tok, vocab) in [(&Tokenizer::bytes(), 256), (bpe(), bpe().vocab_size())] {
+        let val = Validation::Fraction(0.25);
+        if let Ok(mut d) = Dataset::new(docs.clone(), "fuzz.jsonl", &val, tok, 4, vocab, 1) {
+            for _ in 0..3 {
+                let b = d.train.next_batch(2);
+                assert_eq!((b.tokens.len(), b.targets.len()), (8, 8));
+            }
+            if let Some(v) = &d.val {
+                let _ = v.all_batches(2);
+            }
+        }
+    }
+}
+
+fn jsonl_seeds() -> Vec<Vec<u8>> {
+    let data = std::fs::read_to_string(fixture("data.jsonl")).unwrap();
+    let head: String = data.lines().take(12).map(|l| format!("{l}\n")).collect();
+    vec![
+        head.into_bytes(),
+        b"{\"prompt\": \"Q: 2+2?\\n\", \"response\": \"4\"}\n\n{\"text\": \"caf\\u00e9 \\ud83d\\ude00\"}\n".to_vec(),
+        b"{\"text\": \"\"}\n{\"prompt\": \"\", \"response\": \"x\", \"extra\": [1, {}]}\n".to_vec(),
+    ]
+}
+
+/// tokenizer.json bytes: read them (no special-token files beside them), then encode and
+/// decode a few texts.
+fn read_tokenizer(bytes: &[u8]) {
+    let Ok(t) = Tokenizer::from_bytes(bytes, Path::new("/nonexistent-fuzz-dir/tokenizer.json")) else { return };
+    for text in ["", "The capital of Peru is Lima.", "caf\u{e9} \u{1f600} \0 <s></s>"] {
+        if let Ok(ids) = t.encode(text, true) {
+            let _ = t.decode(&ids, false);
+            let _ = t.decode(&ids, true);
+        }
+    }
+    let _ = t.decode(&[0, 1, 2, u32::MAX], false);
+}
+
+fn tokenizer_seeds() -> Vec<Vec<u8>> {
+    vec![
+        std::fs::read(fixture("model/tokenizer.json")).unwrap(),
+        br#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "the": 1, "capital": 2}, "unk_token": "[UNK]"}}"#
+            .to_vec(),
+    ]
+}
 
 /// config.json text: parse, validate and, when small, build the model's forward trace (which
 /// checks every size the config leads to).
@@ -241,6 +306,8 @@ fn accepts(name: &str, input: &[u8]) -> bool {
     match name {
         "config" => std::str::from_utf8(input).is_ok_and(|t| Config::from_json_str(t, "f.json").is_ok()),
         "safetensors" => weights::parse_safetensors(input, Path::new("f")).is_ok(),
+        "jsonl" => std::str::from_utf8(input).is_ok_and(|t| parse_jsonl(t, Path::new("f.jsonl")).is_ok()),
+        "tokenizer" => Tokenizer::from_bytes(input, Path::new("/nonexistent-fuzz-dir/tokenizer.json")).is_ok(),
         _ => false,
     }
 }

@@ -2,7 +2,11 @@
 //! arena: `rumble_cuda::BucketedGraphs` with two programs, the step (bucket 0) and the
 //! forward-only eval trace of [`crate::step::build_eval_step`] (bucket 1), whose persistent
 //! inputs are the step's own in the same order and types, so the parameters are never copied
-//! and validation costs no device memory beyond the larger of the two arenas.
+//! and validation costs no device memory beyond the larger of the two arenas. The two take
+//! different per-step inputs (the step also its learning rate and Adam's corrections) and
+//! return different outputs (the step also its gradient norm): buckets may
+//! (`rumble_cuda::exec::check_step_inputs`); only the persistent layout must agree. Each is
+//! run by its bucket index, never picked by its inputs' types.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -74,9 +74,16 @@ impl Tokenizer {
 
     /// Reads a `tokenizer.json`; the special tokens come from the JSON files beside it.
     pub fn from_file(file: &Path) -> Result<Tokenizer> {
-        let bad = |msg: String| ModelError::Tokenizer { file: file.into(), msg };
         let bytes = std::fs::read(file).map_err(|e| ModelError::io(file, e))?;
-        let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(format!("not a tokenizer.json: {e}")))?;
+        Tokenizer::from_bytes(&bytes, file)
+    }
+
+    /// A `tokenizer.json`'s bytes, read as if from `file` (named in errors; the special tokens
+    /// come from the JSON files beside it, where there are any).
+    pub fn from_bytes(bytes: &[u8], file: &Path) -> Result<Tokenizer> {
+        let bad = |msg: String| ModelError::Tokenizer { file: file.into(), msg };
+        let tok = guarded(file, "reading it", || tokenizers::Tokenizer::from_bytes(bytes))?
+            .map_err(|e| bad(format!("not a tokenizer.json: {e}")))?;
         let dir = file.parent().unwrap_or(Path::new("."));
         let mut t = Tokenizer { kind: Kind::Hf { tok: Box::new(tok), file: file.into() }, bos: None, eos: None };
         t.bos = t.special_id(dir, "bos")?;
@@ -167,8 +174,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
         match &self.kind {
             Kind::Bytes => Ok(text.bytes().map(u32::from).collect()),
-            Kind::Hf { tok, file } => tok
-                .encode_fast(text, special)
+            Kind::Hf { tok, file } => guarded(file, "encoding text", || tok.encode_fast(text, special))?
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| ModelError::Tokenizer { file: file.clone(), msg: format!("cannot encode text: {e}") }),
         }
@@ -187,11 +193,26 @@ impl Tokenizer {
                     .collect::<Result<Vec<u8>>>()?;
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
-            Kind::Hf { tok, file } => tok
-                .decode(ids, skip_special)
+            Kind::Hf { tok, file } => guarded(file, "decoding ids", || tok.decode(ids, skip_special))?
                 .map_err(|e| ModelError::Tokenizer { file: file.clone(), msg: format!("cannot decode ids: {e}") }),
         }
     }
+}
+
+/// `f()`, with a panic inside the `tokenizers` library (it panics on some malformed
+/// tokenizer.json files, e.g. a BPE whose merges name tokens its vocabulary lacks) turned into
+/// an error naming `file` and what was being done. The library's tokenizer holds no state a
+/// failed call could leave half-changed (reading builds a new one; encode and decode take it
+/// by shared reference), so carrying on after the error is sound.
+fn guarded<T>(file: &Path, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let why = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        ModelError::Tokenizer { file: file.into(), msg: format!("the tokenizers library failed {what}: {why}") }
+    })
 }
 
 /// The JSON object in `path`, or `None` if there is no such file.
@@ -219,5 +240,23 @@ mod tests {
         assert_eq!(t.decode(&ids, false).unwrap(), "héllo\n");
         assert_eq!((t.bos(), t.eos(), t.vocab_size()), (None, Some(10), 256));
         assert!(t.decode(&[300], false).unwrap_err().to_string().contains("300"));
+    }
+
+    #[test]
+    fn a_panic_in_the_library_is_an_error_naming_the_file() {
+        let file = Path::new("models/x/tokenizer.json");
+        assert_eq!(guarded(file, "encoding text", || 7).unwrap(), 7);
+        let e = guarded(file, "encoding text", || -> u32 { panic!("merge `a b` out of range") }).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("models/x/tokenizer.json") && e.contains("failed encoding text"), "{e}");
+        assert!(e.contains("merge `a b` out of range"), "{e}");
+        let e = Tokenizer::from_bytes(b"{\"model\": 1}", file).unwrap_err().to_string();
+        assert!(e.contains("models/x/tokenizer.json") && e.contains("not a tokenizer.json"), "{e}");
+        // A file cut short inside its decoder (a partial download): the library's reader
+        // panics (`expect("Helper")`) instead of returning its error.
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder":"#;
+        let e = Tokenizer::from_bytes(json.as_bytes(), file).unwrap_err().to_string();
+        assert!(e.contains("models/x/tokenizer.json") && e.contains("failed reading it"), "{e}");
     }
 }

@@ -93,6 +93,8 @@ pub struct Trainer {
     evals: Vec<((usize, usize), Trace)>,
     /// The batch shape of the executor's own validation program ([`Trainer::with_eval`]).
     eval_shape: Option<(usize, usize)>,
+    /// The options the step was compiled with (the validation program gets the same).
+    opts: CompileOptions,
 }
 
 /// Stands in for an executor between dropping one and building the next (so their device
@@ -174,6 +176,7 @@ impl Trainer {
             buckets: None,
             evals: Vec::new(),
             eval_shape: None,
+            opts: CompileOptions { passes: false, ..opts.clone() },
         })
     }
 
@@ -248,6 +251,7 @@ impl Trainer {
             buckets: Some(buckets),
             evals: Vec::new(),
             eval_shape: None,
+            opts,
         })
     }
 
@@ -372,12 +376,13 @@ impl Trainer {
             return Ok(self);
         }
         let sc = StepConfig { batch, seq, grad_accum: 1, ..self.sc.clone() };
-        let opts = CompileOptions::default();
-        let eval = optimize(&build_eval_step(&self.cfg, &sc)?, &opts)?.0;
-        let step = optimize(&build_train_step(&self.cfg, &self.sc)?.trace, &opts)?.0;
+        // The step's own passes and compile options (its memory budget, say), for both.
+        let passes = CompileOptions { passes: true, ..self.opts.clone() };
+        let eval = optimize(&build_eval_step(&self.cfg, &sc)?, &passes)?.0;
+        let step = optimize(&build_train_step(&self.cfg, &self.sc)?.trace, &passes)?.0;
         let values = self.exec.persistent_values()?;
         drop(std::mem::replace(&mut self.exec, Box::new(Released)));
-        self.exec = Box::new(StepWithEval::new(step, eval, values, &CompileOptions { passes: false, ..opts })?);
+        self.exec = Box::new(StepWithEval::new(step, eval, values, &self.opts)?);
         self.eval_shape = Some((batch, seq));
         Ok(self)
     }

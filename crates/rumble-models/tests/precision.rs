@@ -191,3 +191,112 @@ fn mixed_step_and_eval_plan_and_run_in_one_arena() {
     }
     assert_eq!(persistent[0], persistent[1]);
 }
+
+/// The checks `rumble_cuda::BucketedGraphs` runs before placing the step and its validation
+/// program over one arena (what `Trainer::with_eval` does on CUDA), on the CPU: the two share
+/// one persistent layout, take different per-step inputs (the step also takes its learning
+/// rate and Adam's corrections) and return different outputs (the step its gradient norm),
+/// and that is legal; the data the validation program takes picks it alone.
+#[test]
+fn step_and_eval_pass_the_shared_region_checks() {
+    use rumble_core::compile::{CompileOptions, plan};
+    let cfg = tiny_bf16();
+    for p in Precision::ALL {
+        let s = sc(p);
+        let opts = CompileOptions::default();
+        let step = build_train_step(&cfg, &s).unwrap().trace;
+        let step = plan(&rumble_core::compile::optimize(&step, &opts).unwrap().0, &opts).unwrap();
+        let eval = rumble_models::step::build_eval_step(&cfg, &StepConfig { seq: 16, ..s.clone() }).unwrap();
+        let eval = plan(&rumble_core::compile::optimize(&eval, &opts).unwrap().0, &opts).unwrap();
+        let (ts, te) = (&step.trace, &eval.trace);
+        assert_ne!(rumble_cuda::exec::step_inputs(ts), rumble_cuda::exec::step_inputs(te), "{p}");
+        let returned =
+            |t: &rumble_core::Trace| t.outputs.iter().filter(|o| o.role == rumble_core::ir::OutputRole::Output).count();
+        assert_ne!(returned(ts), returned(te), "{p}: the step returns its gradient norm too");
+        rumble_cuda::exec::check_shared_layout(&[(ts, &step.plan), (te, &eval.plan)]).unwrap();
+        rumble_cuda::exec::check_step_inputs(&[ts, te]).unwrap();
+        let types: Vec<_> = rumble_cuda::exec::step_inputs(te).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(rumble_cuda::exec::bucket_taking(&[ts, te], &types).unwrap(), 1, "{p}");
+        let types: Vec<_> = rumble_cuda::exec::step_inputs(ts).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(rumble_cuda::exec::bucket_taking(&[ts, te], &types).unwrap(), 0, "{p}");
+        // A validation program of another model cannot share the step's region.
+        let other = Config { hidden_size: cfg.hidden_size * 2, ..cfg.clone() };
+        let bad = rumble_models::step::build_eval_step(&other, &s).unwrap();
+        let bad = plan(&rumble_core::compile::optimize(&bad, &opts).unwrap().0, &opts).unwrap();
+        let e = rumble_cuda::exec::check_shared_layout(&[(ts, &step.plan), (&bad.trace, &bad.plan)]).unwrap_err();
+        assert!(e.to_string().contains("cannot share bucket 0's persistent region"), "{p}: {e}");
+    }
+}
+
+/// On a GPU (ignored without one): a step and validation on CUDA (`Trainer::with_eval`: the
+/// step and its forward-only program as two buckets of one arena) give the CPU's step losses
+/// and validation losses, steps after an evaluation included, and evaluation changes nothing.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_step_and_eval_give_the_cpus_validation_loss() {
+    if let Some(why) = rumble_models::exec::cuda_unavailable() {
+        panic!("this test needs a CUDA device (run with --include-ignored only on a GPU machine): {why}");
+    }
+    let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
+    let cfg = preset("tiny").unwrap().config; // f32: CPU and GPU agree closely
+    let s = StepConfig { precision: None, ..sc(Precision::F32True) };
+    let run = |device: DeviceChoice| {
+        let mut t =
+            Trainer::new(cfg.clone(), s.clone(), Weights::init(&cfg, 7).unwrap(), LrSchedule::constant(1e-3), device)
+                .unwrap();
+        t = t.with_eval(s.batch, 16).unwrap();
+        let mut rng = Rng::new(4);
+        let val = corpus.sample(&mut Rng::new(99), s.batch, 16).unwrap();
+        let (mut steps, mut evals) = (Vec::new(), Vec::new());
+        for k in 0..6 {
+            steps.push(t.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap().loss);
+            if k % 2 == 1 {
+                let before = t.weights().unwrap();
+                evals.push(t.eval(std::slice::from_ref(&val)).unwrap());
+                evals.push(t.eval(std::slice::from_ref(&val)).unwrap());
+                assert_eq!(before, t.weights().unwrap(), "{device:?}: eval changed the parameters");
+            }
+        }
+        (steps, evals)
+    };
+    let (cpu_steps, cpu_evals) = run(DeviceChoice::Cpu);
+    let (gpu_steps, gpu_evals) = run(DeviceChoice::Cuda);
+    let close = |a: f32, b: f32| (a - b).abs() <= 5e-3 * b.abs();
+    for (k, (g, c)) in gpu_steps.iter().zip(&cpu_steps).enumerate() {
+        assert!(close(*g, *c), "step {k}: CUDA loss {g}, CPU {c}");
+    }
+    for (k, (g, c)) in gpu_evals.iter().zip(&cpu_evals).enumerate() {
+        assert!(close(*g, *c), "evaluation {k}: CUDA validation loss {g}, CPU {c}");
+    }
+    for w in gpu_evals.chunks(2) {
+        assert_eq!(w[0], w[1], "two evaluations of the same batch differ on CUDA");
+    }
+    assert_eq!(gpu_evals.len(), 6);
+    // Tighter, at the very same parameters: the CUDA trainer's evaluation (its program in the
+    // step's arena) against the CPU reference over its weights.
+    let mut gpu = Trainer::new(
+        cfg.clone(),
+        s.clone(),
+        Weights::init(&cfg, 8).unwrap(),
+        LrSchedule::constant(1e-3),
+        DeviceChoice::Cuda,
+    )
+    .unwrap()
+    .with_eval(s.batch, 16)
+    .unwrap();
+    let mut rng = Rng::new(5);
+    for _ in 0..3 {
+        gpu.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap();
+    }
+    let val = corpus.sample(&mut rng, s.batch, 16).unwrap();
+    let on_gpu = gpu.eval(std::slice::from_ref(&val)).unwrap();
+    let mut cpu =
+        Trainer::new(cfg.clone(), s.clone(), gpu.weights().unwrap(), LrSchedule::constant(1e-3), DeviceChoice::Cpu)
+            .unwrap();
+    let on_cpu = cpu.eval(std::slice::from_ref(&val)).unwrap();
+    assert!((on_gpu - on_cpu).abs() <= 1e-4 * on_cpu.abs(), "same weights: CUDA validation {on_gpu}, CPU {on_cpu}");
+    // The step still runs after an evaluation (its graphs replayed over the arena the
+    // validation program wrote).
+    let after = gpu.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap().loss;
+    assert!(after.is_finite(), "{after}");
+}

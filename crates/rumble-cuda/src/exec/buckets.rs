@@ -9,6 +9,12 @@
 //!   step writes each arena value before reading it, so nothing stale crosses buckets.
 //! - A bucket's graphs are captured on its first step and cached; the capture's seconds are
 //!   reported per bucket ([`BucketStats`]).
+//! - Buckets may be different programs over the same persistent values: their per-step inputs
+//!   and returned outputs are their own (a training step takes the learning rate and returns
+//!   the gradient norm; its forward-only validation program takes tokens and targets and
+//!   returns the loss). [`check_step_inputs`] refuses only a bucket given twice (the same
+//!   program, the same per-step inputs); [`BucketedGraphs::bucket_of`] refuses inputs that
+//!   more than one bucket takes (the caller then names the bucket: `step_bucket`).
 //!
 //! **Architecture Invariant**: a bucketed executor holds `max(arena) + persistent` device bytes
 //! (the largest bucket's plan peak), never the sum over buckets.
@@ -17,7 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rumble_core::cpu::HostTensor;
-use rumble_core::ir::Trace;
+use rumble_core::ir::{TensorType, Trace};
 use rumble_core::plan::{MemoryPlan, Region};
 
 use super::graphed::{GraphMode, GraphedExecutor};
@@ -111,37 +117,13 @@ impl BucketedGraphs {
         check_shared_layout(&pairs)?;
         let p0 = progs[0].clone();
         let dev = p0.dev.clone();
-        let step_names = |p: &Program| -> Vec<String> {
-            let (_, s) = p.input_split();
-            s.iter().map(|&i| p.trace.inputs[i].name.clone()).collect()
-        };
-        let returned =
-            |p: &Program| -> Vec<String> { p.returned().iter().map(|&i| p.trace.outputs[i].name.clone()).collect() };
-        let step_types = |p: &Program| -> Vec<String> {
-            let (_, s) = p.input_split();
-            s.iter().map(|&i| p.trace.ty(p.trace.inputs[i].value).to_string()).collect()
-        };
         for (k, p) in progs.iter().enumerate().skip(1) {
             if !Arc::ptr_eq(&p.dev, &dev) {
                 return Err(CudaError::usage(format!("shape bucket {k} (`{}`) is on another device", p.trace.name)));
             }
-            if step_names(p) != step_names(&p0) || returned(p) != returned(&p0) {
-                return Err(CudaError::usage(format!(
-                    "shape bucket {k} (`{}`) takes inputs {:?} and returns {:?}; bucket 0 takes {:?} and returns {:?}",
-                    p.trace.name,
-                    step_names(p),
-                    returned(p),
-                    step_names(&p0),
-                    returned(&p0)
-                )));
-            }
-            if let Some(j) = progs[..k].iter().position(|q| step_types(q) == step_types(p)) {
-                return Err(CudaError::usage(format!(
-                    "shape buckets {j} and {k} both take {:?}: one bucket per shape",
-                    step_types(p)
-                )));
-            }
         }
+        let traces: Vec<&Trace> = progs.iter().map(|p| &p.trace).collect();
+        check_step_inputs(&traces)?;
         let (pers_idx, _) = p0.input_split();
         p0.check_inputs(&pers_idx, persistent, "persistent")?;
         let arena_bytes = progs.iter().map(|p| p.plan.arena_bytes).max().unwrap_or(0);
@@ -182,17 +164,12 @@ impl BucketedGraphs {
         self.buckets.get(k).map(|b| &b.prog)
     }
 
-    /// The bucket whose per-step inputs have exactly the types of `inputs`.
+    /// The bucket whose per-step inputs have exactly the types of `inputs`; an error when none
+    /// or several do ([`bucket_taking`]).
     pub fn bucket_of(&self, inputs: &[HostTensor]) -> Result<usize> {
-        let fits = |p: &Program| {
-            let (_, s) = p.input_split();
-            s.len() == inputs.len() && s.iter().zip(inputs).all(|(&i, h)| &h.ty == p.trace.ty(p.trace.inputs[i].value))
-        };
-        self.buckets.iter().position(|b| fits(&b.prog)).ok_or_else(|| {
-            let given: Vec<String> = inputs.iter().map(|h| h.ty.to_string()).collect();
-            let have: Vec<String> = self.buckets.iter().map(|b| shape_of(&b.prog)).collect();
-            CudaError::usage(format!("no shape bucket takes inputs {given:?}; the buckets take {have:?}"))
-        })
+        let traces: Vec<&Trace> = self.buckets.iter().map(|b| &b.prog.trace).collect();
+        let types: Vec<&TensorType> = inputs.iter().map(|h| &h.ty).collect();
+        bucket_taking(&traces, &types)
     }
 
     /// Captures bucket `k`'s graphs unless they already are (a warm-up before timing).
@@ -233,12 +210,60 @@ impl BucketedGraphs {
     }
 }
 
-/// `name: input types` of a bucket's per-step inputs.
-fn shape_of(p: &Program) -> String {
-    let (_, s) = p.input_split();
-    let tys: Vec<String> =
-        s.iter().map(|&i| format!("{} {}", p.trace.inputs[i].name, p.trace.ty(p.trace.inputs[i].value))).collect();
-    format!("{}: {}", p.trace.name, tys.join(", "))
+/// A trace's per-step inputs (every input that is not persistent), as `(name, type)` in trace
+/// order.
+pub fn step_inputs(t: &Trace) -> Vec<(&str, &TensorType)> {
+    t.inputs.iter().filter(|i| !i.role.is_persistent()).map(|i| (i.name.as_str(), t.ty(i.value))).collect()
+}
+
+/// Checks that no bucket is given twice (the same program over the same per-step inputs).
+/// Different programs (a step and its validation program) may take and return whatever they
+/// need, even the same data; only their persistent layouts must agree
+/// ([`check_shared_layout`]).
+pub fn check_step_inputs(traces: &[&Trace]) -> Result<()> {
+    for (k, t) in traces.iter().enumerate() {
+        if let Some(j) = traces[..k].iter().position(|q| step_inputs(q) == step_inputs(t) && *q == *t) {
+            return Err(CudaError::usage(format!(
+                "shape buckets {j} and {k} are the same program `{}` taking {}: one bucket per shape",
+                t.name,
+                signature(t)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The one bucket among `traces` whose per-step inputs have exactly the types `given`: an
+/// error naming the buckets when none does, or when several do (a step and a program with the
+/// same data inputs, say: the caller must then pick the bucket itself).
+pub fn bucket_taking(traces: &[&Trace], given: &[&TensorType]) -> Result<usize> {
+    let fits = |t: &Trace| {
+        let s = step_inputs(t);
+        s.len() == given.len() && s.iter().zip(given).all(|((_, ty), g)| ty == g)
+    };
+    let all: Vec<usize> = (0..traces.len()).filter(|&k| fits(traces[k])).collect();
+    let types = || given.iter().map(|t| t.to_string()).collect::<Vec<_>>();
+    match all.as_slice() {
+        [k] => Ok(*k),
+        [] => {
+            let have: Vec<String> = traces.iter().map(|t| signature(t)).collect();
+            Err(CudaError::usage(format!("no shape bucket takes inputs {:?}; the buckets take {have:?}", types())))
+        }
+        many => {
+            let which: Vec<String> = many.iter().map(|&k| format!("{k} (`{}`)", traces[k].name)).collect();
+            Err(CudaError::usage(format!(
+                "inputs {:?} fit shape buckets {}: name the bucket to run (step_bucket)",
+                types(),
+                which.join(" and ")
+            )))
+        }
+    }
+}
+
+/// `trace: name type, ...` of a bucket's per-step inputs.
+fn signature(t: &Trace) -> String {
+    let tys: Vec<String> = step_inputs(t).iter().map(|(n, ty)| format!("{n} {ty}")).collect();
+    format!("{}: {}", t.name, tys.join(", "))
 }
 
 impl Executor for BucketedGraphs {
@@ -286,7 +311,7 @@ impl Executor for BucketedGraphs {
         self.buckets
             .iter()
             .map(|b| BucketStats {
-                shape: shape_of(&b.prog),
+                shape: signature(&b.prog.trace),
                 arena_bytes: b.prog.plan.arena_bytes,
                 plan_peak_bytes: b.prog.plan.peak_bytes(),
                 captures: b.captures,
@@ -328,5 +353,37 @@ mod tests {
         assert!(e.contains("shape bucket 1") && e.contains(&format!("\"{first}\"")), "{e}");
         assert!(e.contains("param f32[64,32] at offset 0") && e.contains("param f32[64,48] at offset 0"), "{e}");
         assert!(check_shared_layout(&[]).is_err());
+    }
+
+    fn tiny(batch: usize, seq: usize) -> TinyLlama {
+        TinyLlama { vocab: 64, dim: 32, heads: 4, kv_heads: 2, hidden: 48, layers: 2, batch, seq, dtype: DType::F32 }
+    }
+
+    /// A training step (SGD: its update written over the parameters, nothing per step but the
+    /// data) and its forward-only program: two programs over one persistent region, with
+    /// different outputs. Both are legal buckets; with the same data inputs, picking one by
+    /// the inputs' types alone is refused, naming both.
+    #[test]
+    fn a_step_and_its_forward_may_share_the_region_with_other_outputs() {
+        use rumble_core::testing::Optimizer;
+        let opts = CompileOptions::default();
+        let step = plan(&tiny(2, 16).train_step(Optimizer::Sgd { lr: 0.1 }).unwrap(), &opts).unwrap();
+        let fwd = plan(&tiny(2, 16).loss_graph().unwrap().finish().unwrap(), &opts).unwrap();
+        assert_ne!(step.trace.outputs.len(), fwd.trace.outputs.len(), "the step returns its updates too");
+        check_shared_layout(&[(&step.trace, &step.plan), (&fwd.trace, &fwd.plan)]).expect("one persistent layout");
+        check_step_inputs(&[&step.trace, &fwd.trace]).expect("two programs, each its own inputs and outputs");
+        let ty = |d: &[usize]| TensorType::new(DType::I64, d);
+        let (toks, tgts) = (ty(&[32]), ty(&[32]));
+        let e = bucket_taking(&[&step.trace, &fwd.trace], &[&toks, &tgts]).unwrap_err().to_string();
+        assert!(e.contains("fit shape buckets 0") && e.contains("and 1") && e.contains("step_bucket"), "{e}");
+        // The same program given twice is refused; another shape of it is a bucket.
+        let again = plan(&tiny(2, 16).train_step(Optimizer::Sgd { lr: 0.1 }).unwrap(), &opts).unwrap();
+        let e = check_step_inputs(&[&step.trace, &fwd.trace, &again.trace]).unwrap_err().to_string();
+        assert!(e.contains("shape buckets 0 and 2") && e.contains("one bucket per shape"), "{e}");
+        let longer = plan(&tiny(2, 32).loss_graph().unwrap().finish().unwrap(), &opts).unwrap();
+        check_step_inputs(&[&step.trace, &fwd.trace, &longer.trace]).expect("another shape");
+        assert_eq!(bucket_taking(&[&step.trace, &longer.trace], &[&ty(&[64]), &ty(&[64])]).unwrap(), 1);
+        let e = bucket_taking(&[&step.trace, &longer.trace], &[&ty(&[8])]).unwrap_err().to_string();
+        assert!(e.contains("no shape bucket takes inputs [\"i64[8]\"]") && e.contains("tokens i64[64]"), "{e}");
     }
 }

@@ -46,7 +46,7 @@ use crate::error::{CudaError, Result};
 use crate::launch::Recipe;
 use crate::recipe::prepare;
 
-pub use buckets::{BucketedGraphs, check_shared_layout};
+pub use buckets::{BucketedGraphs, bucket_taking, check_shared_layout, check_step_inputs, step_inputs};
 pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;
