@@ -19,14 +19,10 @@ fn tiny_bf16() -> Config {
 
 fn sc(precision: Precision) -> StepConfig {
     StepConfig {
-        batch: 4,
-        seq: 32,
-        objective: rumble_models::Objective::CausalLm,
         optimizer: Some(Optimizer::adamw()),
-        grad_accum: 1,
         clip: Some(1.0),
-        fused_loss: true,
         precision: Some(precision),
+        ..StepConfig::new(4, 32)
     }
 }
 
