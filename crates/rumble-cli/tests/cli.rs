@@ -1,29 +1,14 @@
 //! The `rumble` binary as a user runs it: training writes JSON lines, a checkpoint and a loss
 //! log; a checkpoint trains on; bad input gets a one-line error and a non-zero exit.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
+use common::{lines, rumble, tmp};
 use serde_json::Value;
-
-fn rumble(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rumble-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn lines(stdout: &str) -> Vec<Value> {
-    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
-}
 
 #[test]
 fn train_writes_json_lines_checkpoint_and_log_then_resumes() {
-    let out = tmp("train");
+    let out = tmp("cli", "train");
     let o = out.to_str().unwrap();
     let args = [
         "train", "--steps", "6", "--batch", "2", "--seq", "16", "--json", "--out", o, "--device", "cpu", "--clip", "1",
@@ -52,7 +37,7 @@ fn train_writes_json_lines_checkpoint_and_log_then_resumes() {
 
     // Resume from the checkpoint (its config.json is picked up) with SGD and accumulation.
     let ckpt = out.join("model.safetensors");
-    let out2 = tmp("resume");
+    let out2 = tmp("cli", "resume");
     let args = [
         "train",
         "--init-from",

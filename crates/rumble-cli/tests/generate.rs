@@ -2,23 +2,14 @@
 //! few steps), generation streams the prompt and its continuation, agrees with the JSON form,
 //! decodes a JSONL batch, and refuses bad input with a one-line error.
 
-use std::process::Command;
+mod common;
 
+use common::{lines, rumble, tmp};
 use serde_json::Value;
-
-fn rumble(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
-fn json_lines(stdout: &str) -> Vec<Value> {
-    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
-}
 
 #[test]
 fn train_then_generate_streams_and_batches() {
-    let dir = std::env::temp_dir().join(format!("rumble-cli-{}-generate", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = tmp("cli", "generate");
     let o = dir.to_str().unwrap();
     let (ok, stdout, stderr) = rumble(&[
         "train",
@@ -39,7 +30,7 @@ fn train_then_generate_streams_and_batches() {
         "The town",
     ]);
     assert!(ok, "{stderr}");
-    let samples: Vec<Value> = json_lines(&stdout).into_iter().filter(|l| l["event"] == "sample").collect();
+    let samples: Vec<Value> = lines(&stdout).into_iter().filter(|l| l["event"] == "sample").collect();
     assert_eq!(samples.iter().map(|s| s["step"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 4]);
     assert!(samples.iter().all(|s| s["text"].as_str().is_some_and(|t| !t.is_empty())), "{samples:?}");
 
@@ -48,7 +39,7 @@ fn train_then_generate_streams_and_batches() {
     assert!(ok, "{stderr}");
     let (ok, js, stderr) = rumble(&[&base[..], &["--json"]].concat());
     assert!(ok, "{stderr}");
-    let line = &json_lines(&js)[0];
+    let line = &lines(&js)[0];
     let tokens: Vec<u8> = line["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u8).collect();
     assert_eq!(tokens.len(), 24);
     let mut want = b"The town".to_vec();
@@ -70,7 +61,7 @@ fn train_then_generate_streams_and_batches() {
         "cpu",
     ]);
     assert!(ok, "{stderr}");
-    let ls = json_lines(&out);
+    let ls = lines(&out);
     assert_eq!(ls.len(), 2);
     assert_eq!(ls[0]["tokens"], line["tokens"], "a batched, padded prompt decodes as it does alone (greedy)");
     assert_eq!(ls[1]["prompt"], "A much longer prompt than that");

@@ -3,22 +3,14 @@
 //! the run resumes from there to the same losses; a resume with other flags is refused.
 //! Validation losses land in the loss log every `--eval-every` steps.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
+use common::{rumble, tmp};
 use serde_json::Value;
-
-fn rumble(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rumble-resume-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
 
 /// The loss log's step lines without their timings: (step, loss, lr, grad_norm) as text.
 fn losses(dir: &Path) -> Vec<String> {
@@ -47,10 +39,10 @@ fn ten_plus_ten_resumed_equals_twenty() {
     // A constant schedule: the learning rate of a step does not depend on --steps, so a
     // 10-step run is the first half of the 20-step one.
     let shape = "--batch 2 --seq 16 --schedule constant";
-    let one = tmp("one");
+    let one = tmp("resume", "one");
     let (ok, _, err) = run(&flags(&one, 20, shape));
     assert!(ok, "{err}");
-    let two = tmp("two");
+    let two = tmp("resume", "two");
     let (ok, _, err) = run(&flags(&two, 10, &format!("{shape} --save-every 4 --keep-last 1")));
     assert!(ok, "{err}");
     assert!(two.join("checkpoint-8").is_dir() && !two.join("checkpoint-4").exists());
@@ -72,11 +64,11 @@ fn ten_plus_ten_resumed_equals_twenty() {
 #[test]
 fn sigint_finishes_the_step_saves_and_the_run_resumes_to_the_same_losses() {
     // The cosine schedule over 40 steps; the tiny preset's batch shape.
-    let one = tmp("whole");
+    let one = tmp("resume", "whole");
     let (ok, _, err) = run(&flags(&one, 40, ""));
     assert!(ok, "{err}");
 
-    let cut = tmp("cut");
+    let cut = tmp("resume", "cut");
     let args = flags(&cut, 40, "");
     let mut child = Command::new(env!("CARGO_BIN_EXE_rumble"))
         .args(&args)
@@ -114,7 +106,7 @@ fn sigint_finishes_the_step_saves_and_the_run_resumes_to_the_same_losses() {
 
 #[test]
 fn eval_every_reports_validation_loss() {
-    let out = tmp("eval");
+    let out = tmp("resume", "eval");
     let (ok, stdout, err) = run(&flags(&out, 6, "--batch 2 --seq 16 --eval-every 3 --log-every 100"));
     assert!(ok, "{err}");
     let log: Vec<Value> = std::fs::read_to_string(out.join("loss.jsonl"))

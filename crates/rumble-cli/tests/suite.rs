@@ -3,9 +3,11 @@
 //! `rumble bench --suite` runs its cases on the CPU with small overrides, one JSON line per case
 //! carrying the FLOPs compare.py needs, an error line for a case it cannot run.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
+use std::path::PathBuf;
+
+use common::{lines, rumble};
 use rumble_models::Config;
 use serde_json::Value;
 
@@ -17,15 +19,6 @@ fn cases() -> Vec<Value> {
     let text = std::fs::read_to_string(suite_file()).unwrap();
     let doc: Value = serde_json::from_str(&text).unwrap();
     doc["cases"].as_array().unwrap().clone()
-}
-
-fn rumble(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).args(args).output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
-}
-
-fn lines(stdout: &str) -> Vec<Value> {
-    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
 }
 
 /// Reads a case's config with its `layers` override applied; `Err` carries the message.

@@ -9,6 +9,27 @@ use crate::Result;
 use crate::cpu::{HostTensor, Rng};
 use crate::ir::{DType, Graph, Tensor, Trace};
 
+/// The Rust source files (`.rs`) below `dir`, skipping `target` folders: what the repository
+/// hygiene tests read.
+pub fn rust_sources(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for p in entries.flatten().map(|e| e.path()) {
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "target") {
+                    todo.push(p);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 /// Random values for every input of `trace`, in trace order: integer inputs (token ids,
 /// targets) uniform below `vocab`, floating ones normal with standard deviation `std`.
 pub fn random_inputs(trace: &Trace, vocab: u64, std: f64, rng: &mut Rng) -> Vec<HostTensor> {

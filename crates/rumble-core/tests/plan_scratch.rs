@@ -34,6 +34,16 @@ fn two_matmuls() -> Trace {
     g.finish().unwrap()
 }
 
+/// [`two_matmuls`] planned in trace order with [`matmul_backend`]'s scratch.
+fn plan_two_matmuls() -> Planned {
+    let opts = CompileOptions {
+        schedule: false,
+        plan: PlanOptions { backend_scratch: Some(matmul_backend()), ..Default::default() },
+        ..Default::default()
+    };
+    plan(&two_matmuls(), &opts).unwrap()
+}
+
 fn matmul_nodes(t: &Trace) -> Vec<usize> {
     (0..t.nodes.len()).filter(|&i| matches!(t.nodes[i].op, Op::Matmul { .. })).collect()
 }
@@ -55,13 +65,7 @@ fn assert_runs_like_eval(p: &Planned) {
 
 #[test]
 fn backend_scratch_is_placed_live_at_its_node_and_reused() {
-    let trace = two_matmuls();
-    let opts = CompileOptions {
-        schedule: false,
-        plan: PlanOptions { backend_scratch: Some(matmul_backend()), ..Default::default() },
-        ..Default::default()
-    };
-    let p = plan(&trace, &opts).unwrap();
+    let p = plan_two_matmuls();
     check(&p.trace, &p.plan).unwrap();
     let mm = matmul_nodes(&p.trace);
     assert_eq!(mm.len(), 2);
@@ -89,7 +93,7 @@ fn backend_scratch_is_placed_live_at_its_node_and_reused() {
     // The two matmuls' scratch reuses bytes: one range's worth, not two, and less than the
     // values plus a whole-step workspace of the same size.
     let ws = plan(
-        &trace,
+        &two_matmuls(),
         &CompileOptions {
             schedule: false,
             plan: PlanOptions { workspace_bytes: MATMUL_SCRATCH, ..Default::default() },
@@ -156,13 +160,7 @@ fn backend_scratch_adds_to_the_ops_own() {
 
 #[test]
 fn checker_verifies_backend_scratch() {
-    let trace = two_matmuls();
-    let opts = CompileOptions {
-        schedule: false,
-        plan: PlanOptions { backend_scratch: Some(matmul_backend()), ..Default::default() },
-        ..Default::default()
-    };
-    let p = plan(&trace, &opts).unwrap();
+    let p = plan_two_matmuls();
     let (t, good) = (&p.trace, &p.plan);
     check(t, good).unwrap();
     let n = matmul_nodes(t)[1];

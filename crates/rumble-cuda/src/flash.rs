@@ -477,7 +477,7 @@ fn build(
     let rows = b * hq * t;
     if !backward {
         if rows > 0 {
-            let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), dims, sc, ca];
+            let args = [Arg::ins(&[0, 1, 2]), vec![Arg::Out(0), Arg::Out(1), dims, sc, ca]].concat();
             steps.push(kernel("flash_fwd", (cols(t.div_ceil(sh.fwd_rows), b * hq), b * hq), sh.smem_fwd, args)?);
         }
         return Ok(Recipe { op: "attention", steps, scratch: 0, node_scratch: 0 });
@@ -490,18 +490,9 @@ fn build(
     }
     let mut dq_step = None;
     if rows > 0 {
-        let args = vec![
-            Arg::In(0),
-            Arg::In(1),
-            Arg::In(2),
-            Arg::In(4),
-            Arg::In(5),
-            Arg::Scratch(0),
-            Arg::Out(0),
-            dims.clone(),
-            sc.clone(),
-            ca.clone(),
-        ];
+        let args =
+            [Arg::ins(&[0, 1, 2, 4, 5]), vec![Arg::Scratch(0), Arg::Out(0), dims.clone(), sc.clone(), ca.clone()]]
+                .concat();
         dq_step = Some(kernel("flash_bwd_dq", (cols(t.div_ceil(sh.dq_rows), b * hq), b * hq), sh.smem_dq, args)?);
     }
     // Scratch: delta, then (the tensor-core kernels with their group's heads split) the f32
@@ -516,8 +507,7 @@ fn build(
         } else {
             1
         };
-        let mut args =
-            vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(4), Arg::In(5), Arg::Scratch(0), Arg::Out(1), Arg::Out(2)];
+        let mut args = [Arg::ins(&[0, 1, 2, 4, 5]), vec![Arg::Scratch(0), Arg::Out(1), Arg::Out(2)]].concat();
         if mma {
             args.extend([Arg::Scratch(delta_bytes), Arg::I32(nsplit as i32)]);
         }

@@ -57,6 +57,27 @@ pub struct Fused {
     pub outputs: Vec<usize>,
 }
 
+/// The expression node of a one-node elementwise op (`None` for other ops, swiglu included).
+fn eop_of(op: &Op) -> Option<EOp> {
+    Some(match op {
+        Op::Full { value, .. } => EOp::Const(*value),
+        Op::Unary(u) => EOp::Unary(*u),
+        Op::PowScalar { exponent } => EOp::Pow(*exponent),
+        Op::AddScalar { value } => EOp::AddScalar(*value),
+        Op::MulScalar { value } => EOp::MulScalar(*value),
+        Op::Cast { .. } => EOp::Cast,
+        Op::Binary(b) => EOp::Binary(*b),
+        Op::Compare(c) => EOp::Compare(*c),
+        Op::Where => EOp::Where,
+        _ => return None,
+    })
+}
+
+/// One `Input` node per operand dtype.
+fn input_nodes(inputs: &[DType]) -> Vec<ENode> {
+    inputs.iter().enumerate().map(|(i, &d)| ENode { op: EOp::Input(i), args: vec![], dtype: d }).collect()
+}
+
 impl Fused {
     /// The one-node expression of an elementwise IR op (`None` for other ops).
     pub fn of_op(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> Option<Fused> {
@@ -64,23 +85,13 @@ impl Fused {
         let n = outs.first()?.numel();
         let scalar_inputs =
             args.iter().map(|t| if t.numel() == 1 && n != 1 { Indexing::Scalar } else { Indexing::Same }).collect();
-        let mut nodes: Vec<ENode> =
-            inputs.iter().enumerate().map(|(i, &d)| ENode { op: EOp::Input(i), args: vec![], dtype: d }).collect();
+        let mut nodes = input_nodes(&inputs);
         let all: Vec<usize> = (0..inputs.len()).collect();
         let out = outs[0].dtype;
         let eop = match op {
-            Op::Full { value, .. } => EOp::Const(*value),
-            Op::Unary(u) => EOp::Unary(*u),
-            Op::PowScalar { exponent } => EOp::Pow(*exponent),
-            Op::AddScalar { value } => EOp::AddScalar(*value),
-            Op::MulScalar { value } => EOp::MulScalar(*value),
-            Op::Cast { .. } => EOp::Cast,
-            Op::Binary(b) => EOp::Binary(*b),
-            Op::Compare(c) => EOp::Compare(*c),
-            Op::Where => EOp::Where,
             Op::Swiglu => return Some(swiglu(inputs, scalar_inputs, false)),
             Op::SwigluBackward => return Some(swiglu(inputs, scalar_inputs, true)),
-            _ => return None,
+            _ => eop_of(op)?,
         };
         nodes.push(ENode { op: eop, args: all, dtype: out });
         let o = nodes.len() - 1;
@@ -116,21 +127,10 @@ impl Fused {
             });
         }
         let inputs: Vec<DType> = body.inputs.iter().map(|t| t.dtype).collect();
-        let mut nodes: Vec<ENode> =
-            inputs.iter().enumerate().map(|(i, &d)| ENode { op: EOp::Input(i), args: vec![], dtype: d }).collect();
+        let mut nodes = input_nodes(&inputs);
         for ins in &body.body {
-            let op = match &ins.op {
-                Op::Full { value, .. } => EOp::Const(*value),
-                Op::Unary(u) => EOp::Unary(*u),
-                Op::PowScalar { exponent } => EOp::Pow(*exponent),
-                Op::AddScalar { value } => EOp::AddScalar(*value),
-                Op::MulScalar { value } => EOp::MulScalar(*value),
-                Op::Cast { .. } => EOp::Cast,
-                Op::Binary(b) => EOp::Binary(*b),
-                Op::Compare(c) => EOp::Compare(*c),
-                Op::Where => EOp::Where,
-                other => return Err(CudaError::Unsupported(format!("{} inside a fused body", other.name()))),
-            };
+            let op = eop_of(&ins.op)
+                .ok_or_else(|| CudaError::Unsupported(format!("{} inside a fused body", ins.op.name())))?;
             nodes.push(ENode { op, args: ins.args.clone(), dtype: ins.dtype });
         }
         Ok(Fused { inputs, scalar_inputs, nodes, outputs: body.outputs.clone() })
@@ -316,8 +316,7 @@ impl Fused {
 /// `silu(gate) * up`, and its backward `(dgate, dup)`, as expressions (the CPU's formulas).
 fn swiglu(inputs: Vec<DType>, scalar_inputs: Vec<Indexing>, backward: bool) -> Fused {
     let d = inputs[0];
-    let mut nodes: Vec<ENode> =
-        inputs.iter().enumerate().map(|(i, &t)| ENode { op: EOp::Input(i), args: vec![], dtype: t }).collect();
+    let mut nodes = input_nodes(&inputs);
     // Intermediates stay in the arithmetic type: they are one op's temporaries, rounded once
     // at the end, like the CPU's. A wide dtype holds them exactly enough.
     let w = if d == DType::F64 { DType::F64 } else { DType::F32 };

@@ -40,6 +40,17 @@ pub enum Arg {
     Blob(Vec<u64>),
 }
 
+impl Arg {
+    /// `In(i)` for each operand index of `idx`, in order: a kernel's leading operands.
+    pub fn ins(idx: &[usize]) -> Vec<Arg> {
+        idx.iter().map(|&i| Arg::In(i)).collect()
+    }
+    /// `I64(v)` for each of `v`, in order: a kernel's trailing sizes.
+    pub fn i64s(v: &[usize]) -> Vec<Arg> {
+        v.iter().map(|&x| Arg::I64(x as i64)).collect()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub enum Step {
     Kernel {

@@ -135,26 +135,34 @@ fn blas_err(what: &str) -> impl Fn(lt::CublasError) -> CudaError + '_ {
     move |e| CudaError::Blas { op: "matmul".into(), what: what.to_string(), err: e.to_string() }
 }
 
+/// `set_attr!(setter, handle, attribute, value, what)`: one cuBLASLt attribute set from a local
+/// value (its address and size), a failure naming `what`. Inside `unsafe`.
+macro_rules! set_attr {
+    ($set:path, $h:expr, $attr:expr, $v:ident, $what:expr) => {
+        $set($h, $attr, &$v as *const _ as *const c_void, std::mem::size_of_val(&$v)).map_err(blas_err($what))?
+    };
+}
+
 fn layout(ty: sys::cudaDataType, rows: u64, cols: u64, batch: u64) -> Result<sys::cublasLtMatrixLayout_t> {
     let l = lt::create_matrix_layout(ty, rows, cols, rows as i64).map_err(blas_err("cublasLtMatrixLayoutCreate"))?;
     if batch > 1 {
         let count = batch as i32;
         let stride = (rows * cols) as i64;
         unsafe {
-            lt::set_matrix_layout_attribute(
+            set_attr!(
+                lt::set_matrix_layout_attribute,
                 l,
                 sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                &count as *const i32 as *const c_void,
-                4,
-            )
-            .map_err(blas_err("batch count"))?;
-            lt::set_matrix_layout_attribute(
+                count,
+                "batch count"
+            );
+            set_attr!(
+                lt::set_matrix_layout_attribute,
                 l,
                 sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                &stride as *const i64 as *const c_void,
-                8,
-            )
-            .map_err(blas_err("batch stride"))?;
+                stride,
+                "batch stride"
+            );
         }
     }
     Ok(l)
@@ -194,20 +202,20 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     let desc = lt::create_matmul_desc(compute, scale).map_err(blas_err("cublasLtMatmulDescCreate"))?;
     let (op_x, op_y) = (tb as i32, ta as i32);
     unsafe {
-        lt::set_matmul_desc_attribute(
+        set_attr!(
+            lt::set_matmul_desc_attribute,
             desc,
             sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-            &op_x as *const i32 as *const c_void,
-            4,
-        )
-        .map_err(blas_err("transa"))?;
-        lt::set_matmul_desc_attribute(
+            op_x,
+            "transa"
+        );
+        set_attr!(
+            lt::set_matmul_desc_attribute,
             desc,
             sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-            &op_y as *const i32 as *const c_void,
-            4,
-        )
-        .map_err(blas_err("transb"))?;
+            op_y,
+            "transb"
+        );
     }
     // Stored shapes, column-major: B row-major [K, N] is [N, K] (or [K, N] when tb).
     let x = if tb { layout(ty, k, n, batch)? } else { layout(ty, n, k, batch)? };
@@ -218,20 +226,20 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     // No in-place split-K reduction (it uses atomics: results would vary run to run).
     let mask: u32 = 0x7 & !0x1;
     let heur = unsafe {
-        lt::set_matmul_pref_attribute(
+        set_attr!(
+            lt::set_matmul_pref_attribute,
             pref,
             sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &ws as *const u64 as *const c_void,
-            8,
-        )
-        .map_err(blas_err("workspace preference"))?;
-        lt::set_matmul_pref_attribute(
+            ws,
+            "workspace preference"
+        );
+        set_attr!(
+            lt::set_matmul_pref_attribute,
             pref,
             sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-            &mask as *const u32 as *const c_void,
-            4,
-        )
-        .map_err(blas_err("reduction preference"))?;
+            mask,
+            "reduction preference"
+        );
         let want = candidates(&knobs);
         let mut found = vec![std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); want];
         let mut count = 0i32;

@@ -8,44 +8,19 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{compare, gpu, init_params, step_inputs, tolerance, training_step};
+use common::{compare, gpu, init_params, step_inputs, tiny, tiny_step, tolerance, train, training_step};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, OutputRole};
 use rumble_core::plan::{PlanOptions, plan_in_order, plan_naive};
-use rumble_core::testing::TinyLlama;
 use rumble_cuda::exec::split_inputs;
 use rumble_cuda::{CudaError, EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
-
-fn cfg(dtype: DType) -> TinyLlama {
-    TinyLlama { vocab: 96, dim: 64, heads: 4, kv_heads: 2, hidden: 96, layers: 2, batch: 2, seq: 24, dtype }
-}
-
-/// Runs `steps` steps; returns each step's loss bytes and, at the end, every output and
-/// persistent input.
-fn train(
-    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
-    trace: &rumble_core::Trace,
-    steps: usize,
-    vocab: u64,
-) -> (Vec<Vec<u8>>, Vec<HostTensor>) {
-    let mut rng = Rng::new(77);
-    let mut losses = Vec::new();
-    for _ in 0..steps {
-        let out = ex.step(&step_inputs(trace, vocab, &mut rng)).expect("step");
-        losses.push(out[0].bytes.clone());
-    }
-    let mut fin: Vec<HostTensor> = trace.outputs.iter().map(|o| ex.output(&o.name).expect("output")).collect();
-    fin.extend(trace.inputs.iter().filter(|i| i.role.is_persistent()).map(|i| ex.persistent(&i.name).expect("param")));
-    (losses, fin)
-}
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn executors_agree_bit_for_bit_over_100_steps() {
     let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
-        let c = cfg(dtype);
-        let trace = training_step(&c, Some(0.05));
+        let (c, trace) = tiny_step(dtype);
         let params = init_params(&trace, &mut Rng::new(1));
         let steps = 100;
         // Three plans of the same step: no reuse; reuse + views + in-place in trace order;
@@ -59,7 +34,7 @@ fn executors_agree_bit_for_bit_over_100_steps() {
         for (plan_name, prog) in programs {
             let prog = Arc::new(prog.expect("compile"));
             let mut eager = EagerExecutor::new(prog.clone(), &params).expect("eager");
-            let (l_e, f_e) = train(&mut eager, &prog.trace, steps, c.vocab as u64);
+            let (l_e, f_e) = train(&mut eager, &prog.trace, steps, c.vocab as u64, 77);
             if let Some((l0, _)) = &reference {
                 // Every plan runs the same kernels on the same values: the same losses.
                 assert_eq!(&l_e, l0, "{dtype} {plan_name}: eager losses differ between plans");
@@ -78,7 +53,7 @@ fn executors_agree_bit_for_bit_over_100_steps() {
                 Err(e) => println!("{dtype} {plan_name}: no forward/backward split ({e})"),
             }
             for (name, ex) in runs.iter_mut() {
-                let (l, f) = train(ex.as_mut(), &prog.trace, steps, c.vocab as u64);
+                let (l, f) = train(ex.as_mut(), &prog.trace, steps, c.vocab as u64, 77);
                 assert_eq!(l, l_e, "{dtype} {plan_name} {name}: losses differ from eager");
                 for (k, (a, b)) in f.iter().zip(&f_e).enumerate() {
                     assert!(a == b, "{dtype} {plan_name} {name}: final tensor {k} ({}) differs from eager", a.ty);
@@ -101,8 +76,7 @@ fn executors_agree_bit_for_bit_over_100_steps() {
 #[ignore = "needs a CUDA device"]
 fn first_step_matches_the_cpu_reference() {
     let dev = gpu();
-    let c = cfg(DType::F32);
-    let trace = training_step(&c, Some(0.05));
+    let (c, trace) = tiny_step(DType::F32);
     let params = init_params(&trace, &mut Rng::new(2));
     let data = step_inputs(&trace, c.vocab as u64, &mut Rng::new(3));
     // CPU reference takes all inputs in trace order.
@@ -132,8 +106,7 @@ fn first_step_matches_the_cpu_reference() {
 #[ignore = "needs a CUDA device"]
 fn memory_figures_and_refusal() {
     let dev = gpu();
-    let c = cfg(DType::BF16);
-    let trace = training_step(&c, Some(0.05));
+    let (c, trace) = tiny_step(DType::BF16);
     let prog = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile"));
     let trace = prog.trace.clone();
     let params = init_params(&trace, &mut Rng::new(1));
@@ -175,7 +148,7 @@ fn memory_figures_and_refusal() {
 #[ignore = "needs a CUDA device"]
 fn forward_and_backward_graphs_can_run_separately() {
     let dev = gpu();
-    let c = cfg(DType::F32);
+    let c = tiny(DType::F32);
     let trace = training_step(&c, None);
     let prog = Arc::new(Program::compile(dev.clone(), trace.clone(), plan_in_order).expect("compile"));
     let params = init_params(&trace, &mut Rng::new(4));
@@ -197,8 +170,7 @@ fn forward_and_backward_graphs_can_run_separately() {
 fn fused_step_is_bit_identical_to_unfused() {
     let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
-        let c = cfg(dtype);
-        let trace = training_step(&c, Some(0.05));
+        let (c, trace) = tiny_step(dtype);
         let fused = rumble_core::passes::fuse(&trace).expect("fuse");
         let n_fused = fused.nodes.iter().filter(|n| n.op.name() == "fused").count();
         assert!(n_fused > 0, "the fusion pass made no fused node");
@@ -207,8 +179,8 @@ fn fused_step_is_bit_identical_to_unfused() {
         let pb = Arc::new(Program::compile(dev.clone(), fused.clone(), plan_in_order).expect("compile fused"));
         let mut a = EagerExecutor::new(pa, &params).expect("eager");
         let mut b = GraphedExecutor::new(pb, &params, GraphMode::Whole).expect("graphed fused");
-        let (la, fa) = train(&mut a, &trace, 10, c.vocab as u64);
-        let (lb, fb) = train(&mut b, &fused, 10, c.vocab as u64);
+        let (la, fa) = train(&mut a, &trace, 10, c.vocab as u64, 77);
+        let (lb, fb) = train(&mut b, &fused, 10, c.vocab as u64, 77);
         assert_eq!(la, lb, "{dtype}: fused losses differ");
         assert!(fa == fb, "{dtype}: fused outputs/params differ");
         println!(
@@ -223,8 +195,7 @@ fn fused_step_is_bit_identical_to_unfused() {
 /// inputs, and the scheduled trace still runs on the CPU reference.
 #[test]
 fn planned_traces_keep_their_inputs() {
-    let c = cfg(DType::F32);
-    let trace = training_step(&c, Some(0.05));
+    let (_, trace) = tiny_step(DType::F32);
     let planned = rumble_core::compile::plan(&trace, &Default::default()).expect("plan");
     let names = |t: &rumble_core::Trace| t.inputs.iter().map(|i| (i.name.clone(), i.role)).collect::<Vec<_>>();
     assert_eq!(names(&planned.trace), names(&trace));

@@ -8,43 +8,20 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{compare, gpu, init_params, step_inputs, tolerance, training_step};
-use rumble_core::cpu::{HostTensor, Rng};
+use common::{compare, gpu, init_params, step_inputs, tiny_step, tolerance, train};
+use rumble_core::cpu::Rng;
 use rumble_core::ir::DType;
 use rumble_core::plan::PlanOptions;
-use rumble_core::testing::TinyLlama;
 use rumble_cuda::{Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
 
 const HOST_OPS: [&str; 3] = ["rms_norm", "rms_norm_backward", "cross_entropy"];
-
-fn cfg(dtype: DType) -> TinyLlama {
-    TinyLlama { vocab: 96, dim: 64, heads: 4, kv_heads: 2, hidden: 96, layers: 2, batch: 2, seq: 24, dtype }
-}
-
-/// Each step's loss bytes, then every output and persistent input after the last step.
-fn train(
-    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
-    trace: &rumble_core::Trace,
-    steps: usize,
-    vocab: u64,
-) -> (Vec<Vec<u8>>, Vec<HostTensor>) {
-    let mut rng = Rng::new(5);
-    let mut losses = Vec::new();
-    for _ in 0..steps {
-        losses.push(ex.step(&step_inputs(trace, vocab, &mut rng)).expect("step")[0].bytes.clone());
-    }
-    let mut fin: Vec<HostTensor> = trace.outputs.iter().map(|o| ex.output(&o.name).expect("output")).collect();
-    fin.extend(trace.inputs.iter().filter(|i| i.role.is_persistent()).map(|i| ex.persistent(&i.name).expect("param")));
-    (losses, fin)
-}
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn graphs_split_around_host_nodes_and_agree_bit_for_bit() {
     let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
-        let c = cfg(dtype);
-        let trace = training_step(&c, Some(0.05));
+        let (c, trace) = tiny_step(dtype);
         dev.set_host_ops(&HOST_OPS);
         let prog = Program::planned(dev.clone(), &trace, &PlanOptions::default());
         dev.set_host_ops(&[]);
@@ -60,7 +37,7 @@ fn graphs_split_around_host_nodes_and_agree_bit_for_bit() {
         let params = init_params(&trace, &mut Rng::new(1));
         let steps = 8;
         let mut planned = PlannedExecutor::new(prog.clone(), &params).expect("planned");
-        let (l_p, f_p) = train(&mut planned, &trace, steps, c.vocab as u64);
+        let (l_p, f_p) = train(&mut planned, &trace, steps, c.vocab as u64, 5);
         for mode in [GraphMode::Whole, GraphMode::ForwardBackward] {
             let mut g = GraphedExecutor::new(prog.clone(), &params, mode).expect("graphed with host nodes");
             let parts = g.graphs();
@@ -68,7 +45,7 @@ fn graphs_split_around_host_nodes_and_agree_bit_for_bit() {
             let graph_parts = parts.len() - host_parts;
             assert_eq!(host_parts, hosts, "{dtype} {mode:?}: {parts:?}");
             assert!(graph_parts > hosts / 2 && graph_parts >= 2, "{dtype} {mode:?}: {parts:?}");
-            let (l, f) = train(&mut g, &trace, steps, c.vocab as u64);
+            let (l, f) = train(&mut g, &trace, steps, c.vocab as u64, 5);
             assert_eq!(l, l_p, "{dtype} {mode:?}: losses differ from planned");
             for (k, (a, b)) in f.iter().zip(&f_p).enumerate() {
                 assert!(a == b, "{dtype} {mode:?}: final tensor {k} ({}) differs from planned", a.ty);

@@ -4,21 +4,7 @@
 //! somewhere, and every variable `Knobs` reads is a row that says so.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            if p.file_name().is_some_and(|n| n != "target") {
-                rust_files(&p, out);
-            }
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
+use std::path::Path;
 
 /// The names of the `"RUMBLE_[A-Z0-9_]+"` string literals in `text`.
 fn literals(text: &str) -> BTreeSet<String> {
@@ -55,8 +41,7 @@ fn every_variable_read_is_in_the_architecture_table() {
     let table: BTreeSet<String> = rows.iter().map(|(n, _)| n.clone()).collect();
     assert_eq!(table.len(), rows.len(), "ARCHITECTURE.md lists a variable twice");
 
-    let mut files = Vec::new();
-    rust_files(&root.join("crates"), &mut files);
+    let files = rumble_core::testing::rust_sources(&root.join("crates"));
     let mut read = BTreeSet::new();
     for f in &files {
         read.extend(literals(&std::fs::read_to_string(f).unwrap()));

@@ -8,43 +8,19 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{gpu, init_params, step_inputs, training_step};
+use common::{gpu, init_params, tiny_step, train};
 use rumble_core::compile::{CompileOptions, plan};
-use rumble_core::cpu::{HostTensor, Rng};
+use rumble_core::cpu::Rng;
 use rumble_core::ir::{DType, Op};
 use rumble_core::plan::{PlanOptions, check::check};
-use rumble_core::testing::TinyLlama;
 use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
-
-fn cfg(dtype: DType) -> TinyLlama {
-    TinyLlama { vocab: 96, dim: 64, heads: 4, kv_heads: 2, hidden: 96, layers: 2, batch: 2, seq: 24, dtype }
-}
-
-/// Each step's returned outputs, then every output and persistent input after the last.
-fn run(
-    ex: &mut dyn Executor<Error = rumble_cuda::CudaError>,
-    prog: &Program,
-    steps: usize,
-    vocab: u64,
-) -> Vec<HostTensor> {
-    let mut rng = Rng::new(5);
-    let mut all = Vec::new();
-    for _ in 0..steps {
-        all.extend(ex.step(&step_inputs(&prog.trace, vocab, &mut rng)).expect("step"));
-    }
-    all.extend(prog.trace.outputs.iter().map(|o| ex.output(&o.name).expect("output")));
-    let pers = prog.trace.inputs.iter().filter(|i| i.role.is_persistent());
-    all.extend(pers.map(|i| ex.persistent(&i.name).expect("persistent")));
-    all
-}
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
     let dev = gpu();
     for dtype in [DType::F32, DType::BF16] {
-        let c = cfg(dtype);
-        let trace = training_step(&c, Some(0.05));
+        let (c, trace) = tiny_step(dtype);
         let prog = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile"));
         let (t, p) = (&prog.trace, &prog.plan);
         assert!(t.nodes.iter().any(|n| matches!(n.op, Op::Matmul { .. })));
@@ -78,17 +54,21 @@ fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
 
         let params = init_params(t, &mut Rng::new(1));
         let steps = 5;
+        // Each step's loss, then every output and persistent input after the last.
+        let run =
+            |ex: &mut dyn Executor<Error = rumble_cuda::CudaError>| train(ex, &prog.trace, steps, c.vocab as u64, 5);
         let mut eager = EagerExecutor::new(prog.clone(), &params).expect("eager");
-        let want = run(&mut eager, &prog, steps, c.vocab as u64);
+        let want = run(&mut eager);
         let mut planned = PlannedExecutor::new(prog.clone(), &params).expect("planned");
         planned.poison(0xFF).expect("poison");
         let mut graphed = GraphedExecutor::new(prog.clone(), &params, GraphMode::Whole).expect("graphed");
         for (name, ex) in
             [("planned", &mut planned as &mut dyn Executor<Error = rumble_cuda::CudaError>), ("graphed", &mut graphed)]
         {
-            let got = run(ex, &prog, steps, c.vocab as u64);
-            assert_eq!(got.len(), want.len());
-            for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+            let got = run(ex);
+            assert_eq!(got.0, want.0, "{dtype} {name}: losses differ from eager");
+            assert_eq!(got.1.len(), want.1.len());
+            for (k, (a, b)) in got.1.iter().zip(&want.1).enumerate() {
                 assert!(a.bytes == b.bytes, "{dtype} {name}: tensor {k} ({}) differs from eager", a.ty);
             }
         }
@@ -102,7 +82,7 @@ fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
 #[ignore = "needs a CUDA device"]
 fn a_plan_short_of_a_nodes_scratch_is_refused() {
     let dev = gpu();
-    let trace = training_step(&cfg(DType::F32), Some(0.05));
+    let trace = tiny_step(DType::F32).1;
     let prog = Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile");
     let n = prog.recipes.iter().position(|r| r.scratch > 0).expect("a node with kernel scratch");
     let mut bad = prog.plan.clone();

@@ -126,6 +126,22 @@ pub struct StepConfig {
 }
 
 impl StepConfig {
+    /// A causal-LM step of `batch` sequences of `seq` tokens: no optimizer, no accumulation or
+    /// clipping, the fused loss, the config's dtype throughout. Other settings by struct update:
+    /// `StepConfig { clip: Some(1.0), ..StepConfig::new(4, 32) }`.
+    pub fn new(batch: usize, seq: usize) -> StepConfig {
+        StepConfig {
+            batch,
+            seq,
+            objective: Objective::CausalLm,
+            optimizer: None,
+            grad_accum: 1,
+            clip: None,
+            fused_loss: true,
+            precision: None,
+        }
+    }
+
     /// The dtype of the step's parameter inputs (and optimizer state) for a model stored in
     /// `stored`.
     pub fn master_dtype(&self, stored: DType) -> DType {

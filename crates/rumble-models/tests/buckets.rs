@@ -18,16 +18,7 @@ fn small_cfg() -> Config {
 }
 
 fn sc(batch: usize, seq: usize, optimizer: Option<Optimizer>, fused_loss: bool) -> StepConfig {
-    StepConfig {
-        batch,
-        seq,
-        objective: Objective::CausalLm,
-        optimizer,
-        grad_accum: 1,
-        clip: None,
-        fused_loss,
-        precision: None,
-    }
+    StepConfig { optimizer, fused_loss, ..StepConfig::new(batch, seq) }
 }
 
 /// Random tokens and random (corpus-like, never ignored) targets.

@@ -25,14 +25,10 @@ fn corpus() -> Corpus {
 fn setup(precision: Precision) -> (Config, StepConfig, LrSchedule) {
     let cfg = Config { dtype: DType::BF16, ..preset("tiny").unwrap().config };
     let sc = StepConfig {
-        batch: 2,
-        seq: 16,
-        objective: rumble_models::Objective::CausalLm,
         optimizer: Some(Optimizer::adamw()),
-        grad_accum: 1,
         clip: Some(1.0),
-        fused_loss: true,
         precision: Some(precision),
+        ..StepConfig::new(2, 16)
     };
     let schedule = LrSchedule { peak: 3e-3, warmup: 3, total: 20, kind: ScheduleKind::Cosine };
     (cfg, sc, schedule)

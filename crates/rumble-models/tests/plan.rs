@@ -17,20 +17,9 @@ const MATMUL_WORKSPACE: usize = 32 << 20;
 #[test]
 fn presets_plan_within_two_percent_of_load() {
     for name in PRESET_NAMES {
-        let p = preset(name).unwrap();
         for optimizer in [None, Some(rumble_models::Optimizer::adamw())] {
-            let sc = StepConfig {
-                batch: p.batch,
-                seq: p.seq,
-                objective: p.objective,
-                optimizer,
-                grad_accum: 1,
-                clip: None,
-                fused_loss: true,
-                precision: None,
-            };
-            let step = build_train_step(&p.config, &sc).unwrap();
-            let (trace, _) = rumble_core::passes::run(&step.trace, rumble_models::trainer::PIPELINE).unwrap();
+            let step = step_of(name, optimizer);
+            let (trace, _) = rumble_core::passes::run(&step, rumble_models::trainer::PIPELINE).unwrap();
             for ws in [0, MATMUL_WORKSPACE] {
                 let backend =
                     BackendScratch::new(move |op, _, _| Ok(if matches!(op, Op::Matmul { .. }) { ws } else { 0 }));
@@ -49,18 +38,10 @@ fn presets_plan_within_two_percent_of_load() {
     }
 }
 
+/// The preset's training step (fused loss, no accumulation or clipping).
 fn step_of(name: &str, optimizer: Option<rumble_models::Optimizer>) -> rumble_core::Trace {
     let p = preset(name).unwrap();
-    let sc = StepConfig {
-        batch: p.batch,
-        seq: p.seq,
-        objective: p.objective,
-        optimizer,
-        grad_accum: 1,
-        clip: None,
-        fused_loss: true,
-        precision: None,
-    };
+    let sc = StepConfig { objective: p.objective, optimizer, ..StepConfig::new(p.batch, p.seq) };
     build_train_step(&p.config, &sc).unwrap().trace
 }
 

@@ -18,9 +18,7 @@ use rumble_core::{DType, Graph};
 use rumble_models::exec::cuda_unavailable;
 use rumble_models::model::{self, Params};
 use rumble_models::weights::{read_safetensors, split_packed};
-use rumble_models::{
-    Config, CudaExecutor, CudaMode, Executor, Objective, PIPELINE, StepConfig, Weights, build_train_step,
-};
+use rumble_models::{Config, CudaExecutor, CudaMode, Executor, PIPELINE, StepConfig, Weights, build_train_step};
 
 fn close(got: &[f64], want: &[f64], rel: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
@@ -86,16 +84,7 @@ fn check_case(name: &str, rel: f64, rel_grad: f64) {
 
 /// The causal-LM step without an optimizer (loss and every gradient).
 fn step_config(batch: usize, seq: usize, fused_loss: bool) -> StepConfig {
-    StepConfig {
-        batch,
-        seq,
-        objective: Objective::CausalLm,
-        optimizer: None,
-        grad_accum: 1,
-        clip: None,
-        fused_loss,
-        precision: None,
-    }
+    StepConfig { fused_loss, ..StepConfig::new(batch, seq) }
 }
 
 /// The loss and every gradient output of `trace` (the `i`-th output, named `n`, from

@@ -21,14 +21,10 @@ fn every_preset_builds_a_whole_training_step() {
         let p = preset(name).unwrap();
         // Short sequences: the trace's structure does not depend on them.
         let s = StepConfig {
-            batch: 1,
-            seq: 16,
             objective: p.objective,
             optimizer: Some(Optimizer::adamw()),
-            grad_accum: 1,
             clip: Some(1.0),
-            fused_loss: true,
-            precision: None,
+            ..StepConfig::new(1, 16)
         };
         let t = build_train_step(&p.config, &s).unwrap().trace;
         let fused = t.op_counts().into_iter().any(|(op, _)| op == "linear_cross_entropy");

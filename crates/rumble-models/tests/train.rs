@@ -12,14 +12,10 @@ fn tiny_model_loss_falls_on_the_corpus() {
     let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
     let steps = 100;
     let sc = StepConfig {
-        batch: 4,
-        seq: 64,
         objective: p.objective,
         optimizer: Some(rumble_models::Optimizer::adamw()),
-        grad_accum: 1,
         clip: Some(1.0),
-        fused_loss: true,
-        precision: None,
+        ..StepConfig::new(4, 64)
     };
     let schedule = LrSchedule { peak: p.lr, warmup: 20, total: steps, kind: ScheduleKind::Cosine };
     let weights = Weights::init(&p.config, 0).unwrap();

@@ -16,7 +16,8 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::dtype::{DType, Shape, TensorType};
-use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, RopeScaling, UnaryOp};
+use super::heads::{HeadLayout, RopeScaling};
+use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 

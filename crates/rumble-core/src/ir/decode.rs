@@ -3,7 +3,8 @@
 //! doc comments in `op.rs`; messages name the shapes each op expects.
 
 use super::dtype::{DType, TensorType};
-use super::op::{HeadLayout, float, int};
+use super::heads::HeadLayout;
+use super::op::{float, int, rope_operand};
 
 /// `pos` must be an int `[B]` for a batch of `b`.
 fn positions(pos: &TensorType, b: usize) -> Result<(), String> {
@@ -15,15 +16,7 @@ fn positions(pos: &TensorType, b: usize) -> Result<(), String> {
 }
 
 pub(super) fn rope_at(x: &TensorType, pos: &TensorType, layout: HeadLayout) -> Result<Vec<TensorType>, String> {
-    float(x)?;
-    if x.rank() != 4 || !x.dims()[3].is_multiple_of(2) {
-        return Err(format!(
-            "layout {} needs {} with D even, got {}",
-            layout.name(),
-            layout.pattern("H", "T"),
-            x.shape
-        ));
-    }
+    rope_operand(x, layout)?;
     positions(pos, x.dims()[0])?;
     Ok(vec![x.clone()])
 }

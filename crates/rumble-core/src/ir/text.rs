@@ -20,7 +20,8 @@ use std::fmt::{self, Write as _};
 
 use super::dtype::{DType, Shape, TensorType};
 use super::fused::{FusedBody, FusedInstr};
-use super::op::{BinaryOp, CmpOp, HeadLayout, Op, ReduceOp, RopeScaling, UnaryOp};
+use super::heads::{HeadLayout, RopeScaling};
+use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 

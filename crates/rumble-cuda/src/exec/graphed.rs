@@ -376,15 +376,7 @@ impl GraphedExecutor {
 }
 
 impl Executor for GraphedExecutor {
-    type Error = CudaError;
-
-    fn device(&self) -> DeviceKind {
-        DeviceKind::Cuda
-    }
-
-    fn persistent_names(&self) -> Vec<String> {
-        self.placed.prog.persistent_names()
-    }
+    placed_executor_methods!();
 
     fn step(&mut self, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
         self.stage_inputs(inputs)?;
@@ -393,15 +385,6 @@ impl Executor for GraphedExecutor {
         self.placed.check()?;
         self.rise = self.rise.max(self.placed.stats().device_rise_bytes);
         self.returned()
-    }
-    fn output(&self, name: &str) -> Result<HostTensor> {
-        self.placed.output(name)
-    }
-    fn persistent(&self, name: &str) -> Result<HostTensor> {
-        self.placed.persistent_value(name)
-    }
-    fn memory(&self) -> MemoryStats {
-        MemoryStats { device_rise_bytes: self.rise, ..self.placed.stats() }
     }
 }
 

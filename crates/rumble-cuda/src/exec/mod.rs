@@ -27,6 +27,30 @@
 //! step takes the other inputs, in trace order. `Update` outputs are written back to their
 //! input's persistent buffer at the end of the step (unless the plan computed them there).
 
+/// The [`Executor`] methods the planned and graphed executors share: both hold a `placed:
+/// Placed` (the program over its arena) and `rise` (the most the device's use rose in a step).
+macro_rules! placed_executor_methods {
+    () => {
+        type Error = CudaError;
+
+        fn device(&self) -> DeviceKind {
+            DeviceKind::Cuda
+        }
+        fn persistent_names(&self) -> Vec<String> {
+            self.placed.prog.persistent_names()
+        }
+        fn output(&self, name: &str) -> Result<HostTensor> {
+            self.placed.output(name)
+        }
+        fn persistent(&self, name: &str) -> Result<HostTensor> {
+            self.placed.persistent_value(name)
+        }
+        fn memory(&self) -> MemoryStats {
+            MemoryStats { device_rise_bytes: self.rise, ..self.placed.stats() }
+        }
+    };
+}
+
 mod buckets;
 mod eager;
 mod graphed;

@@ -231,15 +231,7 @@ impl PlannedExecutor {
 }
 
 impl Executor for PlannedExecutor {
-    type Error = CudaError;
-
-    fn device(&self) -> DeviceKind {
-        DeviceKind::Cuda
-    }
-
-    fn persistent_names(&self) -> Vec<String> {
-        self.placed.prog.persistent_names()
-    }
+    placed_executor_methods!();
 
     fn step_profiled(&mut self, inputs: &[HostTensor]) -> Result<Option<Vec<(usize, usize, f64)>>> {
         self.upload(inputs)?;
@@ -259,14 +251,5 @@ impl Executor for PlannedExecutor {
         pl.check()?;
         self.rise = self.rise.max(pl.stats().device_rise_bytes);
         p.returned().into_iter().map(|i| pl.read(p.trace.outputs[i].value)).collect()
-    }
-    fn output(&self, name: &str) -> Result<HostTensor> {
-        self.placed.output(name)
-    }
-    fn persistent(&self, name: &str) -> Result<HostTensor> {
-        self.placed.persistent_value(name)
-    }
-    fn memory(&self) -> MemoryStats {
-        MemoryStats { device_rise_bytes: self.rise, ..self.placed.stats() }
     }
 }

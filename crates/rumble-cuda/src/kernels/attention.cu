@@ -18,6 +18,21 @@ __device__ __forceinline__ i64 attn_k(const AttnDims& dm, i64 bk, i64 j) {
   return (bk / dm.hkv) * dm.hkv * dm.s * dm.d + (bk % dm.hkv) * dm.khs + j * dm.krs;
 }
 
+// Query row `row` (= bh * t + i) of attention: the k and v rows of its kv head, its offset in
+// q, o, dO and dQ, and how many keys it sees.
+template <typename T>
+struct QueryRow {
+  const T* kb;
+  const T* vb;
+  i64 qo, n;
+};
+template <typename T>
+__device__ __forceinline__ QueryRow<T> query_row(const AttnDims& dm, const T* k, const T* v, i64 row, int causal) {
+  const i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
+  const i64 bk = b * dm.hkv + h / (dm.hq / dm.hkv);
+  return {k + attn_k(dm, bk, 0), v + attn_k(dm, bk, 0), attn_q(dm, bh, i), causal ? i + 1 : dm.s};
+}
+
 // x . row over d elements by one warp: lanes read consecutive elements (coalesced), then a
 // fixed shuffle tree. Every lane gets the result.
 template <typename T, typename A>
@@ -35,15 +50,13 @@ __device__ void attn_fwd(const T* __restrict__ q, const T* __restrict__ k, const
   A* qs = (A*)smem_d;
   A* ps = qs + dm.d;
   __shared__ A buf[32];
-  A scale = (A)scale_d;
-  int tid = threadIdx.x;
-  i64 group = dm.hq / dm.hkv, d = dm.d;
+  const A scale = (A)scale_d;
+  const int tid = threadIdx.x;
+  const i64 d = dm.d;
   for (i64 row = blockIdx.x; row < dm.b * dm.hq * dm.t; row += gridDim.x) {
-    i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
-    const T* kb = k + attn_k(dm, b * dm.hkv + h / group, 0);
-    const T* vb = v + attn_k(dm, b * dm.hkv + h / group, 0);
-    const i64 qo = attn_q(dm, bh, i);
-    i64 n = causal ? i + 1 : dm.s;
+    const QueryRow<T> r = query_row(dm, k, v, row, causal);
+    const T *kb = r.kb, *vb = r.vb;
+    const i64 qo = r.qo, n = r.n;
     __syncthreads();
     for (i64 c = tid; c < d; c += NT) qs[c] = ldf(q[qo + c]);
     __syncthreads();
@@ -98,21 +111,17 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
   A* gs = qs + dm.d;
   A* ps = gs + dm.d;
   __shared__ A buf[32];
-  A scale = (A)scale_d;
-  int tid = threadIdx.x;
-  i64 group = dm.hq / dm.hkv, d = dm.d;
+  const A scale = (A)scale_d;
+  const int tid = threadIdx.x;
+  const i64 d = dm.d;
   for (i64 row = blockIdx.x; row < dm.b * dm.hq * dm.t; row += gridDim.x) {
-    i64 i = row % dm.t, bh = row / dm.t, h = bh % dm.hq, b = bh / dm.hq;
-    const T* kb = k + attn_k(dm, b * dm.hkv + h / group, 0);
-    const T* vb = v + attn_k(dm, b * dm.hkv + h / group, 0);
-    const i64 qo = attn_q(dm, bh, i);
-    i64 n = causal ? i + 1 : dm.s;
+    const QueryRow<T> r = query_row(dm, k, v, row, causal);
     __syncthreads();
     A di = 0;
     for (i64 c = tid; c < d; c += NT) {
-      qs[c] = ldf(q[qo + c]);
-      gs[c] = ldf(dout[qo + c]);
-      di += gs[c] * ldf(o[qo + c]);
+      qs[c] = ldf(q[r.qo + c]);
+      gs[c] = ldf(dout[r.qo + c]);
+      di += gs[c] * ldf(o[r.qo + c]);
     }
     di = block_sum(di, buf);
     if (tid == 0) delta[row] = (double)di;
@@ -120,13 +129,13 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
     A acc[MAXU];
 #pragma unroll
     for (int u = 0; u < MAXU; ++u) acc[u] = 0;
-    for (i64 j0 = 0; j0 < n; j0 += NT) {
-      i64 cnt = n - j0 < NT ? n - j0 : NT;
+    for (i64 j0 = 0; j0 < r.n; j0 += NT) {
+      i64 cnt = r.n - j0 < NT ? r.n - j0 : NT;
       for (int jj = tid >> 5; jj < NT; jj += NW) {
         A ds = 0;
         if (jj < cnt) {
-          A s = warp_dot(qs, kb + (j0 + jj) * dm.krs, d);
-          A dp = warp_dot(gs, vb + (j0 + jj) * dm.krs, d);
+          A s = warp_dot(qs, r.kb + (j0 + jj) * dm.krs, d);
+          A dp = warp_dot(gs, r.vb + (j0 + jj) * dm.krs, d);
           ds = ex_(s * scale - L) * (dp - di);
         }
         if ((tid & 31) == 0) ps[jj] = ds;
@@ -136,14 +145,14 @@ __device__ void attn_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, co
       for (int u = 0; u < MAXU; ++u) {
         i64 c = tid + u * NT;
         if (c < d)
-          for (i64 jj = 0; jj < cnt; ++jj) acc[u] += ps[jj] * ldf(kb[(j0 + jj) * dm.krs + c]);
+          for (i64 jj = 0; jj < cnt; ++jj) acc[u] += ps[jj] * ldf(r.kb[(j0 + jj) * dm.krs + c]);
       }
       __syncthreads();
     }
 #pragma unroll
     for (int u = 0; u < MAXU; ++u) {
       i64 c = tid + u * NT;
-      if (c < d) stf(&dq[qo + c], acc[u] * scale);
+      if (c < d) stf(&dq[r.qo + c], acc[u] * scale);
     }
   }
 }

@@ -37,30 +37,22 @@ __device__ __forceinline__ void ldsm_x4_t(u32* r, const void* p) {
 }
 // c += a * b for one 16x8x16 tile; pack2 puts lo in the low half (the lower column).
 #if FLASH_F16
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+#define MMA_AB "f16.f16"
+#define CVT_X2 "f16x2"
 #else
+#define MMA_AB "bf16.bf16"
+#define CVT_X2 "bf16x2"
+#endif
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  asm("cvt.rn." CVT_X2 ".f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-#endif
 #endif  // FLASH_EMU
 
 namespace fa {
@@ -221,6 +213,55 @@ __device__ __forceinline__ void zero(float (*x)[N][4]) {
     for (int n = 0; n < N; ++n) x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
 }
 
+// The K and V tiles of BC keys (rows of `kh`, `vh`, krs apart) that the forward and dQ stream
+// through two shared stages each (sk, sv), loaded by NTH threads. kv_first issues tile 0 (the
+// caller commits it with its own loads); kv_next(it) waits for tile `it` of `nt` (in stage
+// it & 1), the next one loading into the other stage behind it.
+template <int NTH, int BC>
+__device__ __forceinline__ void kv_first(T* sk, T* sv, const T* kh, const T* vh, int nt, i64 S, i64 d, i64 krs,
+                                         bool vec) {
+  if (nt > 0) {
+    load_tile<NTH, BC>(sk, kh, 0, S, d, krs, vec);
+    load_tile<NTH, BC>(sv, vh, 0, S, d, krs, vec);
+  }
+}
+template <int NTH, int BC>
+__device__ __forceinline__ void kv_next(T* sk, T* sv, const T* kh, const T* vh, int it, int nt, i64 S, i64 d, i64 krs,
+                                        bool vec) {
+  const i64 j0 = (i64)it * BC;
+  if (it + 1 < nt) {
+    const int st = (it + 1) & 1;
+    load_tile<NTH, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, krs, vec);
+    load_tile<NTH, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, krs, vec);
+    cp_commit();
+    cp_wait<1>();
+  } else {
+    cp_wait<0>();
+  }
+  FLASH_SYNC();
+}
+// Calls put(r, c, mt, n, x) for every element acc[mt][n][x] of a warp's MT x N/8 accumulator
+// tiles whose row r = r0 + 16 mt + g (+ 8) is below `rows` and whose column c = c0 + 8 n + 2 tq
+// (+ 1) is below d: the kernels' epilogues.
+template <int MT, int N, class F>
+__device__ __forceinline__ void each_acc(i64 r0, i64 rows, i64 c0, i64 d, int g, int tq, F put) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const i64 r = r0 + mt * 16 + g + 8 * i;
+      if (r < rows) {
+#pragma unroll
+        for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const i64 c = c0 + n * 8 + 2 * tq + e;
+            if (c < d) put(r, c, mt, n, 2 * i + e);
+          }
+      }
+    }
+}
+
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, shfl_xor(v, 1));
   return fmaxf(v, shfl_xor(v, 2));
@@ -244,27 +285,19 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
   T* sv = sk + 2 * BC * LD;  // 2 stages of BC rows
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
-  const i64 nqb = (T_ + BR - 1) / BR;
-  const i64 q0 = (nqb - 1 - blk) * BR;  // block 0: the longest causal rows
-  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
-  const T* qh = q + q_at(dm, b, h);
-  const T* kh = k + k_at(dm, b, kvh);
-  const T* vh = v + k_at(dm, b, kvh);
+  const QBlock qb = q_block<BR, BC>(dm, causal, blk);
+  const i64 q0 = qb.q0, bh = qb.bh;
+  const int ntiles = qb.ntiles;
+  T* const oh = o + q_at(dm, qb.b, qb.h);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
-  const i64 kend = causal ? min64(S, q0 + BR) : S;
-  const int ntiles = (int)((kend + BC - 1) / BC);
-  const float sl2 = (float)(scale * 1.4426950408889634);
+  const float sl2 = log2_scale(scale);
   const float asl2 = NEG ? -sl2 : sl2;
   const float MASKV = NEG ? F32_INF : NEG_INF;     // a masked raw score: never the row's maximum
   const i64 wrow = q0 + w * 16 * MT;                // the warp's first row
   const i64 wlast = wrow + 16 * MT - 1;             // and its last
 
-  load_tile<NTH, BR>(sq, qh, q0, T_ - q0, d, dm.qrs, vec);
-  if (ntiles > 0) {
-    load_tile<NTH, BC>(sk, kh, 0, S, d, dm.krs, vec);
-    load_tile<NTH, BC>(sv, vh, 0, S, d, dm.krs, vec);
-  }
+  load_tile<NTH, BR>(sq, q + q_at(dm, qb.b, qb.h), q0, T_ - q0, d, dm.qrs, vec);
+  kv_first<NTH, BC>(sk, sv, k + qb.kv, v + qb.kv, ntiles, S, d, dm.krs, vec);
   cp_commit();
   float acc[MT][DP / 8][4];
   float m[MT][2], l[MT][2];
@@ -277,16 +310,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 
   for (int it = 0; it < ntiles; ++it) {
     const i64 j0 = (i64)it * BC;
-    if (it + 1 < ntiles) {
-      const int st = (it + 1) & 1;
-      load_tile<NTH, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
-      load_tile<NTH, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    FLASH_SYNC();
+    kv_next<NTH, BC>(sk, sv, k + qb.kv, v + qb.kv, it, ntiles, S, d, dm.krs, vec);
     const T* ks = sk + (it & 1) * BC * LD;
     const T* vs = sv + (it & 1) * BC * LD;
 #pragma unroll 1
@@ -375,7 +399,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const i64 c = n * 8 + 2 * tq + e;
-            if (c < d) st(&o[q_at(dm, b, h) + r * dm.qrs + c], acc[mt][n][2 * i + e] * inv);
+            if (c < d) st(&oh[r * dm.qrs + c], acc[mt][n][2 * i + e] * inv);
           }
       }
     }
@@ -451,7 +475,7 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   const Split x = split_of(dm, nsplit);
   const i64 b = x.b, kvh = x.kvh;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
-  const float sl2 = (float)(scale * 1.4426950408889634);
+  const float sl2 = log2_scale(scale);
   const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of BQ
   const int nqt = T_ > qstart ? (int)((T_ - qstart + BQ - 1) / BQ) : 0;
   const int total = (int)(x.h1 - x.h0) * nqt;
@@ -531,21 +555,9 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
   cp_wait<0>();
 
   const float sc = (float)scale;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const i64 r = kw + mt * 16 + g + 8 * i;
-      if (r < S) {
-#pragma unroll
-        for (int n = 0; n < DC / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const i64 c = c0 + n * 8 + 2 * tq + e;
-            if (c < d) store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[mt][n][2 * i + e] * sc, gv[mt][n][2 * i + e]);
-          }
-      }
-    }
+  each_acc<MT, DC>(kw, S, c0, d, g, tq, [&](i64 r, i64 c, int mt, int n, int e) {
+    store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[mt][n][e] * sc, gv[mt][n][e]);
+  });
 }
 
 #if !FA_DQ_WG
@@ -561,24 +573,16 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
   T* sv = sk + 2 * BC * LD;               // 2 stages of BC rows
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
-  const i64 nqb = (T_ + BR - 1) / BR;
-  const i64 q0 = (nqb - 1 - blk) * BR;
-  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
-  const T* kh = k + k_at(dm, b, kvh);
-  const T* vh = v + k_at(dm, b, kvh);
+  const QBlock qb = q_block<BR, BC>(dm, causal, blk);
+  const i64 q0 = qb.q0, bh = qb.bh, qh = q_at(dm, qb.b, qb.h);
+  const int ntiles = qb.ntiles;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
-  const i64 kend = causal ? min64(S, q0 + BR) : S;
-  const int ntiles = (int)((kend + BC - 1) / BC);
-  const float sl2 = (float)(scale * 1.4426950408889634);
+  const float sl2 = log2_scale(scale);
   const i64 wrow = q0 + w * 16 * MT, wlast = wrow + 16 * MT - 1;
 
-  load_tile<QNT, BR>(sq, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs, vec);
-  load_tile<QNT, BR>(sdo, dout + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs, vec);
-  if (ntiles > 0) {
-    load_tile<QNT, BC>(sk, kh, 0, S, d, dm.krs, vec);
-    load_tile<QNT, BC>(sv, vh, 0, S, d, dm.krs, vec);
-  }
+  load_tile<QNT, BR>(sq, q + qh, q0, T_ - q0, d, dm.qrs, vec);
+  load_tile<QNT, BR>(sdo, dout + qh, q0, T_ - q0, d, dm.qrs, vec);
+  kv_first<QNT, BC>(sk, sv, k + qb.kv, v + qb.kv, ntiles, S, d, dm.krs, vec);
   cp_commit();
   float L[MT][2], D[MT][2];
 #pragma unroll
@@ -595,16 +599,7 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
 
   for (int it = 0; it < ntiles; ++it) {
     const i64 j0 = (i64)it * BC;
-    if (it + 1 < ntiles) {
-      const int st = (it + 1) & 1;
-      load_tile<QNT, BC>(sk + st * BC * LD, kh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
-      load_tile<QNT, BC>(sv + st * BC * LD, vh, j0 + BC, S - j0 - BC, d, dm.krs, vec);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    FLASH_SYNC();
+    kv_next<QNT, BC>(sk, sv, k + qb.kv, v + qb.kv, it, ntiles, S, d, dm.krs, vec);
     const T* ks = sk + (it & 1) * BC * LD;
     const T* vs = sv + (it & 1) * BC * LD;
     // Causal: a tile whose keys all come after the warp's last query adds nothing.
@@ -639,21 +634,8 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
   cp_wait<0>();
 
   const float sc = (float)scale;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const i64 r = wrow + mt * 16 + g + 8 * i;
-      if (r < T_) {
-#pragma unroll
-        for (int n = 0; n < DP / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const i64 c = n * 8 + 2 * tq + e;
-            if (c < d) st(&dq[q_at(dm, b, h) + r * dm.qrs + c], acc[mt][n][2 * i + e] * sc);
-          }
-      }
-    }
+  each_acc<MT, DP>(wrow, T_, 0, d, g, tq,
+                   [&](i64 r, i64 c, int mt, int n, int e) { st(&dq[qh + r * dm.qrs + c], acc[mt][n][e] * sc); });
 }
 #endif  // !FA_DQ_WG
 }  // namespace fa

@@ -48,6 +48,25 @@ __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 __device__ __forceinline__ i64 q_at(const Dims& dm, i64 b, i64 h) { return b * dm.hq * dm.t * dm.d + h * dm.qhs; }
 __device__ __forceinline__ i64 k_at(const Dims& dm, i64 b, i64 h) { return b * dm.hkv * dm.s * dm.d + h * dm.khs; }
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
+// scale * log2(e) (computed in double, rounded once): scores in log2 units for ex2.
+__device__ __forceinline__ float log2_scale(double scale) { return (float)(scale * 1.4426950408889634); }
+
+// The query block of a forward or dQ CTA: ROWS queries from q0 of query head h of batch b (grid
+// row bh = b hq + h; block 0 holds the last queries, the longest causal rows, first), `kv` the
+// offset of its kv head in k and v (k_at), `ntiles` the tiles of BC keys its queries see.
+struct QBlock { i64 q0, bh, b, h, kv; int ntiles; };
+template <int ROWS, int BC>
+__device__ __forceinline__ QBlock q_block(const Dims& dm, int causal, i64 blk) {
+  QBlock x;
+  x.q0 = ((dm.t + ROWS - 1) / ROWS - 1 - blk) * ROWS;
+  x.bh = blockIdx.y;
+  x.b = x.bh / dm.hq;
+  x.h = x.bh % dm.hq;
+  x.kv = k_at(dm, x.b, x.h / (dm.hq / dm.hkv));
+  const i64 kend = causal ? min64(dm.s, x.q0 + ROWS) : dm.s;
+  x.ntiles = (int)((kend + BC - 1) / BC);
+  return x;
+}
 
 // ---- which blocks a CTA runs. Causal work grows with a block's index (the longest query rows
 // first, the keys seen by the most queries first), so on a paired grid (gridDim.x < n * per:

@@ -75,6 +75,59 @@ __device__ __forceinline__ float row8_max(float v) {
   v = fmaxf(v, shfl_xor(v, 2));
   return fmaxf(v, shfl_xor(v, 4));
 }
+template <int R, int C>
+__device__ __forceinline__ void zero(float (*a)[C]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < C; ++c) a[r][c] = 0.f;
+}
+
+// The K and V tiles of BC keys (rows of `kh`, `vh`, krs apart) that the forward and dQ stream
+// through NB buffers each (with two, the next tile loads while this one is used). kv_first
+// issues the first tile (the caller commits it with its own loads); kv_next(it) waits for tile
+// `it` of `nt`, the next one loading behind it, and returns its buffer.
+template <int BC, int NB>
+__device__ __forceinline__ void kv_first(float* ks, float* vs, const float* kh, const float* vh, i64 nt, i64 S, i64 d,
+                                         i64 krs) {
+  if (NB == 2 && nt > 0) {
+    load_tile<BC>(ks, kh, 0, S, d, krs);
+    load_tile<BC>(vs, vh, 0, S, d, krs);
+  }
+}
+template <int BC, int NB>
+__device__ __forceinline__ int kv_next(float* ks, float* vs, const float* kh, const float* vh, i64 it, i64 nt, i64 S,
+                                       i64 d, i64 krs) {
+  const i64 j0 = it * BC;
+  const int cur = NB == 2 ? (int)(it & 1) : 0;
+  if (NB == 1) {
+    load_tile<BC>(ks, kh, j0, S - j0, d, krs);
+    load_tile<BC>(vs, vh, j0, S - j0, d, krs);
+    cp_commit();
+    cp_wait<0>();
+  } else if (it + 1 < nt) {
+    load_tile<BC>(ks + (cur ^ 1) * BC * LD, kh, j0 + BC, S - j0 - BC, d, krs);
+    load_tile<BC>(vs + (cur ^ 1) * BC * LD, vh, j0 + BC, S - j0 - BC, d, krs);
+    cp_commit();
+    cp_wait<1>();
+  } else {
+    cp_wait<0>();
+  }
+  FLASH_SYNC();
+  return cur;
+}
+// A thread's head-dim results of one row (float4 column chunks tx + FTX u, u < U) times `mul`
+// into `out`, the row's first element (columns past d are not written).
+template <int U>
+__device__ __forceinline__ void store_row(float* out, const float* a, float mul, int tx, i64 d) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const i64 col = (tx + FTX * u) * 4 + e;
+      if (col < d) out[col] = a[4 * u + e] * mul;
+    }
+}
 
 // c[i][j] += sum_k a[i * RS * LD + k] * b[j * CS * LD + k] over k < kd (a multiple of 4): rows of
 // two head-dim tiles, `a` and `b` already offset to the thread's first row.
@@ -141,54 +194,26 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
   const int tid = threadIdx.x, ty = tid / FTX, tx = tid % FTX;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const int kd = ((int)d + 3) & ~3;
-  const i64 nqb = (T_ + FBR - 1) / FBR;
-  const i64 q0 = (nqb - 1 - blk) * FBR;
-  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
-  const float* kh = k + k_at(dm, b, kvh);
-  const float* vh = v + k_at(dm, b, kvh);
-  const i64 kend = causal ? min64(S, q0 + FBR) : S;
-  const i64 nt = (kend + FBC - 1) / FBC;
-  const float sl2 = (float)(scale * 1.4426950408889634);
-  load_tile<FBR>(qs, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
-  if (FNB == 2 && nt > 0) {
-    load_tile<FBC>(ks, kh, 0, S, d, dm.krs);
-    load_tile<FBC>(vs, vh, 0, S, d, dm.krs);
-  }
+  const QBlock qb = q_block<FBR, FBC>(dm, causal, blk);
+  const i64 q0 = qb.q0, bh = qb.bh, nt = qb.ntiles;
+  const float sl2 = log2_scale(scale);
+  float* const orow0 = o + q_at(dm, qb.b, qb.h);  // the head's first row of o
+  load_tile<FBR>(qs, q + q_at(dm, qb.b, qb.h), q0, T_ - q0, d, dm.qrs);
+  kv_first<FBC, FNB>(ks, vs, k + qb.kv, v + qb.kv, nt, S, d, dm.krs);
   cp_commit();
   float acc[RQ][4 * U];
-#pragma unroll
-  for (int r = 0; r < RQ; ++r)
-#pragma unroll
-    for (int c = 0; c < 4 * U; ++c) acc[r][c] = 0.f;
+  zero<RQ, 4 * U>(acc);
   float m[RQ], l[RQ];
 #pragma unroll
   for (int r = 0; r < RQ; ++r) m[r] = NEG_INF, l[r] = 0.f;
 
   for (i64 it = 0; it < nt; ++it) {
     const i64 j0 = it * FBC;
-    const int cur = FNB == 2 ? (int)(it & 1) : 0;
-    if (FNB == 1) {
-      load_tile<FBC>(ks, kh, j0, S - j0, d, dm.krs);
-      load_tile<FBC>(vs, vh, j0, S - j0, d, dm.krs);
-      cp_commit();
-      cp_wait<0>();
-    } else if (it + 1 < nt) {
-      load_tile<FBC>(ks + (cur ^ 1) * FBC * LD, kh, j0 + FBC, S - j0 - FBC, d, dm.krs);
-      load_tile<FBC>(vs + (cur ^ 1) * FBC * LD, vh, j0 + FBC, S - j0 - FBC, d, dm.krs);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    FLASH_SYNC();
+    const int cur = kv_next<FBC, FNB>(ks, vs, k + qb.kv, v + qb.kv, it, nt, S, d, dm.krs);
     const float* kb = ks + cur * FBC * LD;
     const float* vb = vs + cur * FBC * LD;
     float s[RQ][NJ];
-#pragma unroll
-    for (int r = 0; r < RQ; ++r)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) s[r][j] = 0.f;
+    zero<RQ, NJ>(s);
     gemm_nt<RQ, NJ, FTY, FTX>(s, qs + ty * LD, kb + tx * LD, kd);  // S = Q K^T
     const bool mask = j0 + FBC > S || (causal && j0 + FBC - 1 > q0);
 #pragma unroll
@@ -231,13 +256,7 @@ __device__ void fwd(const float* __restrict__ q, const float* __restrict__ k, co
     const i64 i = q0 + ty + FTY * r;
     if (i < T_) {
       if (tx == 0) lse[bh * T_ + i] = lt > 0.f ? m[r] * LN2 + logf(lt) : NEG_INF;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const i64 col = (tx + FTX * u) * 4 + e;
-          if (col < d) o[q_at(dm, b, h) + i * dm.qrs + col] = acc[r][4 * u + e] * inv;
-        }
+      store_row<U>(orow0 + i * dm.qrs, acc[r], inv, tx, d);
     }
   }
 }
@@ -277,7 +296,7 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
   const i64 k0 = (blk / NCH) * BK;
   const int c0 = (int)(blk % NCH) * DC;
   const i64 bk = blockIdx.y, b = bk / dm.hkv, kvh = bk % dm.hkv;
-  const float sl2 = (float)(scale * 1.4426950408889634);
+  const float sl2 = log2_scale(scale);
   const i64 qstart = causal ? k0 : 0;
   const i64 ntq = T_ > qstart ? (T_ - qstart + BQ - 1) / BQ : 0;  // query tiles per head
   const i64 nt = group * ntq;
@@ -300,10 +319,8 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
   if (KNB == 2 && nt > 0) load_q(0, 0);
   cp_commit();
   float gk[RK][4 * UK], gv[RK][4 * UK];
-#pragma unroll
-  for (int r = 0; r < RK; ++r)
-#pragma unroll
-    for (int c = 0; c < 4 * UK; ++c) gk[r][c] = gv[r][c] = 0.f;
+  zero<RK, 4 * UK>(gk);
+  zero<RK, 4 * UK>(gv);
 
   for (i64 t = 0; t < nt; ++t) {
     const i64 i0 = qstart + (t % ntq) * BQ;
@@ -325,10 +342,8 @@ __device__ void bwd_dkdv(const float* __restrict__ q, const float* __restrict__ 
     const float* slb = sl + cur * BQ;
     const float* sdb = sd + cur * BQ;
     float s[RK][NJ], dp[RK][NJ];
-#pragma unroll
-    for (int r = 0; r < RK; ++r)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) s[r][j] = dp[r][j] = 0.f;
+    zero<RK, NJ>(s);
+    zero<RK, NJ>(dp);
     gemm_nt<RK, NJ, KTY, KTX>(s, ks + ty * LD, qb + tx * LD, kd);    // S^T = K Q^T
     gemm_nt<RK, NJ, KTY, KTX>(dp, vs + ty * LD, dob + tx * LD, kd);  // dP^T = V dO^T
     const bool mask = i0 + BQ > T_ || (causal && i0 < k0 + BK - 1);
@@ -386,21 +401,14 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
   const int tid = threadIdx.x, ty = tid / FTX, tx = tid % FTX;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
   const int kd = ((int)d + 3) & ~3;
-  const i64 nqb = (T_ + FBR - 1) / FBR;
-  const i64 q0 = (nqb - 1 - blk) * FBR;
-  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = h / (dm.hq / dm.hkv);  // the kv head, within batch b
-  const float* kh = k + k_at(dm, b, kvh);
-  const float* vh = v + k_at(dm, b, kvh);
-  const i64 kend = causal ? min64(S, q0 + FBR) : S;
-  const i64 nt = (kend + QBC - 1) / QBC;
-  const float sl2 = (float)(scale * 1.4426950408889634);
-  load_tile<FBR>(qs, q + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
-  load_tile<FBR>(dos, dout + q_at(dm, b, h), q0, T_ - q0, d, dm.qrs);
-  if (QNB == 2 && nt > 0) {
-    load_tile<QBC>(ks, kh, 0, S, d, dm.krs);
-    load_tile<QBC>(vs, vh, 0, S, d, dm.krs);
-  }
+  const QBlock qb = q_block<FBR, QBC>(dm, causal, blk);
+  const i64 q0 = qb.q0, bh = qb.bh, nt = qb.ntiles, qh = q_at(dm, qb.b, qb.h);
+  const float* kh = k + qb.kv;
+  const float* vh = v + qb.kv;
+  const float sl2 = log2_scale(scale);
+  load_tile<FBR>(qs, q + qh, q0, T_ - q0, d, dm.qrs);
+  load_tile<FBR>(dos, dout + qh, q0, T_ - q0, d, dm.qrs);
+  kv_first<QBC, QNB>(ks, vs, kh, vh, nt, S, d, dm.krs);
   cp_commit();
   float L[RQ], D[RQ];
 #pragma unroll
@@ -411,35 +419,16 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
     D[r] = ok ? delta[bh * T_ + row] : 0.f;
   }
   float acc[RQ][4 * U];
-#pragma unroll
-  for (int r = 0; r < RQ; ++r)
-#pragma unroll
-    for (int c = 0; c < 4 * U; ++c) acc[r][c] = 0.f;
+  zero<RQ, 4 * U>(acc);
 
   for (i64 it = 0; it < nt; ++it) {
     const i64 j0 = it * QBC;
-    const int cur = QNB == 2 ? (int)(it & 1) : 0;
-    if (QNB == 1) {
-      load_tile<QBC>(ks, kh, j0, S - j0, d, dm.krs);
-      load_tile<QBC>(vs, vh, j0, S - j0, d, dm.krs);
-      cp_commit();
-      cp_wait<0>();
-    } else if (it + 1 < nt) {
-      load_tile<QBC>(ks + (cur ^ 1) * QBC * LD, kh, j0 + QBC, S - j0 - QBC, d, dm.krs);
-      load_tile<QBC>(vs + (cur ^ 1) * QBC * LD, vh, j0 + QBC, S - j0 - QBC, d, dm.krs);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    FLASH_SYNC();
+    const int cur = kv_next<QBC, QNB>(ks, vs, kh, vh, it, nt, S, d, dm.krs);
     const float* kb = ks + cur * QBC * LD;
     const float* vb = vs + cur * QBC * LD;
     float s[RQ][NJ], dp[RQ][NJ];
-#pragma unroll
-    for (int r = 0; r < RQ; ++r)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) s[r][j] = dp[r][j] = 0.f;
+    zero<RQ, NJ>(s);
+    zero<RQ, NJ>(dp);
     gemm_nt<RQ, NJ, FTY, FTX>(s, qs + ty * LD, kb + tx * LD, kd);    // S = Q K^T
     gemm_nt<RQ, NJ, FTY, FTX>(dp, dos + ty * LD, vb + tx * LD, kd);  // dP = dO V^T
     const bool mask = j0 + QBC > S || (causal && j0 + QBC - 1 > q0);
@@ -466,15 +455,7 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
 #pragma unroll
   for (int r = 0; r < RQ; ++r) {
     const i64 i = q0 + ty + FTY * r;
-    if (i < T_) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const i64 col = (tx + FTX * u) * 4 + e;
-          if (col < d) dq[q_at(dm, b, h) + i * dm.qrs + col] = acc[r][4 * u + e] * sc;
-        }
-    }
+    if (i < T_) store_row<U>(dq + qh + i * dm.qrs, acc[r], sc, tx, d);
   }
 }
 

@@ -5,16 +5,12 @@
 // then leaves out. No CPU emulation (tests/flash_emu/ covers the mma.sync kernels only).
 //
 // wgmma m64nNk16 with f32 accumulators, operands from shared memory through matrix descriptors
-// (128-byte swizzle) or A from registers; plus the fences it needs.
+// (128-byte swizzle) or A from registers (operand types MMA_AB, as flash_attn.cu's mma.sync);
+// plus the fences it needs.
 #ifdef FLASH_EMU
 #error "the wgmma kernels have no CPU emulation"
 #endif
 typedef unsigned long long u64;
-#if FLASH_F16
-#define WG_AB "f16.f16"
-#else
-#define WG_AB "bf16.bf16"
-#endif
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -37,21 +33,21 @@ __device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
 __device__ __forceinline__ void wg_ss_n64(float* d, u64 da, u64 db, int acc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "r"(acc));
 }
 __device__ __forceinline__ void wg_rs_n64(float* d, const u32* a, u64 db) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 __device__ __forceinline__ void wg_rs_n128(float* d, const u32* a, u64 db) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
@@ -136,11 +132,53 @@ __device__ __forceinline__ void wg_kv_tiles(unsigned char* sk, unsigned char* sv
   cp_wait<0>();
 }
 
+// BN / 16 A fragments (rounded to T) of a row of accumulator tiles x[BN / 2] (mma.sync's layout,
+// 4 floats per 8 columns: two neighbouring tiles are one fragment, as in mma_pb_m).
+template <int BN>
+__device__ __forceinline__ void wg_pack_a(u32 (*a)[4], const float* x) {
+#pragma unroll
+  for (int kc = 0; kc < BN / 16; ++kc) {
+    a[kc][0] = pack2(x[8 * kc + 0], x[8 * kc + 1]);
+    a[kc][1] = pack2(x[8 * kc + 2], x[8 * kc + 3]);
+    a[kc][2] = pack2(x[8 * kc + 4], x[8 * kc + 5]);
+    a[kc][3] = pack2(x[8 * kc + 6], x[8 * kc + 7]);
+  }
+}
+// acc[DP / 2] += A B: A the BN / 16 fragments `a` (BN keys), B the tile `b` of BN rows of DP
+// (fwd_wg's V, bwd_dq_wg's K: MN-major), by BN / 16 wgmma m64nDPk16; waited for.
+template <int BN>
+__device__ __forceinline__ void wg_acc_ab(float* acc, const u32 (*a)[4], const unsigned char* b) {
+  wg_hold<DP / 2>(acc);
+  wg_fence();
+#pragma unroll
+  for (int kc = 0; kc < BN / 16; ++kc) {
+    const u64 db = wg_desc(b + kc * 16 * 128, BN * 128, 1024);
+    if constexpr (DP == 128)
+      wg_rs_n128(acc, a[kc], db);
+    else
+      wg_rs_n64(acc, a[kc], db);
+  }
+  wg_commit();
+  wg_wait0();
+  wg_hold<DP / 2>(acc);
+}
+// The thread's columns 8 j + 2 tq (+ 1) of its row `i` (0: row g, 1: g + 8) of acc[DP / 2],
+// times `mul`, into `row` (columns past d are not written).
+__device__ __forceinline__ void wg_store_row(T* row, const float* acc, int i, float mul, int tq, i64 d) {
+#pragma unroll
+  for (int j = 0; j < DP / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const i64 c = 8 * j + 2 * tq + e;
+      if (c < d) st(&row[c], acc[4 * j + 2 * i + e] * mul);
+    }
+}
+
 #if FA_FWD_WG
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                        T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal,
                                        i64 blk) {
-  constexpr int BM = FBR, BN = FBC, NH = DP / 64;
+  constexpr int BM = FBR, BN = FBC;
   static_assert(DP == 128 && BM == 128 && BN == 64 && FNT == 256, "fwd_wg: two warpgroups, 128 queries, 64 keys");
   FLASH_SMEM(raw);
   unsigned char* sq = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
@@ -148,19 +186,12 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   unsigned char* sv = sk + 2 * BN * DP * 2;
   const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
-  const i64 nqb = (T_ + BM - 1) / BM;
-  const i64 q0 = (nqb - 1 - blk) * BM;
-  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = h / (dm.hq / dm.hkv);
-  const T* qh = q + q_at(dm, b, h);
-  const T* kh = k + k_at(dm, b, kvh);
-  const T* vh = v + k_at(dm, b, kvh);
+  const QBlock qb = q_block<BM, BN>(dm, causal, blk);
+  const i64 q0 = qb.q0, bh = qb.bh, qh = q_at(dm, qb.b, qb.h);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
   // In 32 bits from here on (src/flash.rs keeps T and S under 2^30).
   const int Si = (int)S, q0i = (int)q0;
-  const int kend = causal ? min(Si, q0i + BM) : Si;
-  const int ntiles = (kend + BN - 1) / BN;
-  const float sl2 = (float)(scale * 1.4426950408889634);
+  const float sl2 = log2_scale(scale);
   // The softmax scales the scores first (any sign of scale; m in log2 units) and rescales the
   // accumulator on every tile: on the H200 faster here than fwd's conditional rescaling (which
   // spilled) and than keeping the maximum on the raw scores (a second path for a negative scale,
@@ -168,14 +199,14 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   const int wrow = q0i + wg * 64 + w * 16, row0 = wrow + g;  // the warp's first row; the thread's rows row0, row0 + 8
   const int wglast = q0i + wg * 64 + 63;
 
-  load_sw<BM, FNT>(sq, qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
+  load_sw<BM, FNT>(sq, q + qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
   float acc[DP / 2];
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum of the scaled scores (log2 units)
 
-  wg_kv_tiles<BN, FNT>(sk, sv, kh, vh, S, (int)d, (int)dm.krs, vec, ntiles, [&](const int j0, const unsigned char* ks,
-                                                                              const unsigned char* vs) {
+  wg_kv_tiles<BN, FNT>(sk, sv, k + qb.kv, v + qb.kv, S, (int)d, (int)dm.krs, vec, qb.ntiles,
+                       [&](const int j0, const unsigned char* ks, const unsigned char* vs) {
     if (!causal || j0 <= wglast) {  // some key of the tile is visible to the warpgroup
       float s[BN / 2];
 #pragma unroll
@@ -230,26 +261,8 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
           l[e >> 1] += p;
         }
       u32 pa[BN / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) {
-        pa[kc][0] = pack2(s[8 * kc + 0], s[8 * kc + 1]);
-        pa[kc][1] = pack2(s[8 * kc + 2], s[8 * kc + 3]);
-        pa[kc][2] = pack2(s[8 * kc + 4], s[8 * kc + 5]);
-        pa[kc][3] = pack2(s[8 * kc + 6], s[8 * kc + 7]);
-      }
-      wg_hold<DP / 2>(acc);
-      wg_fence();
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) {
-        const u64 dv = wg_desc(vs + kc * 16 * 128, BN * 128, 1024);
-        if constexpr (NH == 2)
-          wg_rs_n128(acc, pa[kc], dv);
-        else
-          wg_rs_n64(acc, pa[kc], dv);
-      }
-      wg_commit();
-      wg_wait0();
-      wg_hold<DP / 2>(acc);
+      wg_pack_a<BN>(pa, s);
+      wg_acc_ab<BN>(acc, pa, vs);  // O += P V
     }
   });
 #pragma unroll
@@ -259,14 +272,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
     const i64 r = row0 + 8 * i;
     if (r < T_) {
       if (tq == 0) lse[bh * T_ + r] = lt > 0.f ? (m[i] + log2f(lt)) * LN2 : NEG_INF;
-      T* orow = o + q_at(dm, b, h) + r * dm.qrs;
-#pragma unroll
-      for (int j = 0; j < DP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = 8 * j + 2 * tq + e;
-          if (c < d) st(&orow[c], acc[4 * j + 2 * i + e] * inv);
-        }
+      wg_store_row(o + qh + r * dm.qrs, acc, i, inv, tq, d);
     }
   }
 }
@@ -283,7 +289,7 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
                                           const float* __restrict__ lse, const T* __restrict__ dout,
                                           const float* __restrict__ delta, T* __restrict__ dq, Dims dm, double scale,
                                           int causal, i64 blk) {
-  constexpr int BM = BR, BN = BC, NH = DP / 64;
+  constexpr int BM = BR, BN = BC;
   static_assert((DP == 64 || DP == 128) && BM == 128 && BN == 64 && QNT == 256,
                 "bwd_dq_wg: two warpgroups, 128 queries, 64 keys, head size 64 or 128");
   FLASH_SMEM(raw);
@@ -293,21 +299,15 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
   unsigned char* sv = sk + 2 * BN * DP * 2;
   const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const i64 d = dm.d, T_ = dm.t, S = dm.s;
-  const i64 nqb = (T_ + BM - 1) / BM;
-  const i64 q0 = (nqb - 1 - blk) * BM;
-  const i64 bh = blockIdx.y, b = bh / dm.hq, h = bh % dm.hq;
-  const i64 kvh = h / (dm.hq / dm.hkv);
-  const T* kh = k + k_at(dm, b, kvh);
-  const T* vh = v + k_at(dm, b, kvh);
+  const QBlock qb = q_block<BM, BN>(dm, causal, blk);
+  const i64 q0 = qb.q0, bh = qb.bh, qh = q_at(dm, qb.b, qb.h);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
-  const i64 kend = causal ? min64(S, q0 + BM) : S;
-  const int ntiles = (int)((kend + BN - 1) / BN);
-  const float sl2 = (float)(scale * 1.4426950408889634);
+  const float sl2 = log2_scale(scale);
   const i64 wrow = q0 + wg * 64 + w * 16, row0 = wrow + g;
   const i64 wglast = q0 + wg * 64 + 63;
 
-  load_sw<BM, QNT>(sq, q + q_at(dm, b, h), q0, T_ - q0, (int)d, (int)dm.qrs, vec);
-  load_sw<BM, QNT>(sdo, dout + q_at(dm, b, h), q0, T_ - q0, (int)d, (int)dm.qrs, vec);
+  load_sw<BM, QNT>(sq, q + qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
+  load_sw<BM, QNT>(sdo, dout + qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
   float L[2], Dl[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -320,8 +320,8 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
 
-  wg_kv_tiles<BN, QNT>(sk, sv, kh, vh, S, (int)d, (int)dm.krs, vec, ntiles, [&](const int j0i, const unsigned char* ks,
-                                                                              const unsigned char* vs) {
+  wg_kv_tiles<BN, QNT>(sk, sv, k + qb.kv, v + qb.kv, S, (int)d, (int)dm.krs, vec, qb.ntiles,
+                       [&](const int j0i, const unsigned char* ks, const unsigned char* vs) {
     const i64 j0 = j0i;
     if (!causal || j0 <= wglast) {
       float s[BN / 2], dp[BN / 2];
@@ -352,42 +352,15 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
           }
           dp[4 * j + e] = p * (dp[4 * j + e] - Dl[e >> 1]);
         }
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) {
-        da[kc][0] = pack2(dp[8 * kc + 0], dp[8 * kc + 1]);
-        da[kc][1] = pack2(dp[8 * kc + 2], dp[8 * kc + 3]);
-        da[kc][2] = pack2(dp[8 * kc + 4], dp[8 * kc + 5]);
-        da[kc][3] = pack2(dp[8 * kc + 6], dp[8 * kc + 7]);
-      }
-      wg_hold<DP / 2>(acc);
-      wg_fence();
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) {
-        const u64 dk = wg_desc(ks + kc * 16 * 128, BN * 128, 1024);
-        if constexpr (NH == 2)
-          wg_rs_n128(acc, da[kc], dk);
-        else
-          wg_rs_n64(acc, da[kc], dk);
-      }
-      wg_commit();
-      wg_wait0();
-      wg_hold<DP / 2>(acc);
+      wg_pack_a<BN>(da, dp);
+      wg_acc_ab<BN>(acc, da, ks);  // dQ += dS K
     }
   });
   const float sc = (float)scale;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const i64 r = row0 + 8 * i;
-    if (r < T_) {
-      T* row = dq + q_at(dm, b, h) + r * dm.qrs;
-#pragma unroll
-      for (int j = 0; j < DP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = 8 * j + 2 * tq + e;
-          if (c < d) st(&row[c], acc[4 * j + 2 * i + e] * sc);
-        }
-    }
+    if (r < T_) wg_store_row(dq + qh + r * dm.qrs, acc, i, sc, tq, d);
   }
 }
 #endif  // FA_DQ_WG

@@ -163,31 +163,20 @@ __device__ __forceinline__ double warp_max(double v) {
   for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-template <typename A> __device__ __forceinline__ A block_sum(A v, A* buf) {
+// v summed (or, MAX, maximised) over the block; every thread gets the result.
+template <bool MAX, typename A> __device__ __forceinline__ A block_reduce(A v, A* buf) {
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
+  v = MAX ? warp_max(v) : warp_sum(v);
   __syncthreads();
   if (lane == 0) buf[w] = v;
   __syncthreads();
-  A r = (threadIdx.x < nw) ? buf[threadIdx.x] : (A)0;
-  if (w == 0) r = warp_sum(r);
+  A r = (threadIdx.x < nw) ? buf[threadIdx.x] : MAX ? (A)(-F64_INF) : (A)0;
+  if (w == 0) r = MAX ? warp_max(r) : warp_sum(r);
   if (threadIdx.x == 0) buf[0] = r;
   __syncthreads();
   r = buf[0];
   __syncthreads();
   return r;
 }
-template <typename A> __device__ __forceinline__ A block_max(A v, A* buf) {
-  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) buf[w] = v;
-  __syncthreads();
-  A r = (threadIdx.x < nw) ? buf[threadIdx.x] : (A)(-F64_INF);
-  if (w == 0) r = warp_max(r);
-  if (threadIdx.x == 0) buf[0] = r;
-  __syncthreads();
-  r = buf[0];
-  __syncthreads();
-  return r;
-}
+template <typename A> __device__ __forceinline__ A block_sum(A v, A* buf) { return block_reduce<false>(v, buf); }
+template <typename A> __device__ __forceinline__ A block_max(A v, A* buf) { return block_reduce<true>(v, buf); }

@@ -33,53 +33,19 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
     let s = sfx(dt);
     let q_rows = q[0] * q[1] * q[2];
     if matches!(op, Op::Attention { .. }) {
-        let args = vec![Arg::In(0), Arg::In(1), Arg::In(2), Arg::Out(0), Arg::Out(1), dims, sc, ca];
+        let args = [Arg::ins(&[0, 1, 2]), vec![Arg::Out(0), Arg::Out(1), dims, sc, ca]].concat();
         b.k(KernelFile::Attention, format!("attention_{s}"), rows_grid(dev, q_rows), ATTN_THREADS, smem, args)?;
     } else {
         let delta = b.scratch(q_rows * 8);
-        let args = vec![
-            Arg::In(0),
-            Arg::In(1),
-            Arg::In(2),
-            Arg::In(3),
-            Arg::In(4),
-            Arg::In(5),
-            Arg::Out(0),
-            Arg::Scratch(delta),
-            dims.clone(),
-            sc.clone(),
-            ca.clone(),
-        ];
-        b.k(
-            KernelFile::Attention,
-            format!("attention_backward_dq_{s}"),
-            rows_grid(dev, q_rows),
-            ATTN_THREADS,
-            smem,
-            args,
-        )?;
+        // dQ (and delta) of each query row, then dK and dV of each key row.
+        let tail = vec![dims, sc, ca];
+        let dq = [Arg::ins(&[0, 1, 2, 3, 4, 5]), vec![Arg::Out(0), Arg::Scratch(delta)], tail.clone()].concat();
+        let dkdv = [Arg::ins(&[0, 1, 2, 4, 5]), vec![Arg::Scratch(delta), Arg::Out(1), Arg::Out(2)], tail].concat();
         let kv_rows = k[0] * k[1] * k[2];
-        let args = vec![
-            Arg::In(0),
-            Arg::In(1),
-            Arg::In(2),
-            Arg::In(4),
-            Arg::In(5),
-            Arg::Scratch(delta),
-            Arg::Out(1),
-            Arg::Out(2),
-            dims,
-            sc,
-            ca,
-        ];
-        b.k(
-            KernelFile::Attention,
-            format!("attention_backward_dkdv_{s}"),
-            rows_grid(dev, kv_rows),
-            ATTN_THREADS,
-            smem,
-            args,
-        )?;
+        for (name, rows, args) in [("dq", q_rows, dq), ("dkdv", kv_rows, dkdv)] {
+            let (kernel, grid) = (format!("attention_backward_{name}_{s}"), rows_grid(dev, rows));
+            b.k(KernelFile::Attention, kernel, grid, ATTN_THREADS, smem, args)?;
+        }
     }
     Ok(())
 }

@@ -71,6 +71,10 @@ impl Builder<'_> {
         self.steps.push(Step::Kernel { func, name, grid, block, smem, args });
         Ok(())
     }
+    /// A cuBLASLt matmul `c = a op b (+ beta c)` with `ws_bytes` of workspace at scratch 0.
+    fn matmul(&mut self, key: MatmulKey, a: Arg, b: Arg, c: Arg, ws_bytes: usize, beta: f64) {
+        self.steps.push(Step::Matmul { key, a, b, c, ws: 0, ws_bytes, beta });
+    }
     /// Reserves `bytes` of the node's own scratch range and returns its offset.
     fn node(&mut self, bytes: usize) -> usize {
         let off = self.node;
@@ -160,15 +164,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
             } else if out_n > 0 {
                 let ws = dev.matmul_workspace(&key)?;
                 b.scratch = ws;
-                b.steps.push(Step::Matmul {
-                    key,
-                    a: Arg::In(0),
-                    b: Arg::In(1),
-                    c: Arg::Out(0),
-                    ws: 0,
-                    ws_bytes: ws,
-                    beta: 0.0,
-                });
+                b.matmul(key, Arg::In(0), Arg::In(1), Arg::Out(0), ws, 0.0);
             }
         }
         Op::RmsNorm { .. }

@@ -47,45 +47,19 @@ pub(super) fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorTyp
         let acc = rumble_core::ir::stat_dtype(x.dtype).size_in_bytes(); // Acc<T> of the kernels
         let part = b.scratch(n_out * parts * acc);
         let sfx = sfx(x.dtype);
-        let args = vec![
-            Arg::In(0),
-            Arg::Scratch(part),
-            Arg::Blob(kept),
-            Arg::Blob(red),
-            Arg::I64(n_out as i64),
-            Arg::I64(n_red as i64),
-            Arg::I64(parts as i64),
-            Arg::I64(chunk as i64),
-            Arg::I32(mode),
-            Arg::I32(contig as i32),
-        ];
-        b.k(
-            KernelFile::Reduce,
-            format!("reduce_part_{sfx}"),
-            ((n_out * parts).min(sms * 64) as u32, 1, 1),
-            256,
-            0,
-            args,
-        )?;
-        let args = vec![
-            Arg::Scratch(part),
-            Arg::Out(0),
-            Arg::I64(n_out as i64),
-            Arg::I64(n_red as i64),
-            Arg::I64(parts as i64),
-            Arg::I32(mode),
-        ];
-        return b.k(
-            KernelFile::Reduce,
-            format!("reduce_fin_{sfx}"),
-            (n_out.div_ceil(256).min(sms * 8) as u32, 1, 1),
-            256,
-            0,
-            args,
-        );
+        // Each piece's partial result, then each output from its pieces.
+        let ins = vec![Arg::In(0), Arg::Scratch(part), Arg::Blob(kept), Arg::Blob(red)];
+        let modes = vec![Arg::I32(mode), Arg::I32(contig as i32)];
+        let args = [ins, Arg::i64s(&[n_out, n_red, parts, chunk]), modes].concat();
+        let grid = ((n_out * parts).min(sms * 64) as u32, 1, 1);
+        b.k(KernelFile::Reduce, format!("reduce_part_{sfx}"), grid, 256, 0, args)?;
+        let args =
+            [vec![Arg::Scratch(part), Arg::Out(0)], Arg::i64s(&[n_out, n_red, parts]), vec![Arg::I32(mode)]].concat();
+        let grid = (n_out.div_ceil(256).min(sms * 8) as u32, 1, 1);
+        return b.k(KernelFile::Reduce, format!("reduce_fin_{sfx}"), grid, 256, 0, args);
     }
     let mut args =
-        vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red), Arg::I64(n_out as i64), Arg::I64(n_red as i64)];
+        [vec![Arg::In(0), Arg::Out(0), Arg::Blob(kept), Arg::Blob(red)], Arg::i64s(&[n_out, n_red])].concat();
     let name = if x.dtype.is_float() {
         args.push(Arg::I32(mode));
         args.push(Arg::I32(contig as i32));

@@ -38,16 +38,8 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 warp_rows_grid(dev, rows),
                 256,
                 0,
-                vec![
-                    Arg::In(0),
-                    Arg::In(1),
-                    Arg::In(2),
-                    Arg::Out(0),
-                    Arg::Scratch(rstd),
-                    r.clone(),
-                    dd.clone(),
-                    Arg::F64(*eps),
-                ],
+                [Arg::ins(&[0, 1, 2]), vec![Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)]]
+                    .concat(),
             )?;
             let cols = d.div_ceil(128) as u32;
             b.k(
@@ -85,15 +77,8 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 let args =
                     vec![Arg::Scratch(tab), Arg::I64(t as i64), Arg::I64(d as i64), Arg::Blob(freqs), Arg::F64(sign)];
                 b.k(KernelFile::Rows, format!("rope_table_{}", sfx(dt)), grid_for(dev, t * half, 256), 256, 0, args)?;
-                let args = vec![
-                    Arg::In(0),
-                    Arg::Out(0),
-                    Arg::Scratch(tab),
-                    Arg::I64(rows as i64),
-                    Arg::I64(t as i64),
-                    Arg::I64(d as i64),
-                    Arg::I64(per_pos as i64),
-                ];
+                let args =
+                    [vec![Arg::In(0), Arg::Out(0), Arg::Scratch(tab)], Arg::i64s(&[rows, t, d, per_pos])].concat();
                 b.k(KernelFile::Rows, format!("rope_{}", sfx(dt)), grid_for(dev, rows * half, 256), 256, 0, args)?;
             }
         }
@@ -130,17 +115,9 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             let loss = b.scratch(rows * 8);
             let valid = b.scratch(rows * 4);
             let name = format!("cross_entropy_rows_{}_{}", sfx(dt), sfx(at[1].dtype));
-            let args = vec![
-                Arg::In(0),
-                Arg::In(1),
-                Arg::Scratch(loss),
-                Arg::Scratch(valid),
-                Arg::I64(rows as i64),
-                Arg::I64(v as i64),
-                Arg::I64(*ignore_index),
-                Arg::Status,
-                Arg::Tag,
-            ];
+            let outs = vec![Arg::Scratch(loss), Arg::Scratch(valid)];
+            let checked = vec![Arg::I64(*ignore_index), Arg::Status, Arg::Tag];
+            let args = [Arg::ins(&[0, 1]), outs, Arg::i64s(&[rows, v]), checked].concat();
             b.k(KernelFile::Rows, name, rows_grid(dev, rows), 256, 0, args)?;
             let args = vec![Arg::Scratch(loss), Arg::Scratch(valid), Arg::Out(0), Arg::I64(rows as i64)];
             let stat = if dt == DType::F64 { "f64" } else { "f32" };
@@ -152,18 +129,9 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             let args = vec![Arg::In(1), Arg::Scratch(count), Arg::I64(rows as i64), Arg::I64(*ignore_index)];
             b.k(KernelFile::Rows, format!("cross_entropy_count_{}", sfx(at[1].dtype)), (1, 1, 1), 256, 0, args)?;
             let name = format!("cross_entropy_backward_{}_{}", sfx(dt), sfx(at[1].dtype));
-            let args = vec![
-                Arg::In(0),
-                Arg::In(1),
-                Arg::In(2),
-                Arg::Scratch(count),
-                Arg::Out(0),
-                Arg::I64(rows as i64),
-                Arg::I64(v as i64),
-                Arg::I64(*ignore_index),
-                Arg::Status,
-                Arg::Tag,
-            ];
+            let checked = vec![Arg::I64(*ignore_index), Arg::Status, Arg::Tag];
+            let args =
+                [Arg::ins(&[0, 1, 2]), vec![Arg::Scratch(count), Arg::Out(0)], Arg::i64s(&[rows, v]), checked].concat();
             b.k(KernelFile::Rows, name, rows_grid(dev, rows), 256, 0, args)?;
         }
         _ => return Err(CudaError::usage(format!("{} is not a row-wise op", op.name()))),
@@ -223,53 +191,28 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
     let logits = b.node(chunk * v * ssz);
     let s_name = sfx(s);
     let i_name = sfx(tg.dtype);
-    let stats_args = |rows: usize| {
-        vec![
-            Arg::Node(logits),
-            Arg::Scratch(stats),
-            Arg::I64(rows as i64),
-            Arg::I64(v as i64),
-            Arg::I64(splits as i64),
-            Arg::I64(span as i64),
-        ]
+    let stats_args =
+        |rows: usize| [vec![Arg::Node(logits), Arg::Scratch(stats)], Arg::i64s(&[rows, v, splits, span])].concat();
+    // What ends the arguments of the per-row kernels: the ignored target, the status word, the tag.
+    let checked = vec![Arg::I64(ignore), Arg::Status, Arg::Tag];
+    // The leading arguments of the kernels of rows r0..: the logits, the targets, the statistics.
+    let head = |r0: usize| vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::Scratch(stats)];
+    // Rows [r0, r0 + rows): their logits and the statistics of their pieces.
+    let chunk_logits = |b: &mut Builder, r0: usize, rows: usize| {
+        let k = key(t, s, false, true, rows, v, c);
+        b.matmul(k, Arg::InAt(0, r0 * c * tsz), Arg::In(1), Arg::Node(logits), ws, 0.0);
+        b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))
     };
     if !backward {
         let loss = b.node(n * 8);
         let valid = b.node(n * 4);
         for &r0 in &starts {
             let rows = chunk.min(n - r0);
-            let k = key(t, s, false, true, rows, v, c);
-            b.steps.push(Step::Matmul {
-                key: k,
-                a: Arg::InAt(0, r0 * c * tsz),
-                b: Arg::In(1),
-                c: Arg::Node(logits),
-                ws: 0,
-                ws_bytes: ws,
-                beta: 0.0,
-            });
-            b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))?;
-            let args = vec![
-                Arg::Node(logits),
-                Arg::InAt(2, r0 * isz),
-                Arg::Scratch(stats),
-                Arg::Node(loss + r0 * 8),
-                Arg::Node(valid + r0 * 4),
-                Arg::I64(rows as i64),
-                Arg::I64(v as i64),
-                Arg::I64(splits as i64),
-                Arg::I64(ignore),
-                Arg::Status,
-                Arg::Tag,
-            ];
-            b.k(
-                KernelFile::Rows,
-                format!("ce_split_rows_{s_name}_{i_name}"),
-                (rows.div_ceil(128) as u32, 1, 1),
-                128,
-                0,
-                args,
-            )?;
+            chunk_logits(b, r0, rows)?;
+            let outs = vec![Arg::Node(loss + r0 * 8), Arg::Node(valid + r0 * 4)];
+            let args = [head(r0), outs, Arg::i64s(&[rows, v, splits]), checked.clone()].concat();
+            let grid = (rows.div_ceil(128) as u32, 1, 1);
+            b.k(KernelFile::Rows, format!("ce_split_rows_{s_name}_{i_name}"), grid, 128, 0, args)?;
         }
         let args = vec![Arg::Node(loss), Arg::Node(valid), Arg::Out(0), Arg::I64(n as i64)];
         return b.k(KernelFile::Rows, format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args);
@@ -285,61 +228,16 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
     }
     for &r0 in &starts {
         let rows = chunk.min(n - r0);
-        let k = key(t, s, false, true, rows, v, c);
-        b.steps.push(Step::Matmul {
-            key: k,
-            a: Arg::InAt(0, r0 * c * tsz),
-            b: Arg::In(1),
-            c: Arg::Node(logits),
-            ws: 0,
-            ws_bytes: ws,
-            beta: 0.0,
-        });
-        b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))?;
-        let args = vec![
-            Arg::Node(logits),
-            Arg::InAt(2, r0 * isz),
-            Arg::Scratch(stats),
-            Arg::In(3),
-            Arg::Node(count),
-            Arg::Node(dl),
-            Arg::I64(rows as i64),
-            Arg::I64(v as i64),
-            Arg::I64(splits as i64),
-            Arg::I64(span as i64),
-            Arg::I64(ignore),
-            Arg::Status,
-            Arg::Tag,
-        ];
-        b.k(
-            KernelFile::Rows,
-            format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t)),
-            piece_grid(rows),
-            256,
-            0,
-            args,
-        )?;
+        chunk_logits(b, r0, rows)?;
+        let mid = vec![Arg::In(3), Arg::Node(count), Arg::Node(dl)];
+        let args = [head(r0), mid, Arg::i64s(&[rows, v, splits, span]), checked.clone()].concat();
+        let name = format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t));
+        b.k(KernelFile::Rows, name, piece_grid(rows), 256, 0, args)?;
         let kx = key(t, t, false, false, rows, c, v);
-        b.steps.push(Step::Matmul {
-            key: kx,
-            a: Arg::Node(dl),
-            b: Arg::In(1),
-            c: Arg::OutAt(0, r0 * c * tsz),
-            ws: 0,
-            ws_bytes: ws,
-            beta: 0.0,
-        });
+        b.matmul(kx, Arg::Node(dl), Arg::In(1), Arg::OutAt(0, r0 * c * tsz), ws, 0.0);
         let kw = key(t, t, true, false, v, c, rows);
         let beta = if r0 == 0 { 0.0 } else { 1.0 };
-        b.steps.push(Step::Matmul {
-            key: kw,
-            a: Arg::Node(dl),
-            b: Arg::InAt(0, r0 * c * tsz),
-            c: Arg::Out(1),
-            ws: 0,
-            ws_bytes: ws,
-            beta,
-        });
+        b.matmul(kw, Arg::Node(dl), Arg::InAt(0, r0 * c * tsz), Arg::Out(1), ws, beta);
     }
     Ok(())
 }

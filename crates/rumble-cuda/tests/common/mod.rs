@@ -150,3 +150,34 @@ pub fn step_inputs(trace: &Trace, vocab: u64, rng: &mut Rng) -> Vec<HostTensor> 
         .map(|i| HostTensor::randint(trace.ty(i.value).clone(), vocab, rng))
         .collect()
 }
+
+/// The TinyLlama the executor tests train: 2 layers, 4 query heads over 2 kv heads, 24 positions.
+pub fn tiny(dtype: DType) -> TinyLlama {
+    TinyLlama { vocab: 96, dim: 64, heads: 4, kv_heads: 2, hidden: 96, layers: 2, batch: 2, seq: 24, dtype }
+}
+
+/// [`tiny`] and its training step with an SGD update (learning rate 0.05).
+pub fn tiny_step(dtype: DType) -> (TinyLlama, Trace) {
+    let c = tiny(dtype);
+    let trace = training_step(&c, Some(0.05));
+    (c, trace)
+}
+
+/// `steps` training steps of `trace` on `ex`, each on new inputs drawn from `Rng::new(seed)`:
+/// each step's loss bytes, then every output and persistent input after the last step.
+pub fn train(
+    ex: &mut dyn rumble_cuda::Executor<Error = rumble_cuda::CudaError>,
+    trace: &Trace,
+    steps: usize,
+    vocab: u64,
+    seed: u64,
+) -> (Vec<Vec<u8>>, Vec<HostTensor>) {
+    let mut rng = Rng::new(seed);
+    let mut losses = Vec::new();
+    for _ in 0..steps {
+        losses.push(ex.step(&step_inputs(trace, vocab, &mut rng)).expect("step")[0].bytes.clone());
+    }
+    let mut fin: Vec<HostTensor> = trace.outputs.iter().map(|o| ex.output(&o.name).expect("output")).collect();
+    fin.extend(trace.inputs.iter().filter(|i| i.role.is_persistent()).map(|i| ex.persistent(&i.name).expect("param")));
+    (losses, fin)
+}
