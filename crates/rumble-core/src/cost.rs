@@ -333,11 +333,12 @@ impl Measured {
 
 impl CostModel for Measured {
     fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        // Times measured by events around launches include the gap between launches.
         if let Some(s) = self.get(&node_key(op, args, outs)) {
-            return s + self.roofline.rates.launch;
+            return s;
         }
         self.roofline.node_seconds_with(op, args, outs, &|s| {
-            self.get(&matmul_key(s)).map_or_else(|| self.roofline.matmul_seconds(s), |t| t + self.roofline.rates.launch)
+            self.get(&matmul_key(s)).unwrap_or_else(|| self.roofline.matmul_seconds(s))
         })
     }
 
@@ -440,7 +441,7 @@ mod tests {
         let m = Measured::load(&dir, DeviceRates { name: "Test GPU".into(), ..DeviceRates::h200() });
         let (a, b) = (ty(DType::BF16, &[64, 64]), ty(DType::BF16, &[64, 64]));
         let got = m.node_seconds(&Op::Matmul { ta: false, tb: true }, &[&a, &b], &[&a]);
-        assert!((got - (1e-3 + m.roofline.rates.launch)).abs() < 1e-12, "{got}");
+        assert!((got - 1e-3).abs() < 1e-12, "{got}");
         let other = m.node_seconds(&Op::Matmul { ta: false, tb: false }, &[&a, &b], &[&a]);
         assert!(other < 1e-4, "unmeasured shapes fall back to the roofline: {other}");
         std::fs::remove_dir_all(&dir).unwrap();

@@ -14,7 +14,9 @@
 //! target for every op that reads one). It runs once to warm up, then [`PROBE_RUNS`] times
 //! timed by CUDA events around each of its launches; before each timed run a buffer larger
 //! than the L2 cache is overwritten, so the node reads its operands from device memory, as it
-//! mostly does inside a step. The median run's sum of launch times is recorded.
+//! mostly does inside a step. The median run's sum of launch times is recorded. A time
+//! measured by events includes the device's own gap between launches, so nothing is added
+//! for launches (`cost::Measured` does the same).
 //!
 //! So the compiler weighs every variant (the fused loss's chunk rows, recomputation) by times
 //! measured on the device it runs on, and `rumble plan`/`bench` predict the step from them.
@@ -95,10 +97,9 @@ impl CostModel for DeviceCost {
         let Ok(mut st) = self.state.lock() else {
             return Roofline::default().node_seconds(op, args, outs);
         };
-        let launch = st.measured.roofline.rates.launch;
         let key = node_key(op, args, outs);
         if let Some(s) = st.measured.get(&key) {
-            return s + launch;
+            return s;
         }
         // Views cost nothing in a plan (the roofline knows which nodes are views).
         let roofline = st.measured.node_seconds(op, args, outs);
@@ -122,7 +123,7 @@ impl CostModel for DeviceCost {
                     // A cache that cannot be written only loses the measurement.
                     let _ = record(&dir, &self.dev.name, &[(key, s)]);
                 }
-                s + launch
+                s
             }
             Err(_) => {
                 st.failed.insert(key);
@@ -177,10 +178,33 @@ pub fn probe(
     dev.bind()?;
     unsafe { drv::memset_d8_sync(placed.arena.ptr, 0, placed.arena.bytes.max(1)) }
         .ctx(|| "probe: cuMemsetD8".into())?;
+    // Integers count 0, 1, ... modulo the smallest leading dimension of the node's float
+    // tensors: valid indices, positions and targets, spread as real ones are (all zeros would
+    // make a scatter one long chain of collisions).
+    let modulus = args
+        .iter()
+        .chain(outs)
+        .filter(|t| t.dtype.is_float() && t.rank() > 0)
+        .map(|t| t.dims()[0])
+        .min()
+        .unwrap_or(1)
+        .max(1);
     for (v, ty) in a.iter().zip(args) {
-        if ty.dtype.is_float() && ty.size_in_bytes() > 0 {
-            let p = placed.ptr(*v)?;
-            unsafe { drv::memset_d8_sync(p, 0x3c, ty.size_in_bytes()) }.ctx(|| "probe: cuMemsetD8".into())?;
+        let bytes = ty.size_in_bytes();
+        if bytes == 0 {
+            continue;
+        }
+        let p = placed.ptr(*v)?;
+        if ty.dtype.is_float() {
+            unsafe { drv::memset_d8_sync(p, 0x3c, bytes) }.ctx(|| "probe: cuMemsetD8".into())?;
+        } else if ty.dtype.is_int() {
+            let n = ty.numel();
+            let host: Vec<u8> = match ty.dtype.size_in_bytes() {
+                8 => (0..n).flat_map(|i| ((i % modulus) as i64).to_le_bytes()).collect(),
+                4 => (0..n).flat_map(|i| ((i % modulus) as i32).to_le_bytes()).collect(),
+                _ => continue,
+            };
+            unsafe { drv::memcpy_htod_sync(p, &host) }.ctx(|| "probe: cuMemcpyHtoD".into())?;
         }
     }
     placed.launch_timed(0..1)?;
