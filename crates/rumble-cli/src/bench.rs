@@ -276,11 +276,11 @@ fn profile(
 
 /// A kernel's row in the by-op table: generated elementwise kernels (`ew_<hash>`, one per
 /// expression) count as one family; every other name stands as it is.
-fn kernel_family(k: &str) -> String {
+pub(crate) fn kernel_family(k: &str) -> String {
     if k.starts_with("ew_") { "generated elementwise".into() } else { k.to_string() }
 }
 
-fn round3(x: f64) -> f64 {
+pub(crate) fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 

@@ -1,7 +1,8 @@
 //! `rumble generate`: text from a model folder with a KV cache (prefill, then one decode step
 //! per token, sampled on the device), streamed to stdout; `--prompts FILE.jsonl` decodes a
 //! batch of prompts together; `--bench` times a workload on random weights and prints one
-//! JSON line (time to first token, decode tokens/s, memory). The work is in
+//! JSON line (time to first token, decode tokens/s, memory); `--bench --profile` times one
+//! prefill and one decode step kernel by kernel instead (`generate_profile`). The work is in
 //! `rumble_models::generate`.
 
 use std::io::Write;
@@ -61,6 +62,10 @@ pub struct GenerateArgs {
     /// With --bench: tokens of each (random) prompt.
     #[arg(long, default_value_t = 512, value_name = "N")]
     pub prompt_len: usize,
+    /// With --bench: instead of timing a generation, time one prefill and one decode step
+    /// launch by launch; prints device time by kernel family (one JSON line with --json).
+    #[arg(long, requires = "bench")]
+    pub profile: bool,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -147,22 +152,32 @@ fn bench(a: &GenerateArgs, device: DeviceChoice, sampling: Sampling) -> Result<(
     let new = a.max_new_tokens;
     let opts = GenConfig::for_prompts(&prompts, new, a.max_length, sampling)?;
     let max_length = opts.max_length;
+    let esize = cfg.dtype.size_in_bytes();
+    let kv_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * esize; // K and V, one position
+    if a.profile {
+        if device == DeviceChoice::Cpu {
+            return Err(ModelError::Usage("generate --profile times CUDA launches: use --device cuda".into()));
+        }
+        // The profiled decode step attends to the prompt and its own token.
+        let read = weight_bytes as f64 + (a.batch * kv_row * (a.prompt_len + 1)) as f64;
+        return crate::generate_profile::run(&a.config, &cfg, &weights.tensors, &opts, a.prompt_len, read, a.json);
+    }
     let mut g = Generator::new(&cfg, weights.tensors, opts, device)?;
     g.generate(&prompts, new.min(8), &[], |_, _| {})?;
     let r = g.generate(&prompts, new, &[], |_, _| {})?;
-    let esize = cfg.dtype.size_in_bytes();
-    let kv_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * esize; // K and V, one position
     let kv_bytes = a.batch * max_length * kv_row;
     let step_s = r.decode_s / r.decode_steps.max(1) as f64;
     // Bytes a decode step reads: every weight once, and each sequence's cache up to its
-    // position (on average the prompt plus half the new tokens).
+    // position (on average the prompt plus half the new tokens). No decode step ran (one new
+    // token): no fraction.
     let read = weight_bytes as f64 + (a.batch * kv_row) as f64 * (a.prompt_len as f64 + new as f64 / 2.0);
+    let hbm_fraction = (r.decode_steps > 0).then(|| read / step_s.max(1e-12) / 4.8e12);
     let mut line = json!({
         "event": "generate_bench", "config": a.config, "device": g.device().to_string(), "dtype": cfg.dtype.name(),
         "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": new, "decode_steps": r.decode_steps,
-        "time_to_first_token_ms": r.first_token_s * 1e3, "decode_step_ms": step_s * 1e3,
+        "time_to_first_token_ms": r.first_token_s * 1e3, "decode_step_ms": (r.decode_steps > 0).then_some(step_s * 1e3),
         "decode_tokens_per_s": (a.batch * r.decode_steps) as f64 / r.decode_s.max(1e-12),
-        "bytes_read_per_step": read, "hbm_fraction_at_4_8_tb_s": read / step_s.max(1e-12) / 4.8e12,
+        "bytes_read_per_step": read, "hbm_fraction_at_4_8_tb_s": hbm_fraction,
         "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "build_s": g.build_secs(),
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
     });

@@ -9,6 +9,7 @@
 mod bench;
 mod common;
 mod generate;
+mod generate_profile;
 mod output;
 mod plan;
 mod rundir;

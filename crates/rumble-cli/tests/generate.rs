@@ -1,6 +1,7 @@
 //! `rumble generate` as a user runs it, on the CPU: after `rumble train` (with samples every
 //! few steps), generation streams the prompt and its continuation, agrees with the JSON form,
-//! decodes a JSONL batch, and refuses bad input with a one-line error.
+//! decodes a JSONL batch, and refuses bad input with a one-line error; `--bench` reports no
+//! bandwidth when no decode step ran, and `--profile` is refused on the CPU.
 
 mod common;
 
@@ -72,4 +73,27 @@ fn train_then_generate_streams_and_batches() {
     let (ok, _, stderr) = rumble(&["generate", "--model", o, "--prompts", file.to_str().unwrap(), "--device", "cpu"]);
     assert!(!ok && stderr.contains("prompts.jsonl:1: needs a \"prompt\" string"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn generate_bench_reports_no_bandwidth_without_a_decode_step() {
+    let bench = |new: &str| {
+        let args = ["generate", "--bench", "--config", "tiny", "--batch", "2", "--prompt-len", "8", "--device", "cpu"];
+        let (ok, stdout, stderr) = rumble(&[&args[..], &["--max-new-tokens", new]].concat());
+        assert!(ok, "{stderr}");
+        json_lines(&stdout).remove(0)
+    };
+    // One new token comes from the prefill: no decode step, so no step time and no fraction.
+    let one = bench("1");
+    assert_eq!(one["decode_steps"], 0, "{one}");
+    assert!(one["hbm_fraction_at_4_8_tb_s"].is_null() && one["decode_step_ms"].is_null(), "{one}");
+    let three = bench("3");
+    assert_eq!(three["decode_steps"], 2, "{three}");
+    assert!(three["hbm_fraction_at_4_8_tb_s"].as_f64().unwrap() > 0.0, "{three}");
+    assert!(three["decode_step_ms"].as_f64().unwrap() > 0.0, "{three}");
+    // --profile times CUDA launches: refused on the CPU with a one-line error, and needs --bench.
+    let (ok, _, stderr) = rumble(&["generate", "--bench", "--profile", "--config", "tiny", "--device", "cpu"]);
+    assert!(!ok && stderr.contains("--profile times CUDA launches"), "{stderr}");
+    let (ok, _, stderr) = rumble(&["generate", "--profile", "--model", "x"]);
+    assert!(!ok && stderr.contains("--bench"), "{stderr}");
 }

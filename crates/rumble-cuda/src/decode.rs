@@ -4,8 +4,11 @@
 //!
 //! - `cache_write` copies the cache to its result first unless the plan put them in one buffer
 //!   (the planner does, `Op::may_overwrite`), then writes the new rows only.
-//! - `attention_cached`: one block per query row and head; keys a tile at a time with an online
-//!   softmax, accumulated in f32.
+//! - `attention_cached` is flash-decoding: a block takes all query heads of one kv head (so K
+//!   and V are read once) and one run of the visible keys, a tile at a time with an online
+//!   softmax in f32; the run count ([`AttentionSplit`]) brings a decode step's few groups to
+//!   two waves of blocks. With several runs each leaves its (max, sum, p.v) in the recipe's
+//!   scratch and `attention_cached_combine` rescales and sums them, a block per row.
 //! - `sample`: one block of 1024 threads per row; greedy is one argmax pass, top-k and top-p
 //!   each a 32-step search over the logits' float keys, the draw one pass in index order.
 //!
@@ -43,6 +46,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
     }
     let m = dev.module(KernelFile::Decode.name(), &source(), Options { fmad: false })?;
     let mut steps = Vec::new();
+    let mut scratch = 0;
     let mut kernel = |name: &str, grid: u32, block: u32, args: Vec<Arg>| -> Result<()> {
         let name = format!("{name}_{sfx}");
         steps.push(Step::Kernel { func: m.function(&name)?, name, grid: (grid.max(1), 1, 1), block, smem: 0, args });
@@ -88,23 +92,45 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
         }
         Op::AttentionCached { scale } => {
             let (q, k) = (at[0].dims(), at[1].dims());
-            if q[3] > THREADS as usize {
-                return unsupported(&format!("head size {} (at most {THREADS})", q[3]));
+            let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
+            if d > THREADS as usize {
+                return unsupported(&format!("head size {d} (at most {THREADS})"));
             }
+            let plan = AttentionSplit::new([b, t, hq, hkv, s, d], dev.multiprocessors);
+            let rows = b * t * hq;
+            let (part_bytes, ml_at) = plan.scratch(rows, d);
+            let grid = u32::try_from(plan.groups * plan.splits)
+                .map_err(|_| CudaError::usage(format!("attention_cached: {} blocks", plan.groups * plan.splits)))?;
             let args = vec![
                 Arg::In(0),
                 Arg::In(1),
                 Arg::In(2),
                 Arg::In(3),
                 Arg::Out(0),
-                Arg::I64(q[1] as i64),
-                Arg::I64(q[2] as i64),
-                Arg::I64(k[1] as i64),
-                Arg::I64(k[2] as i64),
-                Arg::I64(q[3] as i64),
+                Arg::Scratch(0),
+                Arg::Scratch(ml_at),
+                Arg::I64(t as i64),
+                Arg::I64(hq as i64),
+                Arg::I64(s as i64),
+                Arg::I64(hkv as i64),
+                Arg::I64(d as i64),
+                Arg::I64(plan.heads as i64),
+                Arg::I64(plan.splits as i64),
+                Arg::I64(plan.chunk as i64),
                 Arg::F64(*scale),
             ];
-            kernel("attention_cached", (q[0] * q[1] * q[2]) as u32, THREADS, args)?;
+            kernel("attention_cached", grid, THREADS, args)?;
+            if plan.splits > 1 {
+                let args = vec![
+                    Arg::Scratch(0),
+                    Arg::Scratch(ml_at),
+                    Arg::Out(0),
+                    Arg::I64(d as i64),
+                    Arg::I64(plan.splits as i64),
+                ];
+                kernel("attention_cached_combine", rows as u32, (d as u32).next_multiple_of(32).min(THREADS), args)?;
+                scratch = part_bytes;
+            }
         }
         Op::Sample { temperature, top_k, top_p } => {
             let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);
@@ -122,5 +148,85 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
         _ => return unsupported("this op (not a decoding op)"),
     }
     let _ = ot;
-    Ok(Recipe { op: op.name(), steps, scratch: 0, node_scratch: 0 })
+    Ok(Recipe { op: op.name(), steps, scratch, node_scratch: 0 })
+}
+
+/// How `attention_cached` splits its work (flash-decoding): blocks of `heads` query heads of
+/// one kv head (all of a group's heads when they fit, so each K and V row is read once per
+/// block), each block one of `splits` runs of `chunk` keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionSplit {
+    /// Query heads a block takes (at most `AC_H` and `AC_Q / d` of the kernel).
+    pub heads: usize,
+    /// Blocks before splitting: (sequence, query row, kv head, chunk of its heads).
+    pub groups: usize,
+    pub splits: usize,
+    /// Keys of one split; the last split may hold fewer.
+    pub chunk: usize,
+}
+
+/// Keys a split holds at least, so a block's fixed costs stay small beside its reads.
+const MIN_SPLIT_KEYS: usize = 128;
+/// Splits at most (the combine kernel reads every split's partial).
+const MAX_SPLITS: usize = 64;
+
+impl AttentionSplit {
+    /// For q `[b, t, hq, d]` over a cache of `s` positions and `hkv` heads on a device of `sms`
+    /// multiprocessors: as many splits as bring the blocks to two waves, each of at least
+    /// `MIN_SPLIT_KEYS` keys; one split when the groups alone fill the device (prefill).
+    pub fn new([b, t, hq, hkv, s, d]: [usize; 6], sms: usize) -> Self {
+        let g = hq / hkv.max(1);
+        let heads = g.min(16).min(2048 / d.max(1)).max(1);
+        let groups = b * t * hkv * g.div_ceil(heads);
+        let want = (2 * sms.max(1)).div_ceil(groups.max(1));
+        let splits = want.min(s.div_ceil(MIN_SPLIT_KEYS)).clamp(1, MAX_SPLITS);
+        let chunk = s.div_ceil(splits).max(1);
+        AttentionSplit { heads, groups, splits: s.div_ceil(chunk).max(1), chunk }
+    }
+
+    /// Scratch bytes for `rows` query rows of `d` (0 with one split), and where the (max,
+    /// sum) pairs start in it, after the partial p.v sums.
+    pub fn scratch(&self, rows: usize, d: usize) -> (usize, usize) {
+        if self.splits == 1 {
+            return (0, 0);
+        }
+        let ml_at = (rows * self.splits * d * 4).next_multiple_of(256);
+        (ml_at + rows * self.splits * 2 * 4, ml_at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AttentionSplit;
+
+    #[test]
+    fn attention_splits_fill_the_device_with_long_enough_runs() {
+        // Llama-3.2-1B decode, one sequence: 8 kv heads of 4 query heads, 132 SMs.
+        let p = AttentionSplit::new([1, 1, 32, 8, 4096, 64], 132);
+        assert_eq!((p.heads, p.groups), (4, 8));
+        assert_eq!((p.splits, p.chunk), (32, 128));
+        // A short cache: no split under MIN_SPLIT_KEYS keys.
+        let p = AttentionSplit::new([1, 1, 32, 8, 300, 64], 132);
+        assert_eq!(p.splits, 3);
+        assert!(p.chunk >= 100);
+        // Batch 16 of Qwen2.5-0.5B (14 query heads over 2 kv heads): 32 groups want 9
+        // splits, 768 keys allow 6.
+        let p = AttentionSplit::new([16, 1, 14, 2, 768, 64], 132);
+        assert_eq!((p.heads, p.groups, p.splits), (7, 32, 6));
+        // Prefill fills the device on its own; a head size of 256 halves the heads a block takes.
+        let prefill = AttentionSplit::new([1, 512, 32, 8, 768, 64], 132);
+        assert_eq!(prefill.splits, 1);
+        assert_eq!(prefill.scratch(512 * 32, 64), (0, 0));
+        assert_eq!(AttentionSplit::new([1, 1, 32, 2, 64, 256], 132).heads, 8);
+        // Splits never exceed MAX_SPLITS, nor leave a split empty.
+        let p = AttentionSplit::new([1, 1, 1, 1, 1 << 20, 64], 132);
+        assert_eq!(p.splits, 64);
+        for s in 1..600 {
+            let p = AttentionSplit::new([1, 1, 4, 4, s, 32], 100);
+            assert!((p.splits - 1) * p.chunk < s && p.splits * p.chunk >= s, "s {s}: {p:?}");
+        }
+        let p = AttentionSplit::new([1, 1, 4, 1, 4096, 64], 132);
+        let (bytes, ml) = p.scratch(4, 64);
+        assert!(ml >= 4 * p.splits * 64 * 4 && bytes == ml + 4 * p.splits * 8);
+    }
 }

@@ -1,6 +1,7 @@
 //! The decoding ops' kernels (`kernels/decode.cu`) against the CPU reference, one node at a
 //! time in the planned executor over a poisoned arena: RoPE at positions, the cache write (not
-//! in place here: the copy, then the rows), attention over a cache prefix, and the sampler
+//! in place here: the copy, then the rows), attention over a cache prefix (caches up to 4096
+//! positions, split one to many ways, grouped heads in one or two blocks), and the sampler
 //! (greedy exactly; with temperature, top-k and top-p the same token on these well-separated
 //! rows). Skipped without a GPU.
 
@@ -12,6 +13,7 @@ use common::{compare, gpu, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, HeadLayout, Op, TensorType};
 use rumble_core::plan::plan_naive;
+use rumble_cuda::decode::AttentionSplit;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
 fn one_node(dev: &Arc<Device>, op: Op, inputs: &[HostTensor]) -> (HostTensor, HostTensor) {
@@ -60,6 +62,30 @@ fn decoding_ops_match_cpu() {
             let (k, v) = (randn(t(d, &[2, 1500, 2, hd]), &mut rng), randn(t(d, &[2, 1500, 2, hd]), &mut rng));
             check(Op::AttentionCached { scale: 0.125 }, vec![q, k, v, ids(&[1200, 37])]);
         }
+        // Long caches, split several ways (flash-decoding): (batch, query rows, q heads, kv
+        // heads, cache, head size, positions). Positions past the cache see all of it.
+        let cases: [([usize; 6], &[i64]); 8] = [
+            ([1, 1, 32, 8, 4096, 64], &[4000]),
+            ([1, 1, 14, 2, 1000, 64], &[999]),
+            ([16, 1, 14, 2, 1000, 64], &[0, 1, 63, 64, 127, 128, 129, 500, 998, 999, 5000, 7, 300, 640, 256, 42]),
+            ([4, 1, 8, 1, 4096, 128], &[4095, 130, 2049, 9000]),
+            ([2, 1, 32, 1, 1000, 32], &[777, 12]),
+            ([1, 1, 16, 2, 4096, 256], &[3333]),
+            ([2, 4, 6, 2, 1000, 64], &[996, 5]),
+            ([2, 160, 6, 2, 1000, 64], &[800, 5]),
+        ];
+        let mut splits = std::collections::BTreeSet::new();
+        for (dims, pos) in cases {
+            let [b, tq, hq, hkv, s, hd] = dims;
+            let split = AttentionSplit::new(dims, dev.multiprocessors);
+            splits.insert(split.splits);
+            println!("attention_cached b {b} t {tq} hq {hq} hkv {hkv} s {s} d {hd}: {split:?}");
+            let q = randn(t(d, &[b, tq, hq, hd]), &mut rng);
+            let (k, v) = (randn(t(d, &[b, s, hkv, hd]), &mut rng), randn(t(d, &[b, s, hkv, hd]), &mut rng));
+            let scale = 1.0 / (hd as f64).sqrt();
+            check(Op::AttentionCached { scale }, vec![q, k, v, ids(pos)]);
+        }
+        assert!(splits.len() >= 3 && splits.contains(&1), "split counts covered: {splits:?}");
         // Rows with one clear winner each, so every sampler setting agrees with the CPU.
         let (rows, vocab) = (4, 5000);
         let mut logits: Vec<f64> = (0..rows * vocab).map(|_| rng.normal()).collect();

@@ -38,68 +38,136 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
   }
 }
 
-// One block per (b, t, query head): scores of the visible keys a tile at a time (a thread per
-// key), an online softmax across tiles, then p.v with threads split into d-wide groups over the
-// keys, the groups' partial sums added in a fixed order. d <= blockDim.x <= 256.
-#define AC_TILE 1024
+// Flash-decoding. Block (group, split), group = (b, t, kv head, chunk of `gh` of its query heads):
+// the block's heads share every K and V row it reads. Split `sp` takes the visible keys
+// [sp * chunk, (sp + 1) * chunk), a tile of AC_TK at a time: a warp per key computes the
+// scores of all its heads (lanes over d), a warp per head the online softmax, then a thread
+// per (head, column) accumulates p.v in f32. With one split the output is written normalised;
+// otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part`
+// for attention_cached_combine. A split past the visible keys leaves (-inf, 0) and zeros.
+// d <= 256, gh * d <= AC_Q, gh <= AC_H, blockDim.x = 256.
+#define AC_Q 2048
+#define AC_H 16
+#define AC_TK 64
 template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                 const i64* __restrict__ pos, T* __restrict__ o, i64 t_len, i64 hq, i64 s, i64 hkv,
-                                 i64 d, double scale) {
-  __shared__ float qs[256];
-  __shared__ float sc[AC_TILE];
-  __shared__ float part[256];
-  __shared__ float buf[32];
-  i64 bh = blockIdx.x;
-  i64 h = bh % hq, t = (bh / hq) % t_len, b = bh / (hq * t_len);
-  i64 kvh = h / (hq / hkv);
+                                 const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
+                                 float* __restrict__ ml, i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, i64 gh,
+                                 i64 splits, i64 chunk, double scale) {
+  __shared__ float qs[AC_Q];
+  __shared__ float sc[AC_H * AC_TK];
+  __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
+  i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
+  i64 g = hq / hkv, hchunks = (g + gh - 1) / gh;
+  i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, t = (grp / (hchunks * hkv)) % t_len;
+  i64 b = grp / (hchunks * hkv * t_len);
+  i64 h0 = kvh * g + hc * gh, nh = g - hc * gh < gh ? g - hc * gh : gh;
   i64 n = pos[b] + t + 1;
   if (n > s) n = s;
   if (n < 0) n = 0;
-  const T* qr = q + ((b * t_len + t) * hq + h) * d;
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) qs[c] = ld(qr[c]);
+  i64 lo = sp * chunk, hi = lo + chunk < n ? lo + chunk : n;
+  i64 row0 = (b * t_len + t) * hq + h0;  // the block's first output row
+  for (i64 e = threadIdx.x; e < nh * d; e += blockDim.x) qs[e] = ld(q[row0 * d + e]);
+  if (threadIdx.x < nh) { mh[threadIdx.x] = -F32_INF; lh[threadIdx.x] = 0.0f; }
   __syncthreads();
-  i64 groups = blockDim.x / d;
-  i64 c = threadIdx.x % d, g = threadIdx.x / d;
-  float m = -F32_INF, l = 0.0f, acc = 0.0f;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const i64 kstride = hkv * d;
   const T* kb = k + (b * s * hkv + kvh) * d;
   const T* vb = v + (b * s * hkv + kvh) * d;
-  for (i64 j0 = 0; j0 < n; j0 += AC_TILE) {
-    i64 tn = n - j0 < AC_TILE ? n - j0 : AC_TILE;
-    float mt = -F32_INF;
-    for (i64 j = threadIdx.x; j < tn; j += blockDim.x) {
-      const T* kr = kb + (j0 + j) * kstride;
-      float dot = 0.0f;
-      for (i64 e = 0; e < d; ++e) dot += qs[e] * ld(kr[e]);
-      float sj = (float)scale * dot;
-      sc[j] = sj;
-      mt = fmaxf(mt, sj);
+  float acc[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
+  const float fs = (float)scale;
+  for (i64 j0 = lo; j0 < hi; j0 += AC_TK) {
+    i64 tn = hi - j0 < AC_TK ? hi - j0 : AC_TK;
+    for (i64 jj = warp; jj < tn; jj += nw) {
+      const T* kr = kb + (j0 + jj) * kstride;
+      float kv[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        i64 e = lane + 32 * r;
+        kv[r] = e < d ? ld(kr[e]) : 0.0f;
+      }
+      for (i64 hh = 0; hh < nh; ++hh) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          i64 e = lane + 32 * r;
+          if (e < d) dot += qs[hh * d + e] * kv[r];
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) sc[hh * AC_TK + jj] = fs * dot;
+      }
     }
-    mt = block_max(mt, buf);
-    float mn = fmaxf(m, mt);
-    float corr = m == -F32_INF ? 0.0f : expf(m - mn);
-    float lt = 0.0f;
-    for (i64 j = threadIdx.x; j < tn; j += blockDim.x) {
-      float p = expf(sc[j] - mn);
-      sc[j] = p;
-      lt += p;
+    __syncthreads();
+    for (i64 hh = warp; hh < nh; hh += nw) {
+      float mt = -F32_INF;
+      for (i64 jj = lane; jj < tn; jj += 32) mt = fmaxf(mt, sc[hh * AC_TK + jj]);
+      mt = warp_max(mt);
+      float mo = mh[hh], mn = fmaxf(mo, mt), lt = 0.0f;
+      for (i64 jj = lane; jj < tn; jj += 32) {
+        float p = expf(sc[hh * AC_TK + jj] - mn);
+        sc[hh * AC_TK + jj] = p;
+        lt += p;
+      }
+      lt = warp_sum(lt);
+      if (lane == 0) {
+        float corr = mo == -F32_INF ? 0.0f : expf(mo - mn);
+        ch[hh] = corr;
+        lh[hh] = lh[hh] * corr + lt;
+        mh[hh] = mn;
+      }
     }
-    lt = block_sum(lt, buf);
-    l = l * corr + lt;
-    acc *= corr;
-    m = mn;
-    if (g < groups) {
-      for (i64 j = g; j < tn; j += groups) acc += sc[j] * ld(vb[(j0 + j) * kstride + c]);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      i64 e = threadIdx.x + (i64)r * blockDim.x;
+      if (e < nh * d) {
+        i64 hh = e / d, c = e % d;
+        const float* p = sc + hh * AC_TK;
+        float a = acc[r] * ch[hh];
+        for (i64 jj = 0; jj < tn; ++jj) a += p[jj] * ld(vb[(j0 + jj) * kstride + c]);
+        acc[r] = a;
+      }
     }
     __syncthreads();
   }
-  part[threadIdx.x] = g < groups ? acc : 0.0f;
-  __syncthreads();
-  if (threadIdx.x < d) {
-    float sum = 0.0f;
-    for (i64 gg = 0; gg < groups; ++gg) sum += part[gg * d + threadIdx.x];
-    stf(&o[((b * t_len + t) * hq + h) * d + threadIdx.x], (typename Acc<T>::t)(l > 0.0f ? sum / l : 0.0f));
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    i64 e = threadIdx.x + (i64)r * blockDim.x;
+    if (e < nh * d) {
+      i64 hh = e / d, c = e % d, row = row0 + hh;
+      if (splits == 1) {
+        float l = lh[hh];
+        stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? acc[r] / l : 0.0f));
+      } else {
+        part[(row * splits + sp) * d + c] = acc[r];
+        if (c == 0) {
+          ml[(row * splits + sp) * 2] = mh[hh];
+          ml[(row * splits + sp) * 2 + 1] = lh[hh];
+        }
+      }
+    }
+  }
+}
+
+// One block per output row: the splits' partials rescaled to their common max and summed in
+// split order; a row that saw no key is zero.
+template <typename T>
+__device__ void attention_cached_combine(const float* __restrict__ part, const float* __restrict__ ml,
+                                         T* __restrict__ o, i64 d, i64 splits) {
+  i64 row = blockIdx.x;
+  const float* m = ml + row * splits * 2;
+  float mx = -F32_INF;
+  for (i64 i = 0; i < splits; ++i) mx = fmaxf(mx, m[2 * i]);
+  float l = 0.0f;
+  if (mx != -F32_INF)
+    for (i64 i = 0; i < splits; ++i) l += m[2 * i + 1] * expf(m[2 * i] - mx);
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+    float a = 0.0f;
+    if (l > 0.0f)
+      for (i64 i = 0; i < splits; ++i) a += part[(row * splits + i) * d + c] * expf(m[2 * i] - mx);
+    stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? a / l : 0.0f));
   }
 }
 
@@ -247,8 +315,13 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
     cache_write<T>(cache, nw, pos, b_len, s, t_len, r, status, tag);                                            \
   }                                                                                                             \
   extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
-                                                    i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, double scale) {   \
-    attention_cached<T>(q, k, v, pos, o, t_len, hq, s, hkv, d, scale);                                          \
+                                                    float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \
+                                                    i64 d, i64 gh, i64 splits, i64 chunk, double scale) {       \
+    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, splits, chunk, scale);             \
+  }                                                                                                             \
+  extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \
+                                                            i64 splits) {                                       \
+    attention_cached_combine<T>(part, ml, o, d, splits);                                                        \
   }                                                                                                             \
   extern "C" __global__ void sample_##SUF(const T* x, const i64* key, i64* ids, i64 v, double temperature,      \
                                           i64 top_k, double top_p) {                                            \

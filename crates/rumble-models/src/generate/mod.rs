@@ -8,7 +8,8 @@
 //! replayed for every token (its positions and sampling key are inputs, not constants).
 //! Prompts of different lengths share a batch: each is padded at its end to the bucket, and
 //! each sequence decodes at its own position (`pos`), so padding is never attended to.
-//! [`tokens`] is where a tokenizer plugs in (byte-level for now).
+//! [`tokens`] is where a tokenizer plugs in (byte-level for now). [`profile`] times one prefill
+//! and one decode step launch by launch (`rumble generate --bench --profile`).
 
 pub mod tokens;
 pub mod trace;
@@ -318,4 +319,56 @@ impl Generator {
         out.decode_s = t1.elapsed().as_secs_f64();
         Ok(out)
     }
+}
+
+/// One step of the prefill and one of the decode trace for `opts`, each on its own planned
+/// executor (node by node, device events around each launch; the second of two runs is kept),
+/// with `weights`, a zero cache and prompts of `prompt_len` tokens (`1..=opts.prompt_rows`).
+/// The decode step runs at position `prompt_len`, as the first real one does.
+pub fn profile(
+    cfg: &Config,
+    weights: &[(String, HostTensor)],
+    opts: &GenConfig,
+    prompt_len: usize,
+) -> Result<Vec<(&'static str, Vec<crate::cuda::NodeTime>)>> {
+    if let Some(why) = cuda_unavailable() {
+        return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why });
+    }
+    let (b, rows) = (opts.batch, opts.prompt_rows);
+    if prompt_len == 0 || prompt_len > rows || prompt_len >= opts.max_length {
+        return Err(ModelError::Usage(format!(
+            "generate --profile: a prompt of {prompt_len} tokens needs 1 to {rows}, under {} positions",
+            opts.max_length
+        )));
+    }
+    let ids = |dims: &[usize], v: Vec<i64>| HostTensor::from_i64(DType::I64, dims, &v);
+    let key = ids(&[2], vec![opts.sampling.seed as i64, 0])?;
+    let mut out = Vec::new();
+    for (name, prefill) in [("prefill", true), ("decode", false)] {
+        let r = if prefill { rows } else { 1 };
+        let shape = StepShape { batch: b, rows: r, max_length: opts.max_length, prefill };
+        let t = trace::build(cfg, shape, &opts.sampling, opts.logits)?;
+        let mut given = weights.to_vec();
+        for inp in t.inputs.iter().filter(|i| i.role == InputRole::State) {
+            given.push((inp.name.clone(), host::zeros(t.ty(inp.value))));
+        }
+        let data = if prefill {
+            let tokens = (0..b * rows).map(|i| ((i * 7919) % cfg.vocab_size) as i64).collect();
+            let last = (0..b).map(|i| (i * rows + prompt_len - 1) as i64).collect();
+            [ids(&[b, rows], tokens)?, ids(&[b], vec![0; b])?, ids(&[b], last)?, key.clone()]
+        } else {
+            let pos = vec![prompt_len as i64; b];
+            [ids(&[b, 1], vec![1; b])?, ids(&[b], pos)?, ids(&[b], (0..b as i64).collect())?, key.clone()]
+        };
+        let copts = rumble_core::compile::CompileOptions::default();
+        let mut exec = crate::cuda::CudaExecutor::with_options(t, given, crate::cuda::CudaMode::Planned, &copts)?;
+        let mut times = Vec::new();
+        for _ in 0..2 {
+            times = exec
+                .profile(&data)?
+                .ok_or_else(|| ModelError::Usage("generate --profile: the planned executor gave no profile".into()))?;
+        }
+        out.push((name, times));
+    }
+    Ok(out)
 }

@@ -1,0 +1,66 @@
+//! `attention_cached`'s flash-decoding kernels (src/kernels/decode.cu, cut from its
+//! "Flash-decoding" comment to the sampler's) run in f32 on the CPU emulator of
+//! tests/flash_emu/ against attention in double precision, with the split plans
+//! `AttentionSplit` makes for devices of several SM counts: one to many runs of keys, empty
+//! runs (a position before the last run), positions past the cache, grouped heads in one block
+//! or two, head sizes 1 to 256, several query rows. No GPU needed; needs `g++` (C++20), else
+//! prints "skipped: no g++".
+
+use std::path::Path;
+use std::process::Command;
+
+use rumble_cuda::decode::{AttentionSplit, source};
+
+#[test]
+fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
+    if Command::new("g++").arg("--version").output().is_err() {
+        println!("skipped: no g++");
+        return;
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/decode_emu");
+    if !here.join("ac_main.cpp").exists() {
+        println!("skipped: {} is not on this machine (a test binary built elsewhere)", here.display());
+        return;
+    }
+    let src = source();
+    let (from, to) = (src.find("// Flash-decoding").expect("marker"), src.find("// SplitMix64").expect("marker"));
+    let dir = std::env::temp_dir().join(format!("rumble-decode-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("build dir");
+    std::fs::write(dir.join("ac.cuh"), &src[from..to]).expect("kernel text");
+    let bin = dir.join("ac");
+    let out = Command::new("g++")
+        .args(["-std=c++20", "-O1", "-pthread", "-I"])
+        .arg(&dir)
+        .arg("-o")
+        .arg(&bin)
+        .arg(here.join("ac_main.cpp"))
+        .output()
+        .expect("g++");
+    assert!(out.status.success(), "g++:\n{}", String::from_utf8_lossy(&out.stderr));
+    // ([b, t, hq, hkv, s, d], SMs, positions)
+    let cases: [([usize; 6], usize, &[i64]); 9] = [
+        ([1, 1, 32, 8, 300, 64], 132, &[200]),
+        ([1, 1, 32, 8, 1000, 64], 132, &[999]),
+        ([2, 1, 14, 2, 1000, 64], 132, &[5, 640]),
+        ([2, 1, 32, 1, 500, 32], 8, &[499, 12]),
+        ([1, 1, 8, 1, 600, 256], 16, &[450]),
+        ([2, 3, 6, 2, 300, 64], 1, &[296, 5]),
+        ([1, 1, 4, 4, 130, 16], 4, &[129]),
+        ([2, 1, 4, 2, 300, 1], 132, &[0, 299]),
+        ([1, 1, 4, 2, 200, 64], 132, &[5000]),
+    ];
+    let mut splits = std::collections::BTreeSet::new();
+    for (dims, sms, pos) in cases {
+        let p = AttentionSplit::new(dims, sms);
+        splits.insert(p.splits);
+        let mut args: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
+        args.extend([p.heads, p.splits, p.chunk].map(|x| x.to_string()));
+        args.extend(pos.iter().map(|x| x.to_string()));
+        let out = Command::new(&bin).args(&args).output().expect("running the emulator");
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        assert!(out.status.success(), "{dims:?} on {sms} SMs ({p:?}): {text}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(splits.len() >= 4 && splits.contains(&1), "split counts covered: {splits:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
