@@ -89,7 +89,7 @@ impl<'a> ArenaExecutor<'a> {
             if let Some(s) = plan.scratch.get(n).copied().flatten() {
                 self.arena[s.offset..s.offset + s.bytes].fill(SCRATCH_GARBAGE);
             }
-            let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+            let at = trace.arg_types(node);
             let ot: Vec<&TensorType> = node.outs.iter().map(|o| trace.ty(*o)).collect();
             let slots = node.args.iter().map(|a| plan.slot(*a)).collect::<Result<Vec<_>>>()?;
             let args: Vec<&[u8]> = slots.iter().map(|s| self.bytes(*s)).collect();

@@ -307,7 +307,7 @@ pub fn eval(trace: &Trace, inputs: &[HostTensor]) -> Result<Vec<HostTensor>> {
         last[o.value.index()] = usize::MAX - 1;
     }
     for (n, node) in trace.nodes.iter().enumerate() {
-        let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+        let at = trace.arg_types(node);
         let ot: Vec<&TensorType> = node.outs.iter().map(|o| trace.ty(*o)).collect();
         let args = node
             .args

@@ -157,6 +157,16 @@ impl Trace {
         &self.types[v.index()]
     }
 
+    /// The types of `node`'s operands, in order (what `Op::infer` and the cost model take).
+    pub fn arg_types(&self, node: &Node) -> Vec<&TensorType> {
+        node.args.iter().map(|&a| self.ty(a)).collect()
+    }
+
+    /// The types of `node`'s results, in order.
+    pub fn out_types(&self, node: &Node) -> Vec<&TensorType> {
+        node.outs.iter().map(|&o| self.ty(o)).collect()
+    }
+
     pub fn num_values(&self) -> usize {
         self.types.len()
     }

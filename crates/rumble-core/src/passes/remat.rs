@@ -114,15 +114,7 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
 
 /// Total FLOPs of a trace, roughly.
 pub fn trace_flops(trace: &Trace) -> u64 {
-    trace
-        .nodes
-        .iter()
-        .map(|n| {
-            let a: Vec<&TensorType> = n.args.iter().map(|v| trace.ty(*v)).collect();
-            let o: Vec<&TensorType> = n.outs.iter().map(|v| trace.ty(*v)).collect();
-            flops(&n.op, &a, &o)
-        })
-        .sum()
+    trace.nodes.iter().map(|n| flops(&n.op, &trace.arg_types(n), &trace.out_types(n))).sum()
 }
 
 /// Rematerialises cheap saved values of `trace` as `mode` asks (`workspace_bytes` counts
@@ -292,10 +284,7 @@ fn rematerialise(t: &mut Trace, v: ValueId) -> Result<u64> {
     let v2 = t.new_value(t.ty(v).clone());
     map.insert(v, v2);
     new_nodes.push(Node { op: node.op.clone(), args: node.args.clone(), outs: vec![v2], phase: Phase::Backward });
-    let extra = {
-        let a: Vec<&TensorType> = node.args.iter().map(|x| t.ty(*x)).collect();
-        flops(&node.op, &a, &[t.ty(v)])
-    };
+    let extra = { flops(&node.op, &t.arg_types(&node), &[t.ty(v)]) };
     // Clone the views that a backward node reads (and the views they are made from).
     let mut needed = vec![false; t.num_values()];
     for n in t.nodes.iter().filter(|n| n.phase != Phase::Forward) {
@@ -401,7 +390,7 @@ impl Model {
             {
                 continue;
             }
-            let a: Vec<&TensorType> = nd.args.iter().map(|x| trace.ty(*x)).collect();
+            let a = trace.arg_types(nd);
             let mut args: Vec<usize> = nd.args.iter().map(|x| root(*x).index()).filter(|&r| arena[r]).collect();
             args.dedup();
             let o = [trace.ty(v)];

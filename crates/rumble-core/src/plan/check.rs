@@ -229,7 +229,7 @@ impl<'a> Checker<'a> {
         }
         let values_end = self.plan.arena_bytes - self.plan.workspace_bytes;
         for (n, node) in self.trace.nodes.iter().enumerate() {
-            let at: Vec<&crate::ir::TensorType> = node.args.iter().map(|a| self.trace.ty(*a)).collect();
+            let at = self.trace.arg_types(node);
             let backend = self.plan.backend_scratch[n];
             let want = node_scratch_bytes(node.op.scratch_bytes(&at), backend);
             if !backend.is_multiple_of(ALIGN) {

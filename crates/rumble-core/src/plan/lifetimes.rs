@@ -286,7 +286,7 @@ pub fn lifetimes_with_scratch(trace: &Trace, opts: LifetimeOptions, backend: &[u
     }
     let mut buffers = b.buffers;
     for (i, node) in trace.nodes.iter().enumerate() {
-        let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+        let at = trace.arg_types(node);
         let bytes = node_scratch_bytes(node.op.scratch_bytes(&at), backend.get(i).copied().unwrap_or(0));
         if bytes > 0 {
             let (start, end) = (i + 1, i + 1);

@@ -165,7 +165,7 @@ pub fn plan_naive(trace: &Trace, workspace_bytes: usize) -> MemoryPlan {
         for o in &node.outs {
             slots[o.index()] = Some(take(&mut arena, Region::Arena, trace.ty(*o).size_in_bytes()));
         }
-        let at: Vec<&crate::ir::TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+        let at = trace.arg_types(node);
         let bytes = node.op.scratch_bytes(&at);
         scratch.push((bytes > 0).then(|| take(&mut arena, Region::Arena, bytes)));
     }

@@ -35,7 +35,7 @@ impl BackendScratch {
             .iter()
             .enumerate()
             .map(|(i, node)| {
-                let at: Vec<&TensorType> = node.args.iter().map(|a| trace.ty(*a)).collect();
+                let at = trace.arg_types(node);
                 let ot: Vec<&TensorType> = node.outs.iter().map(|o| trace.ty(*o)).collect();
                 (self.0)(&node.op, &at, &ot)
                     .map(|b| align_up(b, ALIGN))

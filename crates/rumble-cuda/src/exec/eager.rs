@@ -53,6 +53,13 @@ impl EagerExecutor {
         Ok(e)
     }
 
+    /// Value `v`, downloaded.
+    fn read(&self, v: rumble_core::ValueId) -> Result<HostTensor> {
+        let ty = self.prog.trace.ty(v).clone();
+        let bytes = download(&self.prog.dev, self.ptr(v)?, ty.size_in_bytes())?;
+        Ok(HostTensor { ty, bytes })
+    }
+
     fn ptr(&self, v: rumble_core::ValueId) -> Result<sys::CUdeviceptr> {
         self.live[v.index()].map(|b| b.ptr).ok_or_else(|| CudaError::usage(format!("{v} is not live")))
     }
@@ -201,18 +208,12 @@ impl Executor for EagerExecutor {
 
     fn output(&self, name: &str) -> Result<HostTensor> {
         let i = self.prog.output_index(name)?;
-        let v = self.prog.trace.outputs[i].value;
-        let ty = self.prog.trace.ty(v).clone();
-        let bytes = download(&self.prog.dev, self.ptr(v)?, ty.size_in_bytes())?;
-        Ok(HostTensor { ty, bytes })
+        self.read(self.prog.trace.outputs[i].value)
     }
 
     fn persistent(&self, name: &str) -> Result<HostTensor> {
         let i = self.prog.persistent_index(name)?;
-        let v = self.prog.trace.inputs[i].value;
-        let ty = self.prog.trace.ty(v).clone();
-        let bytes = download(&self.prog.dev, self.ptr(v)?, ty.size_in_bytes())?;
-        Ok(HostTensor { ty, bytes })
+        self.read(self.prog.trace.inputs[i].value)
     }
 
     fn memory(&self) -> MemoryStats {

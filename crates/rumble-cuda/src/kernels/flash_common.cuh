@@ -1,7 +1,8 @@
 // What both flash-attention kernel files (flash_attn.cu: bf16 / f16 on the tensor cores;
 // flash_fma.cu: f32 with FMA) share: the device primitives they call (cp.async, ex2, shuffles;
 // the CPU emulator of tests/flash_emu/ defines its own stand-ins instead), the `Dims` blob every
-// attention kernel takes, and the causal block pairing. src/flash.rs puts this file after the
+// attention kernel takes, a forward / dQ block's queries and key tiles (`q_block`), and the
+// causal block pairing. src/flash.rs puts this file after the
 // prelude and the module's `#define`s and before the kernel file.
 
 #ifndef FLASH_EMU
