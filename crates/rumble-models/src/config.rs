@@ -1,6 +1,8 @@
 //! Model configuration, read from and written to Hugging Face `config.json`.
 //!
-//! Two architectures: `LlamaForCausalLM` and `Qwen2ForCausalLM` (LLaMA plus q/k/v biases).
+//! Three architectures: `LlamaForCausalLM`, `Qwen2ForCausalLM` (LLaMA plus q/k/v biases) and
+//! `MistralForCausalLM` (LLaMA's computation with a sliding attention window: exactly LLaMA's
+//! while every sequence fits the window, which [`Config::check_window`] makes sure of).
 //! Both the transformers 4 spelling (`rope_theta`, `torch_dtype`) and the transformers 5 one
 //! (`rope_parameters`, `dtype`) are read; RoPE scaling of type `linear` and `llama3` (Llama 3.1+)
 //! is read from either. Keys that change the computation in a way rumble does not implement
@@ -20,6 +22,7 @@ use crate::error::{ModelError, Result};
 pub enum Arch {
     Llama,
     Qwen2,
+    Mistral,
 }
 
 impl Arch {
@@ -27,12 +30,14 @@ impl Arch {
         match self {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Mistral => "MistralForCausalLM",
         }
     }
     pub fn model_type(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Mistral => "mistral",
         }
     }
 }
@@ -58,6 +63,9 @@ pub struct Config {
     pub qkv_bias: bool,
     /// Parameter dtype (`torch_dtype` / `dtype`).
     pub dtype: DType,
+    /// Mistral's attention window (`sliding_window`): a query sees this many keys at most.
+    /// rumble attends to every earlier key, so sequences must fit it ([`Config::check_window`]).
+    pub sliding_window: Option<usize>,
     /// Standard deviation of the normal initialisation of weights.
     pub initializer_range: f64,
     pub max_position_embeddings: usize,
@@ -124,6 +132,9 @@ impl Config {
             }
             Arch::Qwen2 => {
                 m.insert("use_sliding_window".into(), json!(false));
+            }
+            Arch::Mistral => {
+                m.insert("sliding_window".into(), self.sliding_window.map_or(Value::Null, |w| json!(w)));
             }
         }
         let dt = hf_dtype_name(self.dtype);
@@ -195,6 +206,23 @@ impl Config {
     }
 
     /// Checks the relations between fields (also run on presets and hand-built configs).
+    /// Refuses sequences longer than Mistral's attention window (`sliding_window`): past it the
+    /// model attends to fewer keys than rumble's attention does. `what` names the length
+    /// (`--seq 8192`, `--max-length 8192`).
+    pub fn check_window(&self, len: usize, what: &str) -> Result<()> {
+        match self.sliding_window {
+            Some(w) if len > w => Err(ModelError::config(
+                "config.json",
+                "sliding_window",
+                format!(
+                    "{w} is shorter than {what}: sliding-window attention is not supported, so sequences must fit the \
+                     window ({len} > {w})"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     pub fn validate(&self, src: &str) -> Result<()> {
         let bad = |key: &str, msg: String| Err(ModelError::config(src, key, msg));
         for (key, v) in [
@@ -330,6 +358,7 @@ impl Reader<'_> {
         let from_name = |n: &str| match n {
             "LlamaForCausalLM" | "llama" => Some(Arch::Llama),
             "Qwen2ForCausalLM" | "qwen2" => Some(Arch::Qwen2),
+            "MistralForCausalLM" | "mistral" => Some(Arch::Mistral),
             _ => None,
         };
         if let Some(v) = self.get("architectures") {
@@ -339,13 +368,15 @@ impl Reader<'_> {
             };
             let name = one.as_str().unwrap_or_default();
             return from_name(name).ok_or_else(|| {
-                self.err("architectures", format!("{one} is not supported (LlamaForCausalLM or Qwen2ForCausalLM)"))
+                self.err(
+                    "architectures",
+                    format!("{one} is not supported (LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM)"),
+                )
             });
         }
         match self.str_opt("model_type")? {
-            Some(t) => {
-                from_name(t).ok_or_else(|| self.err("model_type", format!("`{t}` is not supported (llama or qwen2)")))
-            }
+            Some(t) => from_name(t)
+                .ok_or_else(|| self.err("model_type", format!("`{t}` is not supported (llama, qwen2 or mistral)"))),
             None => Err(self.err("architectures", "missing, and no `model_type` either")),
         }
     }
@@ -440,7 +471,7 @@ impl Reader<'_> {
         }
         let layers = self.usize_req("num_hidden_layers")?;
         let qkv_bias = match arch {
-            Arch::Llama => {
+            Arch::Llama | Arch::Mistral => {
                 for key in ["attention_bias", "mlp_bias"] {
                     if self.bool_or(key, false)? {
                         return Err(self.err(key, "biases in LLaMA projections are not supported"));
@@ -489,6 +520,12 @@ impl Reader<'_> {
             dtype: self.dtype()?,
             initializer_range: self.f64_or("initializer_range", 0.02)?,
             max_position_embeddings: self.usize_or("max_position_embeddings", 2048)?,
+            sliding_window: match arch {
+                Arch::Mistral if self.get("sliding_window").is_some_and(|v| !v.is_null()) => {
+                    Some(self.usize_req("sliding_window")?)
+                }
+                _ => None,
+            },
         };
         cfg.validate(self.src)?;
         Ok(cfg)
@@ -529,6 +566,27 @@ mod tests {
         assert_eq!(c.arch, Arch::Qwen2);
         assert_eq!((c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim), (3584, 28, 4, 128));
         assert_eq!((c.rope_theta, c.dtype, c.qkv_bias, c.tie_word_embeddings), (1e6, DType::BF16, true, false));
+    }
+
+    #[test]
+    fn reads_mistral_and_refuses_sequences_past_its_window() {
+        let text = r#"{"architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "rope_theta": 10000.0, "sliding_window": 4096,
+            "torch_dtype": "bfloat16", "hidden_act": "silu"}"#;
+        let c = Config::from_json_str(text, "m.json").unwrap();
+        assert_eq!((c.arch, c.sliding_window, c.qkv_bias, c.head_dim), (Arch::Mistral, Some(4096), false, 128));
+        assert_eq!(Config::from_json_str(&c.to_json_string(), "back").unwrap(), c);
+        c.check_window(4096, "--seq 4096").unwrap();
+        let e = c.check_window(4097, "--seq 4097").unwrap_err().to_string();
+        assert!(e.contains("`sliding_window`") && e.contains("--seq 4097"), "{e}");
+        // No window (null) is LLaMA's attention at every length.
+        let open = text.replace("\"sliding_window\": 4096", "\"sliding_window\": null");
+        let c = Config::from_json_str(&open, "m.json").unwrap();
+        assert_eq!(c.sliding_window, None);
+        c.check_window(1 << 20, "--seq").unwrap();
+        // LLaMA and Qwen2 configs never set it.
+        assert_eq!(Config::from_json_str(QWEN25_7B, "q.json").unwrap().sliding_window, None);
     }
 
     #[test]
@@ -644,7 +702,7 @@ mod tests {
             (with("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "`rope_scaling.low_freq_factor`"),
             (with("rope_scaling", json!({"rope_type": "linear", "factor": -1.0})), "`rope_scaling.factor`"),
             (with_all(&[("use_sliding_window", json!(true)), ("max_window_layers", json!(4))]), "`use_sliding_window`"),
-            (with("architectures", json!(["MistralForCausalLM"])), "`architectures`"),
+            (with("architectures", json!(["GemmaForCausalLM"])), "`architectures`"),
             (with("hidden_act", json!("gelu")), "`hidden_act`"),
             (with("num_key_value_heads", json!(5)), "`num_key_value_heads`"),
             (with("torch_dtype", json!("float8_e4m3fn")), "`torch_dtype`"),

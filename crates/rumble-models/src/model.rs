@@ -181,6 +181,7 @@ pub fn hidden(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> 
         return Err(ModelError::Usage(format!("tokens must be (B, T), got {:?}", tokens.ty())));
     };
     let (b, t) = (*b, *t);
+    cfg.check_window(t, &format!("the sequence length {t}"))?;
     let embed = params.get("model.embed_tokens.weight")?; // (V, C)
     let mut x = embed.gather(&tokens.reshape(&[b * t])?)?; // (B*T, C)
     for l in 0..cfg.num_hidden_layers {

@@ -62,6 +62,7 @@ pub fn preset(name: &str) -> Result<Preset> {
         dtype,
         initializer_range: 0.02,
         max_position_embeddings: 2048,
+        sliding_window: None,
     };
     Ok(match name {
         "tiny" => Preset {
@@ -119,6 +120,7 @@ pub fn preset(name: &str) -> Result<Preset> {
                 dtype: DType::BF16,
                 initializer_range: 0.02,
                 max_position_embeddings: 32768,
+                sliding_window: None,
             },
             batch: 1,
             seq: 4096,

@@ -67,6 +67,7 @@ pub fn cache_names(l: usize) -> [String; 2] {
 /// as an output.
 pub fn build(cfg: &Config, shape: StepShape, sampling: &Sampling, logits: bool) -> Result<Trace> {
     let (b, t, s) = (shape.batch, shape.rows, shape.max_length);
+    cfg.check_window(s, &format!("the maximum length {s}"))?;
     let kind = if shape.prefill { "prefill" } else { "decode" };
     let g = Graph::new(format!("{kind}_b{b}_t{t}_s{s}"));
     let tokens = g.data("tokens", DType::I64, &[b, t])?;
