@@ -97,10 +97,26 @@ fn suite_configs_parse_and_span_the_promised_geometries() {
 /// suite goes on to time the next with the overrides, its FLOPs per step as BENCHMARKS.md counts.
 #[test]
 fn bench_suite_runs_on_the_cpu_with_overrides_and_reports_a_refused_case() {
-    let suite = suite_file();
-    let pending: Vec<Value> = cases().into_iter().filter(|c| c["pending"].is_string()).collect();
-    let refused = pending.iter().find(|c| config(c).is_err()).expect("a pending case rumble refuses");
-    let bad_name = refused["name"].as_str().unwrap();
+    // The suite's own smollm2-135m case beside a case rumble refuses (an architecture it does
+    // not read, marked pending), in a suite file of the test's own.
+    let dir = common::tmp("suite", "refused");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("SmolLM2-135M")).unwrap();
+    std::fs::create_dir_all(dir.join("Gemma")).unwrap();
+    let real = suite_file().parent().unwrap().join("SmolLM2-135M/config.json");
+    std::fs::copy(real, dir.join("SmolLM2-135M/config.json")).unwrap();
+    let mut gemma: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("SmolLM2-135M/config.json")).unwrap()).unwrap();
+    gemma["architectures"] = serde_json::json!(["GemmaForCausalLM"]);
+    std::fs::write(dir.join("Gemma/config.json"), gemma.to_string()).unwrap();
+    let own = serde_json::json!({"cases": [
+        cases().into_iter().find(|c| c["name"] == "smollm2-135m").unwrap(),
+        {"name": "gemma", "config": "Gemma", "batch": 1, "seq": 16, "pending": "architectures"},
+    ]});
+    let suite = dir.join("suite.json");
+    std::fs::write(&suite, own.to_string()).unwrap();
+    let refused = &own["cases"][1];
+    let bad_name = "gemma";
     let name = "smollm2-135m";
     let filter = format!("{name},{bad_name}");
     let args = [
