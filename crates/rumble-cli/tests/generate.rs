@@ -81,7 +81,7 @@ fn generate_bench_reports_no_bandwidth_without_a_decode_step() {
         let args = ["generate", "--bench", "--config", "tiny", "--batch", "2", "--prompt-len", "8", "--device", "cpu"];
         let (ok, stdout, stderr) = rumble(&[&args[..], &["--max-new-tokens", new]].concat());
         assert!(ok, "{stderr}");
-        json_lines(&stdout).remove(0)
+        lines(&stdout).remove(0)
     };
     // One new token comes from the prefill: no decode step, so no step time and no fraction.
     let one = bench("1");
