@@ -238,6 +238,12 @@ pub fn vjp(
         Op::Fused(_) => {
             return Err(Error::Autodiff("fused ops have no VJP: fuse after differentiating".into()));
         }
+        Op::Collective { .. } => {
+            return Err(Error::Autodiff(format!(
+                "{}: a collective has no VJP; data_parallel inserts collectives after differentiating",
+                op.name()
+            )));
+        }
         // Decoding ops: inference only.
         Op::RopeAt { .. } | Op::CacheWrite | Op::AttentionCached { .. } | Op::Sample { .. } => {
             return Err(Error::Autodiff(format!("{}: a decoding op, inference only: no VJP", op.name())));

@@ -221,6 +221,11 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let ids = decode::sample::<A>(at[0].dims()[1], &f(0), &key, *temperature, *top_k, *top_p);
             one(write_int(ot[0].dtype, &ids))
         }
+        Op::Collective { .. } => Err(Error::runtime(
+            op.name(),
+            "a collective exchanges buffers between ranks: one trace alone cannot run it on the CPU; \
+             run every rank's trace through testing::simulate",
+        )),
         Op::AttentionBackward { scale, causal, layout } => {
             let g = attention::Grads::<A> {
                 q: f(0),

@@ -14,7 +14,7 @@ pub use builder::{Graph, Tensor};
 pub use dtype::{DType, MAX_BYTES, Shape, SizeOverflow, TensorType, mul_size, total_bytes};
 pub use fused::{FusedBody, FusedInstr};
 pub use heads::{HeadLayout, RopeScaling};
-pub use op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp, stat_dtype};
+pub use op::{BinaryOp, CmpOp, CollectiveOp, Op, ReduceOp, UnaryOp, stat_dtype};
 pub use text::{op_attrs, parse};
 pub use trace::{Def, InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 pub use verify::verify;

@@ -58,6 +58,29 @@ pub enum ReduceOp {
     Mean,
 }
 
+/// The collective operations of data-parallel training (see `Op::Collective`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CollectiveOp {
+    /// `(x) -> x`: the elementwise sum of every rank's `x`.
+    AllReduce,
+    /// `(x) -> [numel(x) / world]`: the elementwise sum of every rank's `x`, flattened and cut
+    /// into `world` equal shards; rank `r` keeps shard `r`. `numel(x)` must divide by `world`.
+    ReduceScatter,
+    /// `(x [n]) -> [world * n]`: every rank's `x`, concatenated in rank order.
+    AllGather,
+}
+
+impl CollectiveOp {
+    pub const ALL: [CollectiveOp; 3] = [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather];
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::ReduceScatter => "reduce_scatter",
+            CollectiveOp::AllGather => "all_gather",
+        }
+    }
+}
+
 /// One operation of a trace. Attributes are part of the op; operands are value ids held by the
 /// node (see `trace::Node`).
 #[derive(Clone, Debug, PartialEq)]
@@ -179,6 +202,12 @@ pub enum Op {
     /// in [0, 1) from a counter-based hash of (seed, step, row) (`cpu::decode::uniform`), so a
     /// replayed step with another `key` draws anew and the same key draws the same.
     Sample { temperature: f64, top_k: usize, top_p: f64 },
+    /// A collective of data-parallel training over `world` ranks, run by rank `rank` (see
+    /// [`CollectiveOp`] for each one's rule; float operands only). Every rank's trace holds the
+    /// same collectives in the same order. Inserted after autodiff (`passes::data_parallel`):
+    /// no VJP. A single trace cannot run one alone: the CPU runs them through
+    /// `testing::simulate`, which runs every rank's trace in lockstep.
+    Collective { op: CollectiveOp, world: usize, rank: usize },
 }
 
 impl UnaryOp {
@@ -295,6 +324,7 @@ impl Op {
             Op::CacheWrite => "cache_write",
             Op::AttentionCached { .. } => "attention_cached",
             Op::Sample { .. } => "sample",
+            Op::Collective { op, .. } => op.name(),
         }
     }
 
@@ -309,6 +339,7 @@ impl Op {
             | Op::AddScalar { .. }
             | Op::MulScalar { .. }
             | Op::Cast { .. }
+            | Op::Collective { .. }
             | Op::Reduce { .. }
             | Op::Reshape { .. }
             | Op::Permute { .. }
@@ -664,6 +695,30 @@ impl Op {
             Op::Sample { temperature, top_k: _, top_p } => {
                 super::decode::sample(args[0], args[1], *temperature, *top_p)
             }
+            Op::Collective { op, world, rank } => collective(*op, *world, *rank, args[0]),
+        }
+    }
+}
+
+/// The type rule of the collectives: `world >= 1`, `rank < world`, a float operand.
+fn collective(op: CollectiveOp, world: usize, rank: usize, x: &TensorType) -> Result<Vec<TensorType>, String> {
+    if world == 0 || rank >= world {
+        return Err(format!("rank {rank} is not one of world {world}'s ranks"));
+    }
+    float(x)?;
+    match op {
+        CollectiveOp::AllReduce => Ok(vec![x.clone()]),
+        CollectiveOp::ReduceScatter => {
+            if !x.numel().is_multiple_of(world) {
+                return Err(format!("{} ({} elements) does not split into {world} equal shards", x.shape, x.numel()));
+            }
+            Ok(vec![x.with_shape([x.numel() / world])])
+        }
+        CollectiveOp::AllGather => {
+            if x.rank() != 1 {
+                return Err(format!("gathers flat shards [n], got {}", x.shape));
+            }
+            Ok(vec![x.with_shape([x.numel() * world])])
         }
     }
 }
@@ -778,4 +833,26 @@ fn attention_operands(
         ));
     }
     Ok(TensorType::new(stat_dtype(q.dtype), [b, hq, t]))
+}
+
+#[cfg(test)]
+mod collective_tests {
+    use super::*;
+
+    #[test]
+    fn collective_type_rules() {
+        let x = TensorType::new(DType::F32, [4, 6]);
+        let op = |c, world, rank| Op::Collective { op: c, world, rank };
+        assert_eq!(op(CollectiveOp::AllReduce, 2, 1).infer(&[&x]).unwrap(), vec![x.clone()]);
+        let shard = op(CollectiveOp::ReduceScatter, 3, 0).infer(&[&x]).unwrap();
+        assert_eq!(shard, vec![TensorType::new(DType::F32, [8])]);
+        assert_eq!(
+            op(CollectiveOp::AllGather, 3, 2).infer(&[&shard[0]]).unwrap(),
+            vec![TensorType::new(DType::F32, [24])]
+        );
+        assert!(op(CollectiveOp::ReduceScatter, 5, 0).infer(&[&x]).unwrap_err().contains("5 equal shards"));
+        assert!(op(CollectiveOp::AllGather, 2, 0).infer(&[&x]).unwrap_err().contains("flat shards"));
+        assert!(op(CollectiveOp::AllReduce, 2, 2).infer(&[&x]).unwrap_err().contains("rank 2"));
+        assert!(op(CollectiveOp::AllReduce, 2, 0).infer(&[&x.with_dtype(DType::I64)]).is_err());
+    }
 }

@@ -21,7 +21,7 @@ use std::fmt::{self, Write as _};
 use super::dtype::{DType, Shape, TensorType};
 use super::fused::{FusedBody, FusedInstr};
 use super::heads::{HeadLayout, RopeScaling};
-use super::op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+use super::op::{BinaryOp, CmpOp, CollectiveOp, Op, ReduceOp, UnaryOp};
 use super::trace::{InputRole, Node, OutputRole, Phase, Trace, TraceInput, TraceOutput, ValueId};
 use crate::{Error, Result};
 
@@ -71,6 +71,7 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::Sample { temperature, top_k, top_p } => {
             vec![("temperature", f(*temperature)), ("top_k", top_k.to_string()), ("top_p", f(*top_p))]
         }
+        Op::Collective { world, rank, .. } => vec![("world", world.to_string()), ("rank", rank.to_string())],
         Op::CacheWrite => vec![],
         Op::Unary(_)
         | Op::Binary(_)
@@ -215,6 +216,11 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "cache_write" => Op::CacheWrite,
         "attention_cached" => Op::AttentionCached { scale: a.f64("scale")? },
         "sample" => Op::Sample { temperature: a.f64("temperature")?, top_k: a.usize("top_k")?, top_p: a.f64("top_p")? },
+        "all_reduce" | "reduce_scatter" | "all_gather" => Op::Collective {
+            op: CollectiveOp::ALL.into_iter().find(|c| c.name() == name).unwrap_or(CollectiveOp::AllReduce),
+            world: a.usize("world")?,
+            rank: a.usize("rank")?,
+        },
         // The body follows on the next lines; `Parser` fills it in.
         "fused" => Op::Fused(Box::new(FusedBody {
             shape: Shape::new(a.list("shape")?),

@@ -149,6 +149,8 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         Op::RopeAt { .. } | Op::CacheWrite | Op::AttentionCached { .. } | Op::Sample { .. } => {
             return crate::decode::recipe(dev, op, at, ot);
         }
+        // The NCCL backend (issue 20) will launch these on the step's stream.
+        Op::Collective { .. } => return Err(unsupported("this device: collectives need the NCCL backend".into())),
         Op::Reshape { .. }
         | Op::Permute { .. }
         | Op::Broadcast { .. }
