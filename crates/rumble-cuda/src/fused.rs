@@ -175,26 +175,57 @@ impl Fused {
             }
         }
         params.extend((0..k).map(|c| format!("double c{c}")));
-        let loads: String = self
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, _)| {
-                let idx = match self.scalar_inputs.get(i) {
-                    Some(Indexing::Scalar) => "0".to_string(),
-                    Some(Indexing::Strided(_)) => format!("bidx(i, b{i})"),
-                    _ => "i".to_string(),
-                };
-                format!("#define IN{i} ld(in{i}[{idx}])\n")
-            })
-            .collect();
-        let core = format!("{loads}{body}{stores}");
-        let name = format!("ew_{:016x}", fnv1a(&[core.as_bytes(), params.join(",").as_bytes()]));
+        // Inputs indexed like the output are read as runs of EW_VEC elements (16-byte accesses)
+        // when every such pointer is 16-byte aligned; the rest of `n` (and every element of a
+        // misaligned call) goes through the scalar loop. A thread loads its whole run before it
+        // stores, so a result computed in place over an operand stays correct.
+        let same = |i: usize| !matches!(self.scalar_inputs.get(i), Some(Indexing::Scalar | Indexing::Strided(_)));
+        let loads = |run: bool| -> String {
+            (0..self.inputs.len())
+                .map(|i| {
+                    let at = match self.scalar_inputs.get(i) {
+                        Some(Indexing::Scalar) => format!("in{i}[0]"),
+                        Some(Indexing::Strided(_)) => format!("in{i}[bidx(i, b{i})]"),
+                        _ if run => format!("r{i}[q]"),
+                        _ => format!("in{i}[i]"),
+                    };
+                    format!("#define IN{i} ld({at})\n")
+                })
+                .collect()
+        };
+        let undefs: String = (0..self.inputs.len()).map(|i| format!("#undef IN{i}\n")).collect();
+        let mut aligned: Vec<String> =
+            (0..self.inputs.len()).filter(|&i| same(i)).map(|i| format!("ew_aligned(in{i})")).collect();
+        aligned.extend((0..self.outputs.len()).map(|k| format!("ew_aligned(out{k})")));
+        let mut run_loads = String::new();
+        for (i, d) in self.inputs.iter().enumerate().filter(|&(i, _)| same(i)) {
+            run_loads.push_str(&format!(
+                "    __align__(16) {} r{i}[EW_VEC];\n    ld_run(r{i}, in{i} + i0);\n",
+                storage_type(*d)
+            ));
+        }
+        let mut run_outs = String::new();
+        let mut run_stores = String::new();
+        let mut elem_stores = String::new();
+        for (k, &o) in self.outputs.iter().enumerate() {
+            run_outs.push_str(&format!("    __align__(16) {} w{k}[EW_VEC];\n", storage_type(self.nodes[o].dtype)));
+            elem_stores.push_str(&format!("      st(&w{k}[q], v{o});\n"));
+            run_stores.push_str(&format!("    st_run(out{k} + i0, w{k});\n"));
+        }
+        let core = format!("{}{body}{stores}", loads(false));
+        let name = format!("ew_{:016x}", fnv1a(&[b"run8", core.as_bytes(), params.join(",").as_bytes()]));
         let src = format!(
-            "{prelude}\nextern \"C\" __global__ void {name}({}, i64 n, int* status, int tag) {{\n  \
-             for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {{\n\
-             {loads}{body}{stores}  }}\n}}\n",
-            params.join(", ")
+            "{prelude}\nextern \"C\" __global__ void {name}({params}, i64 n, int* status, int tag) {{\n  \
+             const i64 t0 = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;\n  \
+             const i64 runs = ({aligned}) ? n / EW_VEC : 0;\n\
+             {run_loads_def}  for (i64 r = t0; r < runs; r += stride) {{\n    const i64 i0 = r * EW_VEC;\n\
+             {run_loads}{run_outs}#pragma unroll\n    for (int q = 0; q < EW_VEC; ++q) {{\n      const i64 i = i0 + q;\n      (void)i;\n\
+             {body}{elem_stores}    }}\n{run_stores}  }}\n{undefs}{scalar_loads}  \
+             for (i64 i = runs * EW_VEC + t0; i < n; i += stride) {{\n{body}{stores}  }}\n{undefs}}}\n",
+            params = params.join(", "),
+            aligned = if aligned.is_empty() { "true".to_string() } else { aligned.join(" && ") },
+            run_loads_def = loads(true),
+            scalar_loads = loads(false),
         );
         Ok((src, name))
     }
@@ -379,6 +410,20 @@ mod tests {
         let out = op.infer(&at).unwrap();
         let ot: Vec<&TensorType> = out.iter().collect();
         Fused::of_op(&op, &at, &ot).unwrap()
+    }
+
+    #[test]
+    fn same_shape_operands_are_read_in_runs_and_broadcasts_per_element() {
+        let t = |shape: &[usize]| TensorType::new(DType::BF16, shape.to_vec());
+        let mut f = one(Op::Binary(BinaryOp::Mul), &[t(&[4, 6]), t(&[4, 6])]);
+        f.scalar_inputs[1] = Indexing::Strided(vec![0; 25]);
+        let (src, _) = f.source("").unwrap();
+        // The same-shape operand and the output move as runs; the broadcast one per element.
+        assert!(src.contains("ld_run(r0, in0 + i0)") && src.contains("st_run(out0 + i0, w0)"), "{src}");
+        assert!(!src.contains("r1[") && src.contains("in1[bidx(i, b1)]"), "{src}");
+        // Misaligned pointers take the scalar loop for every element.
+        assert!(src.contains("(ew_aligned(in0) && ew_aligned(out0)) ? n / EW_VEC : 0"), "{src}");
+        assert!(src.contains("for (i64 i = runs * EW_VEC + t0; i < n; i += stride)"), "{src}");
     }
 
     #[test]

@@ -92,6 +92,32 @@ __device__ __forceinline__ void st(int* p, i64 v) { *p = (int)v; }
 __device__ __forceinline__ void st(i64* p, i64 v) { *p = v; }
 __device__ __forceinline__ void st(u8* p, int v) { *p = (u8)(v != 0); }
 
+// EW_VEC consecutive elements moved as one run of 16-byte (or 8-byte) accesses: the generated
+// elementwise kernels' vector path. `p` is aligned to the run's size, rounded down to 16 bytes.
+#define EW_VEC 8
+template <typename T> __device__ __forceinline__ void ld_run(T (&r)[EW_VEC], const T* p) {
+  constexpr int B = sizeof(T) * EW_VEC;
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < B / 16; ++c) reinterpret_cast<uint4*>(r)[c] = reinterpret_cast<const uint4*>(p)[c];
+  } else {
+    static_assert(B % 8 == 0, "run of at least 8 bytes");
+#pragma unroll
+    for (int c = 0; c < B / 8; ++c) reinterpret_cast<uint2*>(r)[c] = reinterpret_cast<const uint2*>(p)[c];
+  }
+}
+template <typename T> __device__ __forceinline__ void st_run(T* p, const T (&r)[EW_VEC]) {
+  constexpr int B = sizeof(T) * EW_VEC;
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < B / 16; ++c) reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(r)[c];
+  } else {
+#pragma unroll
+    for (int c = 0; c < B / 8; ++c) reinterpret_cast<uint2*>(p)[c] = reinterpret_cast<const uint2*>(r)[c];
+  }
+}
+__device__ __forceinline__ bool ew_aligned(const void* p) { return ((unsigned long long)p & 15) == 0; }
+
 // The arithmetic type of a storage type: f32 for f32/bf16/f16, f64 for f64.
 template <typename T> struct Acc { typedef float t; };
 template <> struct Acc<double> { typedef double t; };
