@@ -344,9 +344,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
-        Some(b) => {
-            Trainer::with_buckets_options(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?
-        }
+        Some(b) => Trainer::with_buckets(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?,
         None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
     };
     trainer.set_steps_done(done);

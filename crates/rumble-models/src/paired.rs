@@ -97,18 +97,6 @@ impl Executor for StepWithEval {
     }
 
     fn stats(&self) -> Option<ExecStats> {
-        let m = self.graphs.memory();
-        let big = self.reports.iter().max_by_key(|r| r.arena_bytes)?;
-        Some(ExecStats {
-            peak_allocated_bytes: m.peak_bytes,
-            device_used_bytes: m.device_rise_bytes,
-            load_bytes: big.load_bytes,
-            arena_bytes: big.arena_bytes,
-            persistent_bytes: big.persistent_bytes,
-            plan_peak_bytes: self.reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
-            build_secs: self.build_secs,
-            predicted_step_ms: self.reports[0].predicted_ms,
-            chosen: self.reports[0].chosen.clone(),
-        })
+        crate::cuda::cuda_stats(self.graphs.memory(), &self.reports, Some(&self.reports[0]), self.build_secs)
     }
 }
