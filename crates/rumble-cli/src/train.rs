@@ -669,14 +669,12 @@ impl DataSource {
             let name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
             return Ok(DataSource::Corpus { corpus, name, rng: Rng::for_name(a.seed, "batches"), val });
         }
-        let Dataset { train, val } = match &a.data {
-            Some(path) => Dataset::load(path, &validation, tok, seq, vocab, a.seed)?,
-            None => {
-                // The shipped corpus as one document, through the model's tokenizer.
-                let doc = Document::Text(String::from_utf8_lossy(CORPUS).into_owned());
-                Dataset::new(vec![doc], "the shipped corpus", &validation, tok, seq, vocab, a.seed)?
-            }
+        let (docs, what) = match &a.data {
+            Some(path) => (rumble_models::data::packed::read_documents(path)?, path.display().to_string()),
+            // The shipped corpus as one document, through the model's tokenizer.
+            None => (vec![Document::Text(String::from_utf8_lossy(CORPUS).into_owned())], "the shipped corpus".into()),
         };
+        let Dataset { train, val } = Dataset::new(docs, &what, &validation, tok, seq, vocab, a.seed)?;
         Ok(DataSource::Packed { train, val })
     }
 

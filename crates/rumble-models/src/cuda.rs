@@ -170,31 +170,37 @@ pub struct NodeTime {
     pub ms: f64,
 }
 
-impl Executor for CudaExecutor {
-    type Error = ModelError;
+/// The [`Executor`] methods of an executor here that runs a rumble-cuda executor held in field
+/// `$inner` (its errors become [`ModelError`]s): the device, outputs, persistent values and
+/// memory figures are the inner executor's.
+macro_rules! cuda_executor_methods {
+    ($inner:ident) => {
+        type Error = ModelError;
 
-    fn device(&self) -> DeviceKind {
-        DeviceKind::Cuda
-    }
+        fn device(&self) -> DeviceKind {
+            DeviceKind::Cuda
+        }
+        fn output(&self, name: &str) -> Result<HostTensor> {
+            Ok(self.$inner.output(name)?)
+        }
+        fn persistent_names(&self) -> Vec<String> {
+            self.$inner.persistent_names()
+        }
+        fn persistent(&self, name: &str) -> Result<HostTensor> {
+            Ok(self.$inner.persistent(name)?)
+        }
+        fn memory(&self) -> MemoryStats {
+            self.$inner.memory()
+        }
+    };
+}
+pub(crate) use cuda_executor_methods;
+
+impl Executor for CudaExecutor {
+    cuda_executor_methods!(inner);
 
     fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         Ok(self.inner.step(data)?)
-    }
-
-    fn output(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.inner.output(name)?)
-    }
-
-    fn persistent_names(&self) -> Vec<String> {
-        self.inner.persistent_names()
-    }
-
-    fn persistent(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.inner.persistent(name)?)
-    }
-
-    fn memory(&self) -> MemoryStats {
-        self.inner.memory()
     }
 
     fn stats(&self) -> Option<ExecStats> {

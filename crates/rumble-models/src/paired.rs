@@ -23,8 +23,6 @@ use rumble_core::exec::MemoryStats;
 /// The step and its validation program as CUDA graphs over one arena; see the module doc.
 pub struct StepWithEval {
     graphs: BucketedGraphs,
-    /// The persistent inputs' names, in trace order.
-    names: Vec<String>,
     reports: [PlanReport; 2],
     build_secs: f64,
 }
@@ -61,16 +59,12 @@ impl StepWithEval {
         let graphs = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
         let reports: [PlanReport; 2] =
             reports.try_into().map_err(|_| ModelError::Usage("step and eval: two plans expected".into()))?;
-        Ok(StepWithEval { graphs, names, reports, build_secs: t0.elapsed().as_secs_f64() })
+        Ok(StepWithEval { graphs, reports, build_secs: t0.elapsed().as_secs_f64() })
     }
 }
 
 impl Executor for StepWithEval {
-    type Error = ModelError;
-
-    fn device(&self) -> DeviceKind {
-        DeviceKind::Cuda
-    }
+    crate::cuda::cuda_executor_methods!(graphs);
 
     fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         Ok(self.graphs.step_bucket(0, data)?)
@@ -78,22 +72,6 @@ impl Executor for StepWithEval {
 
     fn eval(&mut self, data: &[HostTensor]) -> Result<Option<Vec<HostTensor>>> {
         Ok(Some(self.graphs.step_bucket(1, data)?))
-    }
-
-    fn output(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.graphs.output(name)?)
-    }
-
-    fn persistent_names(&self) -> Vec<String> {
-        self.names.clone()
-    }
-
-    fn persistent(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.graphs.persistent(name)?)
-    }
-
-    fn memory(&self) -> MemoryStats {
-        self.graphs.memory()
     }
 
     fn stats(&self) -> Option<ExecStats> {
