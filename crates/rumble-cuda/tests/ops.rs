@@ -428,11 +428,11 @@ fn classic_cublas_matmul_matches_cpu() {
                 g
             };
             for ws_bytes in [0, 4 << 20] {
-                unsafe { dev.matmul_classic(&key, da.ptr, db.ptr, c.ptr, ws.ptr, ws_bytes, 0.0) }.unwrap();
+                unsafe { dev.matmul_classic(&key, [da.ptr, db.ptr, c.ptr, ws.ptr], ws_bytes, 0.0) }.unwrap();
                 get(&format!("ws={ws_bytes}"));
             }
             // Accumulating: c = a b + c, with c = a b already there.
-            unsafe { dev.matmul_classic(&key, da.ptr, db.ptr, c.ptr, ws.ptr, 0, 1.0) }.unwrap();
+            unsafe { dev.matmul_classic(&key, [da.ptr, db.ptr, c.ptr, ws.ptr], 0, 1.0) }.unwrap();
             let twice = HostTensor::new(want.ty.clone(), download(&dev, c.ptr, c.bytes).unwrap()).unwrap();
             let half: Vec<f64> = twice.to_f64().iter().map(|v| v / 2.0).collect();
             let half = HostTensor::from_f64(d, want.ty.dims(), &half).unwrap();
@@ -440,7 +440,7 @@ fn classic_cublas_matmul_matches_cpu() {
             // The tuner's choice (cuBLASLt or classic) agrees too.
             let n = dev.matmul_workspace(&key).unwrap();
             let ws2 = DeviceBuffer::new(&dev, n.max(256), "workspace").unwrap();
-            unsafe { dev.matmul(&key, da.ptr, db.ptr, c.ptr, ws2.ptr, n, 0.0) }.unwrap();
+            unsafe { dev.matmul(&key, [da.ptr, db.ptr, c.ptr, ws2.ptr], n, 0.0) }.unwrap();
             get(dev.matmul_algorithm(&key).unwrap());
         }
     }
