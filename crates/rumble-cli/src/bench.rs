@@ -1,5 +1,5 @@
 //! `rumble bench [WORKLOAD]`: times steps of a workload on random tokens. A step is a forward,
-//! the objective and a backward producing every parameter gradient (the anchors' step), or with
+//! the objective and a backward producing every parameter gradient (the step bench/reference/torch_ref.py times), or with
 //! `--train` the whole training step with the optimizer. On CUDA it times the eager, planned
 //! and graphed executors in turn; each prints one JSON line with the keys bench/compare.py
 //! reads (`executor`, `peak_allocated_bytes`, `device_used_bytes`, `load_bytes`,

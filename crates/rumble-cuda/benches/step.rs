@@ -1,5 +1,5 @@
 //! Step time and memory of the three executors on TinyLlama-style training steps (forward +
-//! backward producing every parameter gradient, no optimizer: the anchors' step). Prints a
+//! backward producing every parameter gradient, no optimizer: the step bench/reference/torch_ref.py times). Prints a
 //! table; `RUMBLE_BENCH=tiny,small` picks configurations, `RUMBLE_BENCH_STEPS` the timed steps.
 //! Without a GPU it prints "skipped: no CUDA device".
 
@@ -19,7 +19,7 @@ use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedEx
 fn configs() -> Vec<(&'static str, TinyLlama)> {
     vec![
         ("tiny", common::tiny(DType::BF16)),
-        // The anchors' `small`: HF LLaMA, vocab 32000, hidden 768, 12 heads, MLP 2048, 12 layers, batch 1, seq 256, bf16.
+        // The `small` preset: HF LLaMA, vocab 32000, hidden 768, 12 heads, MLP 2048, 12 layers, batch 1, seq 256, bf16.
         (
             "small",
             TinyLlama {

@@ -13,7 +13,7 @@ use rumble_cuda::Device;
 
 /// The GPU of a test that needs one. Such tests are `#[ignore = "needs a CUDA device"]`, so on a
 /// machine without CUDA `cargo test` counts them as ignored, never as passed; on a GPU machine
-/// run them with `cargo test -- --include-ignored` (scripts/gpu-run does). Included where there
+/// run them with `cargo test -- --include-ignored` (`scripts/gpu tests` does). Included where there
 /// is no device, they fail, saying why.
 pub fn gpu() -> Arc<Device> {
     Device::new(0).unwrap_or_else(|e| {
