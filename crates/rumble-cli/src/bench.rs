@@ -1,5 +1,5 @@
 //! `rumble bench [WORKLOAD]`: times steps of a workload on random tokens. A step is a forward,
-//! the objective and a backward producing every parameter gradient (the anchors' step), or with
+//! the objective and a backward producing every parameter gradient (the step bench/reference/torch_ref.py times), or with
 //! `--train` the whole training step with the optimizer. On CUDA it times the eager, planned
 //! and graphed executors in turn; each prints one JSON line with the keys bench/compare.py
 //! reads (`executor`, `peak_allocated_bytes`, `device_used_bytes`, `load_bytes`,
@@ -11,7 +11,7 @@ use clap::Args;
 use rumble_core::Trace;
 use rumble_core::compile::{CompileOptions, optimize};
 use rumble_core::cpu::Rng;
-use rumble_models::exec::{CpuExecutor, cuda_unavailable};
+use rumble_models::exec::{CpuExecutor, DeviceKind, cuda_unavailable};
 use rumble_models::host::{self, HostTensor};
 use rumble_models::trainer::cast_weights;
 use rumble_models::{
@@ -65,15 +65,7 @@ type StepFn = dyn FnMut(&[Batch]) -> Result<f32>;
 
 /// Which executors to time: on CUDA each of eager, planned and graphed; on the CPU its one.
 fn executors(device: DeviceChoice, only: Option<&str>) -> Result<Vec<Option<CudaMode>>> {
-    let cuda = match device {
-        DeviceChoice::Cpu => false,
-        DeviceChoice::Cuda => match cuda_unavailable() {
-            Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
-            None => true,
-        },
-        DeviceChoice::Auto => cuda_unavailable().is_none(),
-    };
-    if !cuda {
+    if device.resolve()? == DeviceKind::Cpu {
         return Ok(vec![None]);
     }
     let modes = [CudaMode::Eager, CudaMode::Planned, CudaMode::Graphed];

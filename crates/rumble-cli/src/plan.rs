@@ -20,7 +20,7 @@ pub struct PlanArgs {
     pub workload: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Plan the forward and backward only (the anchors' step); same as `--optimizer none`.
+    /// Plan the forward and backward only (the step bench/reference/torch_ref.py times); same as `--optimizer none`.
     #[arg(long)]
     pub no_optimizer: bool,
     /// Keep the trace's own node order (no memory-aware scheduling).

@@ -344,9 +344,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
     let mut trainer = match &buckets {
-        Some(b) => {
-            Trainer::with_buckets_options(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?
-        }
+        Some(b) => Trainer::with_buckets(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?,
         None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
     };
     trainer.set_steps_done(done);
@@ -671,14 +669,12 @@ impl DataSource {
             let name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
             return Ok(DataSource::Corpus { corpus, name, rng: Rng::for_name(a.seed, "batches"), val });
         }
-        let Dataset { train, val } = match &a.data {
-            Some(path) => Dataset::load(path, &validation, tok, seq, vocab, a.seed)?,
-            None => {
-                // The shipped corpus as one document, through the model's tokenizer.
-                let doc = Document::Text(String::from_utf8_lossy(CORPUS).into_owned());
-                Dataset::new(vec![doc], "the shipped corpus", &validation, tok, seq, vocab, a.seed)?
-            }
+        let (docs, what) = match &a.data {
+            Some(path) => (rumble_models::data::packed::read_documents(path)?, path.display().to_string()),
+            // The shipped corpus as one document, through the model's tokenizer.
+            None => (vec![Document::Text(String::from_utf8_lossy(CORPUS).into_owned())], "the shipped corpus".into()),
         };
+        let Dataset { train, val } = Dataset::new(docs, &what, &validation, tok, seq, vocab, a.seed)?;
         Ok(DataSource::Packed { train, val })
     }
 

@@ -6,27 +6,23 @@
 //! transformers read back (the transformers check runs where `RUMBLE_PYTHON`, default
 //! `python3`, imports torch and transformers: `finetune/check_load.py`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use common::{lines, log_lines, rumble, tmp};
 use serde_json::Value;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/finetune")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rumble-finetune-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 /// Runs `rumble train ARGS --json` and returns its JSON lines.
 fn train(args: &[&str]) -> Vec<Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_rumble")).arg("train").args(args).arg("--json").output().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "rumble train {args:?} failed:\n{stderr}");
-    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
+    let (ok, stdout, stderr) = rumble(&[&["train"], args, &["--json"]].concat());
+    assert!(ok, "rumble train {args:?} failed:\n{stderr}");
+    lines(&stdout)
 }
 
 fn losses(lines: &[Value]) -> Vec<f64> {
@@ -38,7 +34,7 @@ fn a_sharded_hugging_face_folder_fine_tunes_on_jsonl_and_loads_back() {
     let fx = fixture();
     let (model, data, val) = (fx.join("model"), fx.join("data.jsonl"), fx.join("val.jsonl"));
     assert!(model.join("model.safetensors.index.json").is_file() && !model.join("model.safetensors").exists());
-    let out = tmp("run");
+    let out = tmp("finetune", "run");
     let common = ["--batch", "4", "--seq", "32", "--lr", "3e-3", "--device", "cpu", "--seed", "1"];
     let lines = train(
         &[
@@ -62,7 +58,7 @@ fn a_sharded_hugging_face_folder_fine_tunes_on_jsonl_and_loads_back() {
         assert!(out.join(f).is_file(), "{f} missing in {}", out.display());
     }
     // It trains on from where the run ended.
-    let out2 = tmp("again");
+    let out2 = tmp("finetune", "again");
     let again = train(
         &[
             &["--init-from", out.to_str().unwrap(), "--data", data.to_str().unwrap()][..],
@@ -102,7 +98,7 @@ fn data_flags_give_clear_errors() {
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    let bad = tmp("bad.jsonl");
+    let bad = tmp("finetune", "bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"prompt\": 1, \"response\": \"r\"}\n").unwrap();
     let e = run(&["--data", bad.to_str().unwrap()]);
     assert!(e.contains("bad.jsonl") && e.contains("line 2") && e.contains("`prompt` must be a string"), "{e}");
@@ -111,19 +107,6 @@ fn data_flags_give_clear_errors() {
     assert!(e.contains("--val-fraction 1.5"), "{e}");
     let e = run(&["--data", fx.join("nope.jsonl").to_str().unwrap()]);
     assert!(e.contains("nope.jsonl"), "{e}");
-}
-
-/// The loss log's lines without their timings: step, loss, lr, gradient norm and validation
-/// loss as text (equal text: equal bits).
-fn log_lines(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join("loss.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            format!("{} {} {} {} {}", v["step"], v["loss"], v["lr"], v["grad_norm"], v["val_loss"])
-        })
-        .collect()
 }
 
 /// A fine-tune of a model folder resumes bit for bit: 8 steps in one run and 4 + 4 with
@@ -145,7 +128,7 @@ fn a_folder_fine_tune_resumes_bit_for_bit() {
     };
     let run = |args: Vec<String>| train(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let init = ["--init-from".to_string(), model.display().to_string()];
-    let (one, two) = (tmp("whole"), tmp("halves"));
+    let (one, two) = (tmp("finetune", "whole"), tmp("finetune", "halves"));
     run([&init[..], &flags(&one, "8")].concat());
     run([&init[..], &flags(&two, "4")].concat());
     let resumed = run([flags(&two, "8"), vec!["--resume".into(), two.display().to_string()]].concat());

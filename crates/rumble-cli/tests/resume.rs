@@ -9,19 +9,16 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{rumble, tmp};
+use common::{log_lines, rumble, tmp};
 use serde_json::Value;
 
-/// The loss log's step lines without their timings: (step, loss, lr, grad_norm) as text.
-fn losses(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join("loss.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            format!("{} {} {} {}", v["step"], v["loss"], v["lr"], v["grad_norm"])
-        })
-        .collect()
+/// Asserts that the runs in `a` and `b` logged the same lines (`what` says how they ran),
+/// then removes both folders.
+fn same_log_then_remove(a: &Path, b: &Path, what: &str) {
+    assert_eq!(log_lines(a), log_lines(b), "{what}");
+    for d in [a, b] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 /// The flags of a run of the tiny model on the CPU.
@@ -46,7 +43,7 @@ fn ten_plus_ten_resumed_equals_twenty() {
     let (ok, _, err) = run(&flags(&two, 10, &format!("{shape} --save-every 4 --keep-last 1")));
     assert!(ok, "{err}");
     assert!(two.join("checkpoint-8").is_dir() && !two.join("checkpoint-4").exists());
-    assert_eq!(losses(&two).len(), 10);
+    assert_eq!(log_lines(&two).len(), 10);
 
     // Other flags than the run's are refused, naming what differs.
     let (ok, _, err) = run(&flags(&two, 20, &format!("{shape} --lr 0.1 --resume {}", two.display())));
@@ -55,10 +52,7 @@ fn ten_plus_ten_resumed_equals_twenty() {
     let (ok, stdout, err) = run(&flags(&two, 20, &format!("{shape} --resume {}", two.display())));
     assert!(ok, "{err}");
     assert!(stdout.contains("\"start_step\":10"), "{stdout}");
-    assert_eq!(losses(&one), losses(&two), "20 steps vs 10 + 10 resumed");
-    for d in [&one, &two] {
-        let _ = std::fs::remove_dir_all(d);
-    }
+    same_log_then_remove(&one, &two, "20 steps vs 10 + 10 resumed");
 }
 
 #[test]
@@ -94,14 +88,11 @@ fn sigint_finishes_the_step_saves_and_the_run_resumes_to_the_same_losses() {
     let stopped: Value = serde_json::from_str(rest.last().unwrap()).unwrap();
     assert_eq!(stopped["event"], "interrupted");
     let at = stopped["step"].as_u64().unwrap();
-    assert!(at < 40 && losses(&cut).len() as u64 == at, "stopped at {at}");
+    assert!(at < 40 && log_lines(&cut).len() as u64 == at, "stopped at {at}");
 
     let (ok, _, err) = run(&flags(&cut, 40, &format!("--resume {}", cut.display())));
     assert!(ok, "{err}");
-    assert_eq!(losses(&one), losses(&cut), "interrupted at {at} and resumed");
-    for d in [&one, &cut] {
-        let _ = std::fs::remove_dir_all(d);
-    }
+    same_log_then_remove(&one, &cut, &format!("interrupted at {at} and resumed"));
 }
 
 #[test]

@@ -27,7 +27,7 @@ use rumble_cuda::launch::{Buffers, Recipe};
 use rumble_cuda::memory::{DeviceBuffer, download};
 use rumble_cuda::recipe::prepare;
 
-struct Shape {
+struct AttnShape {
     name: &'static str,
     dtype: DType,
     hq: usize,
@@ -36,8 +36,8 @@ struct Shape {
     d: usize,
 }
 
-fn shapes() -> Vec<Shape> {
-    let s = |name, dtype, hq, hkv, t, d| Shape { name, dtype, hq, hkv, t, d };
+fn shapes() -> Vec<AttnShape> {
+    let s = |name, dtype, hq, hkv, t, d| AttnShape { name, dtype, hq, hkv, t, d };
     vec![
         s("d64-t2048", DType::BF16, 32, 8, 2048, 64),
         s("d128-t2048", DType::BF16, 32, 8, 2048, 128),
@@ -109,7 +109,7 @@ struct Run {
 }
 
 /// Forward and backward of `sh` on fresh random inputs (the same for the same `seed`).
-fn run_shape(dev: &Device, sh: &Shape, iters: usize, seed: u64) -> Run {
+fn run_shape(dev: &Device, sh: &AttnShape, iters: usize, seed: u64) -> Run {
     let mut rng = Rng::new(seed);
     let (dt, b, t, d) = (sh.dtype, 1, sh.t, sh.d);
     let scale = 1.0 / (d as f64).sqrt();
@@ -174,7 +174,7 @@ fn main() {
         let _ = std::fs::remove_file(d.join("manifest.jsonl"));
     }
     println!("device: {} ({}), {} SMs", dev.name, dev.arch, dev.multiprocessors);
-    let chosen: Vec<Shape> =
+    let chosen: Vec<AttnShape> =
         shapes().into_iter().filter(|s| pick.as_ref().is_none_or(|p| p.split(',').any(|x| x == s.name))).collect();
     println!(
         "attention fwd+bwd, B=1, causal, layout {} (ms; TFLOP/s counts causal matmul flops, bwd = 2.5 x fwd)",
@@ -216,19 +216,16 @@ fn main() {
             for (name, bytes) in ["o", "lse", "dq", "dk", "dv"].iter().zip(&outs) {
                 save(name, bytes).expect("dump output");
             }
-            let line = format!(
-                "{{\"name\":\"{}\",\"dtype\":\"{}\",\"b\":{b},\"hq\":{},\"hkv\":{},\"t\":{t},\"d\":{d},\"causal\":true,\"scale\":{scale},\"fwd_ms\":{fwd_ms},\"bwd_ms\":{bwd_ms},\"kernels\":\"{kind}\"}}\n",
-                sh.name,
-                dt.name(),
-                sh.hq,
-                sh.hkv
-            );
+            let line = serde_json::json!({
+                "name": sh.name, "dtype": dt.name(), "b": b, "hq": sh.hq, "hkv": sh.hkv, "t": t, "d": d,
+                "causal": true, "scale": scale, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "kernels": kind,
+            });
             let mut f = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(dir.join("manifest.jsonl"))
                 .expect("manifest");
-            f.write_all(line.as_bytes()).expect("manifest line");
+            writeln!(f, "{line}").expect("manifest line");
         }
     }
 }

@@ -98,10 +98,10 @@ fn main() {
         let ws_bytes = dev.matmul_workspace(&key).expect("matmul plan");
         let ws = DeviceBuffer::new(&dev, ws_bytes.max(256), "ws").expect("alloc");
         let lt_ms = time(&dev, iters, || {
-            unsafe { dev.matmul(&key, a.ptr, b.ptr, c.ptr, ws.ptr, ws_bytes, 0.0) }.expect("matmul")
+            unsafe { dev.matmul(&key, [a.ptr, b.ptr, c.ptr, ws.ptr], ws_bytes, 0.0) }.expect("matmul")
         });
         let legacy_ms = time(&dev, iters, || {
-            unsafe { dev.matmul_classic(&key, a.ptr, b.ptr, c.ptr, legacy_ws.ptr, legacy_ws.bytes, 0.0) }
+            unsafe { dev.matmul_classic(&key, [a.ptr, b.ptr, c.ptr, legacy_ws.ptr], legacy_ws.bytes, 0.0) }
                 .expect("classic cuBLAS matmul")
         });
         let chosen = dev.matmul_algorithm(&key).expect("matmul plan");

@@ -1,5 +1,5 @@
 //! Step time and memory of the three executors on TinyLlama-style training steps (forward +
-//! backward producing every parameter gradient, no optimizer: the anchors' step). Prints a
+//! backward producing every parameter gradient, no optimizer: the step bench/reference/torch_ref.py times). Prints a
 //! table; `RUMBLE_BENCH=tiny,small` picks configurations, `RUMBLE_BENCH_STEPS` the timed steps.
 //! Without a GPU it prints "skipped: no CUDA device".
 
@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rumble_core::cpu::Rng;
+use rumble_core::exec::MemoryStats;
 use rumble_core::ir::DType;
 use rumble_core::plan::{PlanOptions, plan_in_order};
 use rumble_core::testing::TinyLlama;
@@ -17,21 +18,8 @@ use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedEx
 
 fn configs() -> Vec<(&'static str, TinyLlama)> {
     vec![
-        (
-            "tiny",
-            TinyLlama {
-                vocab: 96,
-                dim: 64,
-                heads: 4,
-                kv_heads: 2,
-                hidden: 96,
-                layers: 2,
-                batch: 2,
-                seq: 24,
-                dtype: DType::BF16,
-            },
-        ),
-        // The anchors' `small`: HF LLaMA, vocab 32000, hidden 768, 12 heads, MLP 2048, 12 layers, batch 1, seq 256, bf16.
+        ("tiny", common::tiny(DType::BF16)),
+        // The `small` preset: HF LLaMA, vocab 32000, hidden 768, 12 heads, MLP 2048, 12 layers, batch 1, seq 256, bf16.
         (
             "small",
             TinyLlama {
@@ -47,6 +35,20 @@ fn configs() -> Vec<(&'static str, TinyLlama)> {
             },
         ),
     ]
+}
+
+fn mb(bytes: usize) -> f64 {
+    bytes as f64 / 1048576.0
+}
+
+/// A row of the table: configuration, executor, median step time, memory figures and loss.
+fn row(name: &str, label: &str, ms: f64, m: &MemoryStats, loss: f32) -> String {
+    format!(
+        "{name:<6} {label:<15} {ms:>9.3} {:>10.1} {:>10.1} {:>10.1} {loss:.4}",
+        mb(m.peak_bytes),
+        mb(m.reserved_bytes),
+        mb(m.device_rise_bytes)
+    )
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -111,7 +113,6 @@ fn main() {
         let compile_s = t0.elapsed().as_secs_f64();
         let params = common::init_params(&trace, &mut Rng::new(1));
         let v = cfg.vocab as u64;
-        let mb = |b: usize| b as f64 / 1048576.0;
         println!(
             "{name}: {} nodes, plan arena {:.1} MiB (load {:.1}, workspace {:.1}), persistent {:.1} MiB, prepare {:.2}s",
             trace.nodes.len(),
@@ -126,23 +127,12 @@ fn main() {
             let (ms, loss) = time(&mut e, &trace, v, steps);
             let m = e.memory();
             profile(&mut e, &trace, v, name);
-            rows.push(format!(
-                "{name:<6} eager           {ms:>9.3} {:>10.1} {:>10.1} {:>10.1} {loss:.4}",
-                mb(m.peak_bytes),
-                mb(m.reserved_bytes),
-                mb(m.device_rise_bytes)
-            ));
+            rows.push(row(name, "eager", ms, &m, loss));
         }
         {
             let mut p = PlannedExecutor::new(prog.clone(), &params).expect("planned");
             let (ms, loss) = time(&mut p, &trace, v, steps);
-            let m = p.memory();
-            rows.push(format!(
-                "{name:<6} planned         {ms:>9.3} {:>10.1} {:>10.1} {:>10.1} {loss:.4}",
-                mb(m.peak_bytes),
-                mb(m.reserved_bytes),
-                mb(m.device_rise_bytes)
-            ));
+            rows.push(row(name, "planned", ms, &p.memory(), loss));
         }
         // The same step planned with the memory-aware schedule (reordered nodes).
         let sched = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("plan"));
@@ -154,24 +144,21 @@ fn main() {
             mb(prog.plan.load_bytes)
         );
         for (label, mode, p) in [
-            ("graphed-whole  ", GraphMode::Whole, &prog),
+            ("graphed-whole", GraphMode::Whole, &prog),
             ("graphed-fwd-bwd", GraphMode::ForwardBackward, &prog),
-            ("graphed-sched  ", GraphMode::Whole, &sched),
+            ("graphed-sched", GraphMode::Whole, &sched),
         ] {
             let mut g = match GraphedExecutor::new(p.clone(), &params, mode) {
                 Ok(g) => g,
                 Err(e) => {
-                    rows.push(format!("{name:<6} {label} failed: {e}"));
+                    rows.push(format!("{name:<6} {label:<15} failed: {e}"));
                     continue;
                 }
             };
             let (ms, loss) = time(&mut g, &trace, v, steps);
-            let m = g.memory();
             rows.push(format!(
-                "{name:<6} {label} {ms:>9.3} {:>10.1} {:>10.1} {:>10.1} {loss:.4}   capture {:.3}s {:?}",
-                mb(m.peak_bytes),
-                mb(m.reserved_bytes),
-                mb(m.device_rise_bytes),
+                "{}   capture {:.3}s {:?}",
+                row(name, label, ms, &g.memory(), loss),
                 g.capture_secs,
                 g.graphs()
             ));

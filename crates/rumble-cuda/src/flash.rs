@@ -168,6 +168,14 @@ pub fn wgmma(cc: (i32, i32), knobs: &Knobs) -> bool {
     cc == (9, 0) && knobs.flash_wgmma
 }
 
+/// `("FA_FIELD", value)` for each named field of a [`Launch`] (flags as 0 or 1): a define is
+/// its field's name in capitals, so the kernel files and the struct cannot drift apart.
+macro_rules! launch_defines {
+    ($s:ident; $($field:ident),* $(,)?) => {
+        [$((concat!("FA_", stringify!($field)).to_uppercase(), ($s.$field as usize).to_string())),*]
+    };
+}
+
 /// The launch shape of a variant's kernels, from its [`Tiles`] (or the FMA tiling).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Launch {
@@ -230,40 +238,25 @@ impl Variant {
     /// of tests/flash_emu/ compiles the kernel files with these too.)
     pub fn defines(&self) -> String {
         let s = self.shape();
-        let mut d = match self {
+        let mut d: Vec<(String, String)> = match self {
             Variant::Mma { dtype, dp, .. } => {
                 vec![
-                    ("FT", dtype.name().to_string()),
-                    ("FLASH_F16", ((*dtype == DType::F16) as i32).to_string()),
-                    ("FDP", dp.to_string()),
+                    ("FT".into(), dtype.name().to_string()),
+                    ("FLASH_F16".into(), ((*dtype == DType::F16) as i32).to_string()),
+                    ("FDP".into(), dp.to_string()),
                 ]
             }
-            Variant::Fma { dp } => vec![("FDPF", dp.to_string())],
+            Variant::Fma { dp } => vec![("FDPF".into(), dp.to_string())],
         };
-        let n = |x: usize| x.to_string();
-        d.extend([
-            ("FA_THREADS", n(self.threads())),
-            ("FA_FWD_ROWS", n(s.fwd_rows)),
-            ("FA_FWD_KEYS", n(s.fwd_keys)),
-            ("FA_FWD_STEP", n(s.fwd_step)),
-            ("FA_FWD_THREADS", n(s.fwd_threads)),
-            ("FA_FWD_WG", n(s.fwd_wg as usize)),
-            ("FA_FWD_STAGES", n(s.stages[0])),
-            ("FA_SMEM_FWD", n(s.smem_fwd)),
-            ("FA_DQ_ROWS", n(s.dq_rows)),
-            ("FA_DQ_KEYS", n(s.dq_keys)),
-            ("FA_DQ_THREADS", n(s.dq_threads)),
-            ("FA_DQ_WG", n(s.dq_wg as usize)),
-            ("FA_DQ_STAGES", n(s.stages[1])),
-            ("FA_SMEM_DQ", n(s.smem_dq)),
-            ("FA_DKDV_KEYS", n(s.dkdv_keys)),
-            ("FA_DKDV_QUERIES", n(s.dkdv_queries)),
-            ("FA_DKDV_DIMS", n(s.dkdv_dims)),
-            ("FA_NCHUNK", n(s.nchunk)),
-            ("FA_DKDV_THREADS", n(s.dkdv_threads)),
-            ("FA_DKDV_STAGES", n(s.stages[2])),
-            ("FA_SMEM_DKDV", n(s.smem_dkdv)),
-        ]);
+        let stages = |name: &str, i: usize| (format!("FA_{name}_STAGES"), s.stages[i].to_string());
+        d.push(("FA_THREADS".into(), self.threads().to_string()));
+        d.extend(launch_defines!(s; fwd_rows, fwd_keys, fwd_step, fwd_threads, fwd_wg));
+        d.push(stages("FWD", 0));
+        d.extend(launch_defines!(s; smem_fwd, dq_rows, dq_keys, dq_threads, dq_wg));
+        d.push(stages("DQ", 1));
+        d.extend(launch_defines!(s; smem_dq, dkdv_keys, dkdv_queries, dkdv_dims, nchunk, dkdv_threads));
+        d.push(stages("DKDV", 2));
+        d.extend(launch_defines!(s; smem_dkdv));
         d.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect()
     }
 

@@ -261,7 +261,7 @@ impl Recipe {
                 }
                 Step::Matmul { key, a, b: bm, c, ws, ws_bytes, beta } => unsafe {
                     let (pa, pb, pc) = (addr(a, b)?, addr(bm, b)?, addr(c, b)?);
-                    dev.matmul(key, pa, pb, pc, b.scratch + *ws as u64, *ws_bytes, *beta)?
+                    dev.matmul(key, [pa, pb, pc, b.scratch + *ws as u64], *ws_bytes, *beta)?
                 },
                 Step::Host { op, args, outs } => run_on_host(dev, tag, self.op, op, args, outs, b)?,
             }

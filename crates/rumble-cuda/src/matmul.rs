@@ -303,6 +303,28 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     Ok(plan)
 }
 
+/// A gemm's `alpha = 1` and `beta` in both compute types, where cuBLAS reads them during the
+/// call (so they must outlive it).
+struct Scalars {
+    f32s: [f32; 2],
+    f64s: [f64; 2],
+}
+
+impl Scalars {
+    fn new(beta: f64) -> Scalars {
+        Scalars { f32s: [1.0, beta as f32], f64s: [1.0, beta] }
+    }
+
+    /// Pointers to `alpha` and `beta` as f64 or f32.
+    fn ptrs(&self, f64: bool) -> (*const c_void, *const c_void) {
+        if f64 {
+            (&self.f64s[0] as *const f64 as *const c_void, &self.f64s[1] as *const f64 as *const c_void)
+        } else {
+            (&self.f32s[0] as *const f32 as *const c_void, &self.f32s[1] as *const f32 as *const c_void)
+        }
+    }
+}
+
 impl Device {
     /// Workspace bytes the cached algorithm of `key` needs (choosing it on first use).
     pub fn matmul_workspace(&self, key: &MatmulKey) -> Result<usize> {
@@ -316,18 +338,15 @@ impl Device {
         Ok(cache.plans[key].workspace)
     }
 
-    /// Launches `c = op(a) op(b)` on the device's stream.
+    /// Launches `c = op(a) op(b) + beta * c` on the device's stream, the operands given as
+    /// `[a, b, c, ws]`.
     ///
     /// # Safety
     /// `a`, `b`, `c` must point to device buffers of the key's shapes, `ws` to `ws_bytes` bytes.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul(
         &self,
         key: &MatmulKey,
-        a: dsys::CUdeviceptr,
-        b: dsys::CUdeviceptr,
-        c: dsys::CUdeviceptr,
-        ws: dsys::CUdeviceptr,
+        [a, b, c, ws]: [dsys::CUdeviceptr; 4],
         ws_bytes: usize,
         beta: f64,
     ) -> Result<()> {
@@ -370,12 +389,8 @@ impl Device {
         ws: dsys::CUdeviceptr,
         beta: f64,
     ) -> Result<()> {
-        let (one32, zero32, one64, zero64) = (1f32, beta as f32, 1f64, beta);
-        let (alpha, beta): (*const c_void, *const c_void) = if p.f64 {
-            (&one64 as *const f64 as *const c_void, &zero64 as *const f64 as *const c_void)
-        } else {
-            (&one32 as *const f32 as *const c_void, &zero32 as *const f32 as *const c_void)
-        };
+        let scalars = Scalars::new(beta);
+        let (alpha, beta) = scalars.ptrs(p.f64);
         let algo = match p.algo {
             Algo::Lt(algo) => algo,
             Algo::Classic => {
@@ -415,26 +430,18 @@ impl Device {
     ///
     /// # Safety
     /// As [`Device::matmul`].
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul_classic(
         &self,
         key: &MatmulKey,
-        a: dsys::CUdeviceptr,
-        b: dsys::CUdeviceptr,
-        c: dsys::CUdeviceptr,
-        ws: dsys::CUdeviceptr,
+        operands: [dsys::CUdeviceptr; 4],
         ws_bytes: usize,
         beta: f64,
     ) -> Result<()> {
         self.bind()?;
         let tf32 = key.dtype == DType::F32 && self.knobs().tf32;
-        let (one32, beta32, one64) = (1f32, beta as f32, 1f64);
-        let (alpha, beta): (*const c_void, *const c_void) = if key.dtype == DType::F64 {
-            (&one64 as *const f64 as *const c_void, &beta as *const f64 as *const c_void)
-        } else {
-            (&one32 as *const f32 as *const c_void, &beta32 as *const f32 as *const c_void)
-        };
-        unsafe { self.launch_classic(key, ws_bytes, tf32, [a, b, c, ws], alpha, beta) }
+        let scalars = Scalars::new(beta);
+        let (alpha, beta) = scalars.ptrs(key.dtype == DType::F64);
+        unsafe { self.launch_classic(key, ws_bytes, tf32, operands, alpha, beta) }
     }
 
     /// `key` through cuBLAS's classic strided-batched gemm on the device's stream, with exactly

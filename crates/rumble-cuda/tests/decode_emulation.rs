@@ -6,26 +6,17 @@
 //! or two, head sizes 1 to 256, several query rows. No GPU needed; needs `g++` (C++20), else
 //! prints "skipped: no g++".
 
-use std::path::Path;
+mod common;
+
 use std::process::Command;
 
 use rumble_cuda::decode::{AttentionSplit, source};
 
 #[test]
 fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
-    if Command::new("g++").arg("--version").output().is_err() {
-        println!("skipped: no g++");
-        return;
-    }
-    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/decode_emu");
-    if !here.join("ac_main.cpp").exists() {
-        println!("skipped: {} is not on this machine (a test binary built elsewhere)", here.display());
-        return;
-    }
+    let Some((here, dir)) = common::emulator("decode_emu", "ac_main.cpp") else { return };
     let src = source();
     let (from, to) = (src.find("// Flash-decoding").expect("marker"), src.find("// SplitMix64").expect("marker"));
-    let dir = std::env::temp_dir().join(format!("rumble-decode-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("build dir");
     std::fs::write(dir.join("ac.cuh"), &src[from..to]).expect("kernel text");
     let bin = dir.join("ac");
     let out = Command::new("g++")

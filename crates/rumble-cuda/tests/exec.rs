@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{compare, gpu, init_params, step_inputs, tiny, tiny_step, tolerance, train, training_step};
+use common::{compare, gpu, init_params, step_inputs, tiny, tiny_step, tiny_steps, tolerance, train, training_step};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, OutputRole};
 use rumble_core::plan::{PlanOptions, plan_in_order, plan_naive};
@@ -19,8 +19,7 @@ use rumble_cuda::{CudaError, EagerExecutor, Executor, GraphMode, GraphedExecutor
 #[ignore = "needs a CUDA device"]
 fn executors_agree_bit_for_bit_over_100_steps() {
     let dev = gpu();
-    for dtype in [DType::F32, DType::BF16] {
-        let (c, trace) = tiny_step(dtype);
+    for (dtype, c, trace) in tiny_steps() {
         let params = init_params(&trace, &mut Rng::new(1));
         let steps = 100;
         // Three plans of the same step: no reuse; reuse + views + in-place in trace order;
@@ -169,8 +168,7 @@ fn forward_and_backward_graphs_can_run_separately() {
 #[ignore = "needs a CUDA device"]
 fn fused_step_is_bit_identical_to_unfused() {
     let dev = gpu();
-    for dtype in [DType::F32, DType::BF16] {
-        let (c, trace) = tiny_step(dtype);
+    for (dtype, c, trace) in tiny_steps() {
         let fused = rumble_core::passes::fuse(&trace).expect("fuse");
         let n_fused = fused.nodes.iter().filter(|n| n.op.name() == "fused").count();
         assert!(n_fused > 0, "the fusion pass made no fused node");

@@ -11,6 +11,8 @@
 //! of the tensor-core kernels and three of the f32 ones on a few small shapes;
 //! `RUMBLE_FLASH_EMU=full` runs the whole matrix (larger shapes, head sizes up to 256, f16).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -123,19 +125,9 @@ fn build(here: &Path, dir: &Path, v: Variant) -> Result<PathBuf, String> {
 
 #[test]
 fn flash_kernels_match_exact_attention_on_the_cpu_emulator() {
-    if Command::new("g++").arg("--version").output().is_err() {
-        println!("skipped: no g++");
-        return;
-    }
-    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/flash_emu");
-    if !here.join("emu_main.cpp").exists() {
-        println!("skipped: {} is not on this machine (a test binary built elsewhere)", here.display());
-        return;
-    }
+    let Some((here, dir)) = common::emulator("flash_emu", "emu_main.cpp") else { return };
     let full_run = std::env::var("RUMBLE_FLASH_EMU").is_ok_and(|v| v == "full");
     let cases = if full_run { full() } else { quick() };
-    let dir = std::env::temp_dir().join(format!("rumble-flash-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("build dir");
     // Each module once, two at a time (g++ is the slow part).
     let mut variants: Vec<Variant> = Vec::new();
     for c in &cases {

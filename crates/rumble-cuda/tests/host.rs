@@ -8,9 +8,8 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{compare, gpu, init_params, step_inputs, tiny_step, tolerance, train};
+use common::{compare, gpu, init_params, step_inputs, tiny_steps, tolerance, train};
 use rumble_core::cpu::Rng;
-use rumble_core::ir::DType;
 use rumble_core::plan::PlanOptions;
 use rumble_cuda::{Executor, GraphMode, GraphedExecutor, PlannedExecutor, Program};
 
@@ -20,8 +19,7 @@ const HOST_OPS: [&str; 3] = ["rms_norm", "rms_norm_backward", "cross_entropy"];
 #[ignore = "needs a CUDA device"]
 fn graphs_split_around_host_nodes_and_agree_bit_for_bit() {
     let dev = gpu();
-    for dtype in [DType::F32, DType::BF16] {
-        let (c, trace) = tiny_step(dtype);
+    for (dtype, c, trace) in tiny_steps() {
         dev.set_host_ops(&HOST_OPS);
         let prog = Program::planned(dev.clone(), &trace, &PlanOptions::default());
         dev.set_host_ops(&[]);

@@ -86,6 +86,14 @@ fn check_all(dev: &Arc<Device>, cases: Vec<Case>) {
     assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
 
+/// Builds a test's cases from `Rng::new(seed)` and checks them all on the GPU.
+fn check_cases(seed: u64, build: impl FnOnce(&mut Rng, &mut Vec<Case>)) {
+    let dev = gpu();
+    let mut cases = Vec::new();
+    build(&mut Rng::new(seed), &mut cases);
+    check_all(&dev, cases);
+}
+
 fn t(d: DType, dims: &[usize]) -> TensorType {
     TensorType::new(d, dims.to_vec())
 }
@@ -97,256 +105,257 @@ fn ids(d: DType, dims: &[usize], hi: u64, rng: &mut Rng) -> HostTensor {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn elementwise_ops_match_cpu() {
-    let dev = gpu();
-    let mut rng = Rng::new(1);
-    let r = &mut rng;
-    let s = [37, 65];
-    let mut cases = Vec::new();
-    for d in FLOATS.into_iter().chain([DType::F16]) {
-        for u in UnaryOp::ALL {
-            let x = match u {
-                UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => positive(t(d, &s), r),
-                UnaryOp::Recip => away_from_zero(t(d, &s), r),
-                _ => randn(t(d, &s), r),
-            };
-            cases.push(case(Op::Unary(u), vec![x]));
+    check_cases(1, |r, cases| {
+        let s = [37, 65];
+        for d in FLOATS.into_iter().chain([DType::F16]) {
+            for u in UnaryOp::ALL {
+                let x = match u {
+                    UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => positive(t(d, &s), r),
+                    UnaryOp::Recip => away_from_zero(t(d, &s), r),
+                    _ => randn(t(d, &s), r),
+                };
+                cases.push(case(Op::Unary(u), vec![x]));
+            }
+            cases.push(case(Op::PowScalar { exponent: 2.5 }, vec![positive(t(d, &s), r)]));
+            cases.push(case(Op::AddScalar { value: -0.375 }, vec![randn(t(d, &s), r)]));
+            cases.push(case(Op::MulScalar { value: 1.0 / 3.0 }, vec![randn(t(d, &s), r)]));
+            for b in BinaryOp::ALL {
+                let y = if b == BinaryOp::Div { away_from_zero(t(d, &s), r) } else { randn(t(d, &s), r) };
+                cases.push(case(Op::Binary(b), vec![randn(t(d, &s), r), y]));
+            }
+            cases.push(case(Op::Swiglu, vec![randn(t(d, &s), r), randn(t(d, &s), r)]));
+            cases.push(case(Op::SwigluBackward, vec![randn(t(d, &s), r), randn(t(d, &s), r), randn(t(d, &s), r)]));
+            // Gate and up side by side in rows of 2 x 37 (the last dim odd on each half).
+            cases.push(case(Op::SwigluPacked, vec![randn(t(d, &[3, 5, 74]), r)]));
+            cases.push(case(Op::SwigluPackedBackward, vec![randn(t(d, &[3, 5, 74]), r), randn(t(d, &[3, 5, 37]), r)]));
+            let cond = randn(t(DType::F32, &s), r).cast(DType::Bool);
+            cases.push(case(Op::Where, vec![cond, randn(t(d, &s), r), randn(t(d, &s), r)]));
+            cases.push(case(Op::Full { value: -1.25, ty: t(d, &s) }, vec![]));
         }
-        cases.push(case(Op::PowScalar { exponent: 2.5 }, vec![positive(t(d, &s), r)]));
-        cases.push(case(Op::AddScalar { value: -0.375 }, vec![randn(t(d, &s), r)]));
-        cases.push(case(Op::MulScalar { value: 1.0 / 3.0 }, vec![randn(t(d, &s), r)]));
-        for b in BinaryOp::ALL {
-            let y = if b == BinaryOp::Div { away_from_zero(t(d, &s), r) } else { randn(t(d, &s), r) };
-            cases.push(case(Op::Binary(b), vec![randn(t(d, &s), r), y]));
+        for d in [DType::I32, DType::I64] {
+            for b in BinaryOp::ALL {
+                let x = ids(d, &s, 1000, r);
+                let y =
+                    if b == BinaryOp::Div { ids(d, &s, 50, r).cast(DType::F64).cast(d) } else { ids(d, &s, 1000, r) };
+                // Divisors in 1..=50.
+                let y = if b == BinaryOp::Div {
+                    HostTensor::from_i64(d, &s, &y.to_i64().iter().map(|v| v + 1).collect::<Vec<_>>()).unwrap()
+                } else {
+                    y
+                };
+                cases.push(case(Op::Binary(b), vec![x, y]));
+            }
+            cases.push(case(Op::Full { value: 7.9, ty: t(d, &s) }, vec![]));
         }
-        cases.push(case(Op::Swiglu, vec![randn(t(d, &s), r), randn(t(d, &s), r)]));
-        cases.push(case(Op::SwigluBackward, vec![randn(t(d, &s), r), randn(t(d, &s), r), randn(t(d, &s), r)]));
-        // Gate and up side by side in rows of 2 x 37 (the last dim odd on each half).
-        cases.push(case(Op::SwigluPacked, vec![randn(t(d, &[3, 5, 74]), r)]));
-        cases.push(case(Op::SwigluPackedBackward, vec![randn(t(d, &[3, 5, 74]), r), randn(t(d, &[3, 5, 37]), r)]));
-        let cond = randn(t(DType::F32, &s), r).cast(DType::Bool);
-        cases.push(case(Op::Where, vec![cond, randn(t(d, &s), r), randn(t(d, &s), r)]));
-        cases.push(case(Op::Full { value: -1.25, ty: t(d, &s) }, vec![]));
-    }
-    for d in [DType::I32, DType::I64] {
-        for b in BinaryOp::ALL {
-            let x = ids(d, &s, 1000, r);
-            let y = if b == BinaryOp::Div { ids(d, &s, 50, r).cast(DType::F64).cast(d) } else { ids(d, &s, 1000, r) };
-            // Divisors in 1..=50.
-            let y = if b == BinaryOp::Div {
-                HostTensor::from_i64(d, &s, &y.to_i64().iter().map(|v| v + 1).collect::<Vec<_>>()).unwrap()
-            } else {
-                y
-            };
-            cases.push(case(Op::Binary(b), vec![x, y]));
+        for d in [DType::F32, DType::BF16, DType::I64] {
+            for c in CmpOp::ALL {
+                // Equal elements appear: compare x with a copy that shares half its values.
+                let x = if d.is_float() { randn(t(d, &s), r) } else { ids(d, &s, 4, r) };
+                let y = if d.is_float() { randn(t(d, &s), r) } else { ids(d, &s, 4, r) };
+                cases.push(case(Op::Compare(c), vec![x, y]));
+            }
         }
-        cases.push(case(Op::Full { value: 7.9, ty: t(d, &s) }, vec![]));
-    }
-    for d in [DType::F32, DType::BF16, DType::I64] {
-        for c in CmpOp::ALL {
-            // Equal elements appear: compare x with a copy that shares half its values.
-            let x = if d.is_float() { randn(t(d, &s), r) } else { ids(d, &s, 4, r) };
-            let y = if d.is_float() { randn(t(d, &s), r) } else { ids(d, &s, 4, r) };
-            cases.push(case(Op::Compare(c), vec![x, y]));
+        for from in DType::ALL {
+            for to in DType::ALL {
+                let x = match from {
+                    DType::Bool => randn(t(DType::F32, &s), r).cast(DType::Bool),
+                    d if d.is_int() => {
+                        HostTensor::from_i64(d, &s, &(0..37 * 65).map(|i| i * 7919 - 90000).collect::<Vec<_>>())
+                            .unwrap()
+                    }
+                    d => HostTensor::from_f64(d, &s, &(0..37 * 65).map(|_| r.normal() * 1e3).collect::<Vec<_>>())
+                        .unwrap(),
+                };
+                cases.push(case(Op::Cast { to }, vec![x]));
+            }
         }
-    }
-    for from in DType::ALL {
-        for to in DType::ALL {
-            let x = match from {
-                DType::Bool => randn(t(DType::F32, &s), r).cast(DType::Bool),
-                d if d.is_int() => {
-                    HostTensor::from_i64(d, &s, &(0..37 * 65).map(|i| i * 7919 - 90000).collect::<Vec<_>>()).unwrap()
-                }
-                d => HostTensor::from_f64(d, &s, &(0..37 * 65).map(|_| r.normal() * 1e3).collect::<Vec<_>>()).unwrap(),
-            };
-            cases.push(case(Op::Cast { to }, vec![x]));
-        }
-    }
-    check_all(&dev, cases);
+    });
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn layout_and_reduction_ops_match_cpu() {
-    let dev = gpu();
-    let mut rng = Rng::new(2);
-    let r = &mut rng;
-    let mut cases = Vec::new();
-    for d in FLOATS {
-        let x = || t(d, &[3, 50, 33]);
-        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
-            for (axes, keepdim) in
-                [(vec![2], false), (vec![0], true), (vec![0, 2], false), (vec![0, 1, 2], false), (vec![1], true)]
-            {
-                cases.push(case(Op::Reduce { op, axes, keepdim }, vec![randn(x(), r)]));
+    check_cases(2, |r, cases| {
+        for d in FLOATS {
+            let x = || t(d, &[3, 50, 33]);
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                for (axes, keepdim) in
+                    [(vec![2], false), (vec![0], true), (vec![0, 2], false), (vec![0, 1, 2], false), (vec![1], true)]
+                {
+                    cases.push(case(Op::Reduce { op, axes, keepdim }, vec![randn(x(), r)]));
+                }
+            }
+            // Few outputs over many elements: the split (two-pass) reduction, contiguous and not.
+            for (op, dims, axes) in [
+                (ReduceOp::Sum, vec![300, 1000], vec![0, 1]),
+                (ReduceOp::Mean, vec![3, 70000], vec![1]),
+                (ReduceOp::Max, vec![70000, 2], vec![0]),
+                (ReduceOp::Sum, vec![2, 40000, 3], vec![1]),
+            ] {
+                cases.push(case(Op::Reduce { op, axes, keepdim: false }, vec![randn(t(d, &dims), r)]));
+            }
+            cases.push(case(Op::Reshape { shape: [150, 33].into() }, vec![randn(x(), r)]));
+            cases.push(case(Op::Permute { perm: vec![2, 0, 1] }, vec![randn(x(), r)]));
+            cases.push(case(
+                Op::Permute { perm: vec![0, 2, 1] },
+                vec![randn(t(d, &[2, 3, 7, 5]).with_shape([2, 21, 5]), r)],
+            ));
+            cases.push(case(Op::Broadcast { shape: [4, 3, 50, 33].into() }, vec![randn(t(d, &[3, 1, 33]), r)]));
+            cases.push(case(Op::Broadcast { shape: [6, 50, 33].into() }, vec![randn(t(d, &[50, 1]), r)]));
+            cases.push(case(Op::Slice { axis: 1, start: 7, end: 41 }, vec![randn(x(), r)]));
+            cases.push(case(
+                Op::Concat { axis: 1 },
+                vec![randn(t(d, &[3, 5, 33]), r), randn(x(), r), randn(t(d, &[3, 1, 33]), r)],
+            ));
+            for idt in [DType::I32, DType::I64] {
+                cases.push(case(Op::Gather, vec![randn(t(d, &[40, 24]), r), ids(idt, &[3, 17], 40, r)]));
+                // Repeated ids (30 positions into 11 rows; some rows never hit).
+                cases.push(case(
+                    Op::ScatterAdd { rows: 13 },
+                    vec![ids(idt, &[2, 15], 11, r), randn(t(d, &[2, 15, 24]), r)],
+                ));
+                // Chains of the same id across many warps' scans, rows wider than a block.
+                cases.push(case(
+                    Op::ScatterAdd { rows: 300 },
+                    vec![ids(idt, &[3, 400], 290, r), randn(t(d, &[3, 400, 300]), r)],
+                ));
             }
         }
-        // Few outputs over many elements: the split (two-pass) reduction, contiguous and not.
-        for (op, dims, axes) in [
-            (ReduceOp::Sum, vec![300, 1000], vec![0, 1]),
-            (ReduceOp::Mean, vec![3, 70000], vec![1]),
-            (ReduceOp::Max, vec![70000, 2], vec![0]),
-            (ReduceOp::Sum, vec![2, 40000, 3], vec![1]),
-        ] {
-            cases.push(case(Op::Reduce { op, axes, keepdim: false }, vec![randn(t(d, &dims), r)]));
-        }
-        cases.push(case(Op::Reshape { shape: [150, 33].into() }, vec![randn(x(), r)]));
-        cases.push(case(Op::Permute { perm: vec![2, 0, 1] }, vec![randn(x(), r)]));
-        cases.push(case(
-            Op::Permute { perm: vec![0, 2, 1] },
-            vec![randn(t(d, &[2, 3, 7, 5]).with_shape([2, 21, 5]), r)],
-        ));
-        cases.push(case(Op::Broadcast { shape: [4, 3, 50, 33].into() }, vec![randn(t(d, &[3, 1, 33]), r)]));
-        cases.push(case(Op::Broadcast { shape: [6, 50, 33].into() }, vec![randn(t(d, &[50, 1]), r)]));
-        cases.push(case(Op::Slice { axis: 1, start: 7, end: 41 }, vec![randn(x(), r)]));
-        cases.push(case(
-            Op::Concat { axis: 1 },
-            vec![randn(t(d, &[3, 5, 33]), r), randn(x(), r), randn(t(d, &[3, 1, 33]), r)],
-        ));
-        for idt in [DType::I32, DType::I64] {
-            cases.push(case(Op::Gather, vec![randn(t(d, &[40, 24]), r), ids(idt, &[3, 17], 40, r)]));
-            // Repeated ids (30 positions into 11 rows; some rows never hit).
-            cases
-                .push(case(Op::ScatterAdd { rows: 13 }, vec![ids(idt, &[2, 15], 11, r), randn(t(d, &[2, 15, 24]), r)]));
-            // Chains of the same id across many warps' scans, rows wider than a block.
+        for d in [DType::I32, DType::I64] {
             cases.push(case(
-                Op::ScatterAdd { rows: 300 },
-                vec![ids(idt, &[3, 400], 290, r), randn(t(d, &[3, 400, 300]), r)],
+                Op::Reduce { op: ReduceOp::Max, axes: vec![1], keepdim: false },
+                vec![ids(d, &[9, 40], 100000, r)],
             ));
+            cases.push(case(Op::Permute { perm: vec![1, 0] }, vec![ids(d, &[9, 40], 100, r)]));
         }
-    }
-    for d in [DType::I32, DType::I64] {
         cases.push(case(
-            Op::Reduce { op: ReduceOp::Max, axes: vec![1], keepdim: false },
-            vec![ids(d, &[9, 40], 100000, r)],
+            Op::Slice { axis: 0, start: 1, end: 3 },
+            vec![randn(t(DType::F32, &[4, 4]), r).cast(DType::Bool)],
         ));
-        cases.push(case(Op::Permute { perm: vec![1, 0] }, vec![ids(d, &[9, 40], 100, r)]));
-    }
-    cases.push(case(Op::Slice { axis: 0, start: 1, end: 3 }, vec![randn(t(DType::F32, &[4, 4]), r).cast(DType::Bool)]));
-    check_all(&dev, cases);
+    });
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn matmul_and_composite_ops_match_cpu() {
-    let dev = gpu();
-    let mut rng = Rng::new(3);
-    let r = &mut rng;
-    let mut cases = Vec::new();
-    for d in FLOATS.into_iter().chain([DType::F16]) {
-        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-            let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
-            let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
-            cases.push(case(Op::Matmul { ta, tb }, vec![randn(a, r), randn(b, r)]));
+    check_cases(3, |r, cases| {
+        for d in FLOATS.into_iter().chain([DType::F16]) {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
+                let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
+                cases.push(case(Op::Matmul { ta, tb }, vec![randn(a, r), randn(b, r)]));
+            }
+            cases.push(case(
+                Op::Matmul { ta: false, tb: true },
+                vec![randn(t(d, &[96, 128]), r), randn(t(d, &[200, 128]), r)],
+            ));
         }
-        cases.push(case(
-            Op::Matmul { ta: false, tb: true },
-            vec![randn(t(d, &[96, 128]), r), randn(t(d, &[200, 128]), r)],
-        ));
-    }
-    for d in FLOATS {
-        let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
-        cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
-        cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
-        let llama3 = RopeScaling::Llama3 {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 64.0,
-        };
-        for (inverse, layout) in [false, true].into_iter().flat_map(|i| HeadLayout::ALL.map(|l| (i, l))) {
-            // [B, H, T, D] or [B, T, H, D]: 3 heads, 37 positions; scaled when inverse.
-            let dims = if layout == HeadLayout::Bhtd { [2, 3, 37, 64] } else { [2, 37, 3, 64] };
-            let scaling = if inverse { llama3 } else { RopeScaling::None };
-            let c = Case {
-                op: Op::Rope { theta: 10000.0, inverse, layout, scaling },
-                inputs: vec![randn(t(d, &dims), r)],
-                tol_floor: 2e-6,
+        for d in FLOATS {
+            let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
+            cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
+            cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+            let llama3 = RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64.0,
             };
-            cases.push(c);
+            for (inverse, layout) in [false, true].into_iter().flat_map(|i| HeadLayout::ALL.map(|l| (i, l))) {
+                // [B, H, T, D] or [B, T, H, D]: 3 heads, 37 positions; scaled when inverse.
+                let dims = if layout == HeadLayout::Bhtd { [2, 3, 37, 64] } else { [2, 37, 3, 64] };
+                let scaling = if inverse { llama3 } else { RopeScaling::None };
+                let c = Case {
+                    op: Op::Rope { theta: 10000.0, inverse, layout, scaling },
+                    inputs: vec![randn(t(d, &dims), r)],
+                    tol_floor: 2e-6,
+                };
+                cases.push(c);
+            }
+            let x = t(d, &[5, 9, 301]);
+            cases.push(case(Op::Softmax, vec![randn(x.clone(), r)]));
+            cases.push(case(Op::LogSoftmax, vec![randn(x.clone(), r)]));
+            let y =
+                cpu::eval(&one_node(Op::Softmax, std::slice::from_ref(&x)), &[randn(x.clone(), r)]).unwrap().remove(0);
+            cases.push(case(Op::SoftmaxBackward, vec![y, randn(x.clone(), r)]));
+            let y = cpu::eval(&one_node(Op::LogSoftmax, std::slice::from_ref(&x)), &[randn(x.clone(), r)])
+                .unwrap()
+                .remove(0);
+            cases.push(case(Op::LogSoftmaxBackward, vec![y, randn(x, r)]));
+            for idt in [DType::I32, DType::I64] {
+                let logits = randn(t(d, &[45, 1000]), r);
+                let mut tg = ids(idt, &[45], 1000, r).to_i64();
+                tg[3] = -100;
+                tg[17] = -100;
+                let tg = HostTensor::from_i64(idt, &[45], &tg).unwrap();
+                cases.push(case(Op::CrossEntropy { ignore_index: -100 }, vec![logits.clone(), tg.clone()]));
+                let dloss = HostTensor::scalar(rumble_core::ir::stat_dtype(d), 0.7);
+                cases.push(case(
+                    Op::CrossEntropyBackward { ignore_index: -100 },
+                    vec![logits, tg.clone(), dloss.clone()],
+                ));
+                // Fused last projection + loss: 45 rows in chunks of 16 (the last one partial).
+                let (x, w) = (randn(t(d, &[45, 64]), r), randn(t(d, &[300, 64]), r));
+                let tg = HostTensor::from_i64(
+                    idt,
+                    &[45],
+                    &tg.to_i64().iter().map(|&v| if v < 0 { v } else { v % 300 }).collect::<Vec<_>>(),
+                )
+                .unwrap();
+                let lce = |bw: bool| {
+                    if bw {
+                        Op::LinearCrossEntropyBackward { ignore_index: -100, chunk: 16 }
+                    } else {
+                        Op::LinearCrossEntropy { ignore_index: -100, chunk: 16 }
+                    }
+                };
+                cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
+                cases.push(case(lce(true), vec![x, w, tg.clone(), dloss.clone()]));
+                // A long vocabulary (each row's log-sum-exp split over several blocks), a head
+                // size that is not a multiple of 8 (as in seed-qwen2's 28).
+                let (x, w) = (randn(t(d, &[45, 28]), r), randn(t(d, &[20000, 28]), r));
+                let tg = HostTensor::from_i64(
+                    idt,
+                    &[45],
+                    &tg.to_i64().iter().map(|&v| if v < 0 { v } else { (v * 67) % 20000 }).collect::<Vec<_>>(),
+                )
+                .unwrap();
+                cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
+                cases.push(case(lce(true), vec![x, w, tg, dloss]));
+            }
         }
-        let x = t(d, &[5, 9, 301]);
-        cases.push(case(Op::Softmax, vec![randn(x.clone(), r)]));
-        cases.push(case(Op::LogSoftmax, vec![randn(x.clone(), r)]));
-        let y = cpu::eval(&one_node(Op::Softmax, std::slice::from_ref(&x)), &[randn(x.clone(), r)]).unwrap().remove(0);
-        cases.push(case(Op::SoftmaxBackward, vec![y, randn(x.clone(), r)]));
-        let y =
-            cpu::eval(&one_node(Op::LogSoftmax, std::slice::from_ref(&x)), &[randn(x.clone(), r)]).unwrap().remove(0);
-        cases.push(case(Op::LogSoftmaxBackward, vec![y, randn(x, r)]));
-        for idt in [DType::I32, DType::I64] {
-            let logits = randn(t(d, &[45, 1000]), r);
-            let mut tg = ids(idt, &[45], 1000, r).to_i64();
-            tg[3] = -100;
-            tg[17] = -100;
-            let tg = HostTensor::from_i64(idt, &[45], &tg).unwrap();
-            cases.push(case(Op::CrossEntropy { ignore_index: -100 }, vec![logits.clone(), tg.clone()]));
-            let dloss = HostTensor::scalar(rumble_core::ir::stat_dtype(d), 0.7);
-            cases.push(case(Op::CrossEntropyBackward { ignore_index: -100 }, vec![logits, tg.clone(), dloss.clone()]));
-            // Fused last projection + loss: 45 rows in chunks of 16 (the last one partial).
-            let (x, w) = (randn(t(d, &[45, 64]), r), randn(t(d, &[300, 64]), r));
-            let tg = HostTensor::from_i64(
-                idt,
-                &[45],
-                &tg.to_i64().iter().map(|&v| if v < 0 { v } else { v % 300 }).collect::<Vec<_>>(),
-            )
-            .unwrap();
-            let lce = |bw: bool| {
-                if bw {
-                    Op::LinearCrossEntropyBackward { ignore_index: -100, chunk: 16 }
-                } else {
-                    Op::LinearCrossEntropy { ignore_index: -100, chunk: 16 }
-                }
-            };
-            cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
-            cases.push(case(lce(true), vec![x, w, tg.clone(), dloss.clone()]));
-            // A long vocabulary (each row's log-sum-exp split over several blocks), a head
-            // size that is not a multiple of 8 (as in seed-qwen2's 28).
-            let (x, w) = (randn(t(d, &[45, 28]), r), randn(t(d, &[20000, 28]), r));
-            let tg = HostTensor::from_i64(
-                idt,
-                &[45],
-                &tg.to_i64().iter().map(|&v| if v < 0 { v } else { (v * 67) % 20000 }).collect::<Vec<_>>(),
-            )
-            .unwrap();
-            cases.push(case(lce(false), vec![x.clone(), w.clone(), tg.clone()]));
-            cases.push(case(lce(true), vec![x, w, tg, dloss]));
-        }
-    }
-    check_all(&dev, cases);
+    });
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn attention_matches_cpu() {
-    let dev = gpu();
-    let mut rng = Rng::new(4);
-    let r = &mut rng;
-    let mut cases = Vec::new();
-    // (B, Hq, Hkv, T, S, D, causal)
-    let shapes = [
-        (2, 4, 2, 37, 37, 64, true),
-        (1, 7, 1, 130, 130, 100, true),
-        (1, 2, 2, 19, 45, 1, false),
-        (2, 3, 3, 64, 64, 128, false),
-        (1, 2, 1, 200, 200, 16, true),
-    ];
-    for (d, layout) in FLOATS.into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
-        for &(b, hq, hkv, tq, s, hd, causal) in &shapes {
-            let scale = 1.0 / (hd as f64).sqrt();
-            let (q, k) = match layout {
-                HeadLayout::Bhtd => (t(d, &[b, hq, tq, hd]), t(d, &[b, hkv, s, hd])),
-                HeadLayout::Bthd => (t(d, &[b, tq, hq, hd]), t(d, &[b, s, hkv, hd])),
-            };
-            let fwd = Op::Attention { scale, causal, layout };
-            let ins = vec![randn(q.clone(), r), randn(k.clone(), r), randn(k.clone(), r)];
-            let outs = cpu::eval(&one_node(fwd.clone(), &[q.clone(), k.clone(), k.clone()]), &ins).unwrap();
-            let tol = if d == DType::F64 { 1e-9 } else { 0.0 };
-            cases.push(Case { op: fwd, inputs: ins.clone(), tol_floor: tol });
-            let mut bw = ins;
-            bw.extend([outs[0].clone(), outs[1].clone(), randn(q, r)]);
-            cases.push(Case { op: Op::AttentionBackward { scale, causal, layout }, inputs: bw, tol_floor: tol });
+    check_cases(4, |r, cases| {
+        // (B, Hq, Hkv, T, S, D, causal)
+        let shapes = [
+            (2, 4, 2, 37, 37, 64, true),
+            (1, 7, 1, 130, 130, 100, true),
+            (1, 2, 2, 19, 45, 1, false),
+            (2, 3, 3, 64, 64, 128, false),
+            (1, 2, 1, 200, 200, 16, true),
+        ];
+        for (d, layout) in FLOATS.into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
+            for &(b, hq, hkv, tq, s, hd, causal) in &shapes {
+                let scale = 1.0 / (hd as f64).sqrt();
+                let (q, k) = match layout {
+                    HeadLayout::Bhtd => (t(d, &[b, hq, tq, hd]), t(d, &[b, hkv, s, hd])),
+                    HeadLayout::Bthd => (t(d, &[b, tq, hq, hd]), t(d, &[b, s, hkv, hd])),
+                };
+                let fwd = Op::Attention { scale, causal, layout };
+                let ins = vec![randn(q.clone(), r), randn(k.clone(), r), randn(k.clone(), r)];
+                let outs = cpu::eval(&one_node(fwd.clone(), &[q.clone(), k.clone(), k.clone()]), &ins).unwrap();
+                let tol = if d == DType::F64 { 1e-9 } else { 0.0 };
+                cases.push(Case { op: fwd, inputs: ins.clone(), tol_floor: tol });
+                let mut bw = ins;
+                bw.extend([outs[0].clone(), outs[1].clone(), randn(q, r)]);
+                cases.push(Case { op: Op::AttentionBackward { scale, causal, layout }, inputs: bw, tol_floor: tol });
+            }
         }
-    }
-    check_all(&dev, cases);
+    });
 }
 
 fn one_node(op: Op, args: &[TensorType]) -> rumble_core::Trace {
@@ -419,11 +428,11 @@ fn classic_cublas_matmul_matches_cpu() {
                 g
             };
             for ws_bytes in [0, 4 << 20] {
-                unsafe { dev.matmul_classic(&key, da.ptr, db.ptr, c.ptr, ws.ptr, ws_bytes, 0.0) }.unwrap();
+                unsafe { dev.matmul_classic(&key, [da.ptr, db.ptr, c.ptr, ws.ptr], ws_bytes, 0.0) }.unwrap();
                 get(&format!("ws={ws_bytes}"));
             }
             // Accumulating: c = a b + c, with c = a b already there.
-            unsafe { dev.matmul_classic(&key, da.ptr, db.ptr, c.ptr, ws.ptr, 0, 1.0) }.unwrap();
+            unsafe { dev.matmul_classic(&key, [da.ptr, db.ptr, c.ptr, ws.ptr], 0, 1.0) }.unwrap();
             let twice = HostTensor::new(want.ty.clone(), download(&dev, c.ptr, c.bytes).unwrap()).unwrap();
             let half: Vec<f64> = twice.to_f64().iter().map(|v| v / 2.0).collect();
             let half = HostTensor::from_f64(d, want.ty.dims(), &half).unwrap();
@@ -431,7 +440,7 @@ fn classic_cublas_matmul_matches_cpu() {
             // The tuner's choice (cuBLASLt or classic) agrees too.
             let n = dev.matmul_workspace(&key).unwrap();
             let ws2 = DeviceBuffer::new(&dev, n.max(256), "workspace").unwrap();
-            unsafe { dev.matmul(&key, da.ptr, db.ptr, c.ptr, ws2.ptr, n, 0.0) }.unwrap();
+            unsafe { dev.matmul(&key, [da.ptr, db.ptr, c.ptr, ws2.ptr], n, 0.0) }.unwrap();
             get(dev.matmul_algorithm(&key).unwrap());
         }
     }

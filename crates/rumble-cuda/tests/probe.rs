@@ -7,11 +7,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{gpu, training_step};
+use common::{gpu, tiny_step};
 use rumble_core::compile::{CompileOptions, compile};
 use rumble_core::cost::{CostModel, DeviceRates, node_key, times_file};
 use rumble_core::ir::{DType, Op, Shape, TensorType};
-use rumble_core::testing::TinyLlama;
 use rumble_cuda::{DeviceCost, Program};
 
 fn ty(dtype: DType, dims: &[usize]) -> TensorType {
@@ -68,18 +67,7 @@ fn a_node_is_probed_once_and_remembered() {
 #[ignore = "needs a CUDA device"]
 fn a_training_step_compiles_against_measured_times() {
     let (dev, dir) = with_cache("step");
-    let cfg = TinyLlama {
-        vocab: 96,
-        dim: 64,
-        heads: 4,
-        kv_heads: 2,
-        hidden: 96,
-        layers: 2,
-        batch: 2,
-        seq: 24,
-        dtype: DType::BF16,
-    };
-    let t = training_step(&cfg, Some(0.05));
+    let (_, t) = tiny_step(DType::BF16);
     let opts = Program::compile_options(&dev, &CompileOptions::default()).expect("options");
     assert!(opts.cost.as_ref().is_some_and(|c| c.is_measured()));
     let c = compile(&t, &opts).expect("compile");

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{gpu, init_params, tiny_step, train};
+use common::{gpu, init_params, tiny_step, tiny_steps, train};
 use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::Rng;
 use rumble_core::ir::{DType, Op};
@@ -19,8 +19,7 @@ use rumble_cuda::{EagerExecutor, Executor, GraphMode, GraphedExecutor, PlannedEx
 #[ignore = "needs a CUDA device"]
 fn per_node_scratch_has_no_workspace_and_matches_eager_bit_for_bit() {
     let dev = gpu();
-    for dtype in [DType::F32, DType::BF16] {
-        let (c, trace) = tiny_step(dtype);
+    for (dtype, c, trace) in tiny_steps() {
         let prog = Arc::new(Program::planned(dev.clone(), &trace, &PlanOptions::default()).expect("compile"));
         let (t, p) = (&prog.trace, &prog.plan);
         assert!(t.nodes.iter().any(|n| matches!(n.op, Op::Matmul { .. })));

@@ -434,19 +434,7 @@ impl Executor for BucketedExecutor {
 
     fn stats(&self) -> Option<ExecStats> {
         let Backend::Cuda { reports, build_secs, .. } = &self.backend else { return None };
-        let m = self.memory();
-        let big = reports.iter().max_by_key(|r| r.arena_bytes)?;
-        Some(ExecStats {
-            peak_allocated_bytes: m.peak_bytes,
-            device_used_bytes: m.device_rise_bytes,
-            load_bytes: big.load_bytes,
-            arena_bytes: big.arena_bytes,
-            persistent_bytes: big.persistent_bytes,
-            plan_peak_bytes: reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
-            build_secs: *build_secs,
-            predicted_step_ms: big.predicted_ms,
-            chosen: big.chosen.clone(),
-        })
+        crate::cuda::cuda_stats(self.memory(), reports, None, *build_secs)
     }
 
     fn buckets(&self) -> Vec<BucketStats> {

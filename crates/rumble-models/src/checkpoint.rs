@@ -14,6 +14,7 @@
 //! the newest complete `checkpoint-STEP`.
 
 use std::collections::BTreeMap;
+use std::hash::Hasher;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -75,7 +76,9 @@ pub struct FileDigest {
 impl FileDigest {
     pub fn of(path: &Path) -> Result<FileDigest> {
         let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-        let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+        let mut h = fnv::FnvHasher::default();
+        h.write(&bytes);
+        let h = h.finish();
         Ok(FileDigest { bytes: bytes.len() as u64, fnv1a64: format!("{h:016x}") })
     }
 }
@@ -327,4 +330,22 @@ pub fn load(dir: &Path, cfg: &Config) -> Result<Weights> {
     }
     tensors.extend(states);
     Ok(Weights { tensors })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The digest is FNV-1a 64 (the published test vectors), as in checkpoints already written.
+    #[test]
+    fn file_digest_is_fnv1a_64() {
+        let dir = std::env::temp_dir().join(format!("rumble-digest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (text, want) in [("", "cbf29ce484222325"), ("a", "af63dc4c8601ec8c"), ("foobar", "85944171f73967e8")] {
+            let p = dir.join("f");
+            std::fs::write(&p, text).unwrap();
+            assert_eq!(FileDigest::of(&p).unwrap(), FileDigest { bytes: text.len() as u64, fnv1a64: want.into() });
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -223,17 +223,22 @@ impl Config {
         }
     }
 
-    pub fn validate(&self, src: &str) -> Result<()> {
-        let bad = |key: &str, msg: String| Err(ModelError::config(src, key, msg));
-        for (key, v) in [
+    /// The sizes of the model, each with its config.json key.
+    fn sizes(&self) -> [(&'static str, usize); 7] {
+        [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),
+            ("head_dim", self.head_dim),
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-        ] {
+        ]
+    }
+
+    pub fn validate(&self, src: &str) -> Result<()> {
+        let bad = |key: &str, msg: String| Err(ModelError::config(src, key, msg));
+        for (key, v) in self.sizes() {
             if v == 0 {
                 return bad(key, "must be at least 1".into());
             }
@@ -269,18 +274,13 @@ impl Config {
             return bad("head_dim", format!("{} heads of {} overflow", self.num_attention_heads, self.head_dim));
         }
         if self.checked_num_params().is_none() {
-            // Name the largest of the sizes that multiply.
-            let (key, _) = [
-                ("vocab_size", self.vocab_size),
-                ("hidden_size", self.hidden_size),
-                ("intermediate_size", self.intermediate_size),
-                ("num_hidden_layers", self.num_hidden_layers),
-                ("head_dim", self.head_dim),
-                ("num_attention_heads", self.num_attention_heads),
-            ]
-            .into_iter()
-            .max_by_key(|&(_, v)| v)
-            .unwrap_or(("vocab_size", 0));
+            // Name the largest of the sizes that multiply (the key/value heads are at most the heads).
+            let (key, _) = self
+                .sizes()
+                .into_iter()
+                .filter(|&(k, _)| k != "num_key_value_heads")
+                .max_by_key(|&(_, v)| v)
+                .unwrap_or(("vocab_size", 0));
             return bad(
                 key,
                 format!(

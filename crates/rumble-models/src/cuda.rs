@@ -170,45 +170,66 @@ pub struct NodeTime {
     pub ms: f64,
 }
 
-impl Executor for CudaExecutor {
-    type Error = ModelError;
+/// The [`Executor`] methods of an executor here that runs a rumble-cuda executor held in field
+/// `$inner` (its errors become [`ModelError`]s): the device, outputs, persistent values and
+/// memory figures are the inner executor's.
+macro_rules! cuda_executor_methods {
+    ($inner:ident) => {
+        type Error = ModelError;
 
-    fn device(&self) -> DeviceKind {
-        DeviceKind::Cuda
-    }
+        fn device(&self) -> DeviceKind {
+            DeviceKind::Cuda
+        }
+        fn output(&self, name: &str) -> Result<HostTensor> {
+            Ok(self.$inner.output(name)?)
+        }
+        fn persistent_names(&self) -> Vec<String> {
+            self.$inner.persistent_names()
+        }
+        fn persistent(&self, name: &str) -> Result<HostTensor> {
+            Ok(self.$inner.persistent(name)?)
+        }
+        fn memory(&self) -> MemoryStats {
+            self.$inner.memory()
+        }
+    };
+}
+pub(crate) use cuda_executor_methods;
+
+impl Executor for CudaExecutor {
+    cuda_executor_methods!(inner);
 
     fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         Ok(self.inner.step(data)?)
     }
 
-    fn output(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.inner.output(name)?)
-    }
-
-    fn persistent_names(&self) -> Vec<String> {
-        self.inner.persistent_names()
-    }
-
-    fn persistent(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.inner.persistent(name)?)
-    }
-
-    fn memory(&self) -> MemoryStats {
-        self.inner.memory()
-    }
-
     fn stats(&self) -> Option<ExecStats> {
-        let m = self.memory();
-        Some(ExecStats {
-            peak_allocated_bytes: m.peak_bytes,
-            device_used_bytes: m.device_rise_bytes,
-            load_bytes: self.report.load_bytes,
-            arena_bytes: self.report.arena_bytes,
-            persistent_bytes: self.report.persistent_bytes,
-            plan_peak_bytes: self.report.peak_bytes,
-            build_secs: self.build_secs,
-            predicted_step_ms: self.report.predicted_ms,
-            chosen: self.report.chosen.clone(),
-        })
+        cuda_stats(self.memory(), std::slice::from_ref(&self.report), None, self.build_secs)
     }
+}
+
+/// The figures of CUDA programs over one arena and one persistent region (a
+/// [`CudaExecutor`]'s one program, or the buckets of a `BucketedGraphs`): the memory measured,
+/// the arena, LOAD and persistent bytes of the plan with the largest arena, the highest planned
+/// peak, and the predicted time and choices of `step` (default: that largest plan). `None`
+/// without plans.
+pub(crate) fn cuda_stats(
+    m: MemoryStats,
+    plans: &[PlanReport],
+    step: Option<&PlanReport>,
+    build_secs: f64,
+) -> Option<ExecStats> {
+    let big = plans.iter().max_by_key(|r| r.arena_bytes)?;
+    let step = step.unwrap_or(big);
+    Some(ExecStats {
+        peak_allocated_bytes: m.peak_bytes,
+        device_used_bytes: m.device_rise_bytes,
+        load_bytes: big.load_bytes,
+        arena_bytes: big.arena_bytes,
+        persistent_bytes: big.persistent_bytes,
+        plan_peak_bytes: plans.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
+        build_secs,
+        predicted_step_ms: step.predicted_ms,
+        chosen: step.chosen.clone(),
+    })
 }

@@ -44,6 +44,21 @@ pub fn cuda_unavailable() -> Option<String> {
     rumble_cuda::Device::new(0).err().map(|e| e.to_string())
 }
 
+impl DeviceChoice {
+    /// The device this choice runs on: CUDA when asked for and usable (an error saying why
+    /// not when asked for and not usable), the CPU when asked for or when `auto` finds no CUDA.
+    pub fn resolve(self) -> Result<DeviceKind> {
+        match self {
+            DeviceChoice::Cpu => Ok(DeviceKind::Cpu),
+            DeviceChoice::Cuda => match cuda_unavailable() {
+                Some(why) => Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
+                None => Ok(DeviceKind::Cuda),
+            },
+            DeviceChoice::Auto => Ok(if cuda_unavailable().is_some() { DeviceKind::Cpu } else { DeviceKind::Cuda }),
+        }
+    }
+}
+
 /// The executor for `choice`: `auto` falls back to the CPU when CUDA is unavailable. `trace`
 /// has been through `compile::PIPELINE`.
 pub fn executor(choice: DeviceChoice, trace: Trace, persistent: Vec<(String, HostTensor)>) -> Result<Box<DynExecutor>> {
@@ -61,16 +76,9 @@ pub fn executor_with(
     let cpu = |trace: Trace, persistent| -> Result<Box<DynExecutor>> {
         Ok(Box::new(CpuExecutor::new(rumble_core::compile::optimize(&trace, opts)?.0, persistent)?))
     };
-    match choice {
-        DeviceChoice::Cpu => cpu(trace, persistent),
-        DeviceChoice::Cuda => match cuda_unavailable() {
-            Some(why) => Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
-            None => Ok(Box::new(CudaExecutor::with_options(trace, persistent, CudaMode::Graphed, opts)?)),
-        },
-        DeviceChoice::Auto => match cuda_unavailable() {
-            Some(_) => cpu(trace, persistent),
-            None => Ok(Box::new(CudaExecutor::with_options(trace, persistent, CudaMode::Graphed, opts)?)),
-        },
+    match choice.resolve()? {
+        DeviceKind::Cpu => cpu(trace, persistent),
+        DeviceKind::Cuda => Ok(Box::new(CudaExecutor::with_options(trace, persistent, CudaMode::Graphed, opts)?)),
     }
 }
 

@@ -116,7 +116,7 @@ impl Params {
 }
 
 /// `x @ w^T (+ b)`: a Hugging Face `nn.Linear` on `x (N, in)` with `w (out, in)`.
-fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tensor> {
     let y = x.matmul_t(params.get(&format!("{prefix}.weight"))?)?; // (N, out)
     if !bias {
         return Ok(y);

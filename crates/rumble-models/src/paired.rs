@@ -23,8 +23,6 @@ use rumble_core::exec::MemoryStats;
 /// The step and its validation program as CUDA graphs over one arena; see the module doc.
 pub struct StepWithEval {
     graphs: BucketedGraphs,
-    /// The persistent inputs' names, in trace order.
-    names: Vec<String>,
     reports: [PlanReport; 2],
     build_secs: f64,
 }
@@ -61,16 +59,12 @@ impl StepWithEval {
         let graphs = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
         let reports: [PlanReport; 2] =
             reports.try_into().map_err(|_| ModelError::Usage("step and eval: two plans expected".into()))?;
-        Ok(StepWithEval { graphs, names, reports, build_secs: t0.elapsed().as_secs_f64() })
+        Ok(StepWithEval { graphs, reports, build_secs: t0.elapsed().as_secs_f64() })
     }
 }
 
 impl Executor for StepWithEval {
-    type Error = ModelError;
-
-    fn device(&self) -> DeviceKind {
-        DeviceKind::Cuda
-    }
+    crate::cuda::cuda_executor_methods!(graphs);
 
     fn step(&mut self, data: &[HostTensor]) -> Result<Vec<HostTensor>> {
         Ok(self.graphs.step_bucket(0, data)?)
@@ -80,35 +74,7 @@ impl Executor for StepWithEval {
         Ok(Some(self.graphs.step_bucket(1, data)?))
     }
 
-    fn output(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.graphs.output(name)?)
-    }
-
-    fn persistent_names(&self) -> Vec<String> {
-        self.names.clone()
-    }
-
-    fn persistent(&self, name: &str) -> Result<HostTensor> {
-        Ok(self.graphs.persistent(name)?)
-    }
-
-    fn memory(&self) -> MemoryStats {
-        self.graphs.memory()
-    }
-
     fn stats(&self) -> Option<ExecStats> {
-        let m = self.graphs.memory();
-        let big = self.reports.iter().max_by_key(|r| r.arena_bytes)?;
-        Some(ExecStats {
-            peak_allocated_bytes: m.peak_bytes,
-            device_used_bytes: m.device_rise_bytes,
-            load_bytes: big.load_bytes,
-            arena_bytes: big.arena_bytes,
-            persistent_bytes: big.persistent_bytes,
-            plan_peak_bytes: self.reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
-            build_secs: self.build_secs,
-            predicted_step_ms: self.reports[0].predicted_ms,
-            chosen: self.reports[0].chosen.clone(),
-        })
+        crate::cuda::cuda_stats(self.graphs.memory(), &self.reports, Some(&self.reports[0]), self.build_secs)
     }
 }

@@ -1,8 +1,8 @@
 //! Named workloads: a config plus the batch shape and objective it is measured with.
 //!
-//! `seed-llama`, `seed-qwen2` and `small` are the three benchmark workloads of
-//! `shared/anchors/README.md` (PyTorch and Thunder numbers on an H200); `tiny` trains on a CPU in
-//! seconds and is what `rumble train` runs by default.
+//! `seed-llama`, `seed-qwen2` and `small` are the three preset workloads of BENCHMARKS.md
+//! (measured beside PyTorch and Thunder by `bench/reference/torch_ref.py`); `tiny` trains on a
+//! CPU in seconds and is what `rumble train` runs by default.
 
 use rumble_core::{DType, RopeScaling};
 
@@ -143,7 +143,7 @@ mod tests {
 
     #[test]
     fn presets_have_the_anchor_sizes() {
-        // shared/anchors/README.md: seed-llama has 1,443,907,200 parameters.
+        // seed-llama (litgpt's open_llama_3b, 10 layers) has 1,443,907,200 parameters.
         assert_eq!(preset("seed-llama").unwrap().config.num_params(), 1_443_907_200);
         // seed-qwen2 has about 16.5 M (two 152064 x 28 tables dominate, with the MLPs).
         let q = preset("seed-qwen2").unwrap().config.num_params();

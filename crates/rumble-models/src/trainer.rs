@@ -19,7 +19,7 @@ use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
 use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
-use crate::exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, Executor, cuda_unavailable, executor_with};
+use crate::exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, Executor, executor_with};
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
@@ -184,19 +184,8 @@ impl Trainer {
     /// bucket's) sharing the parameters and optimizer states: [`Trainer::step`] then takes
     /// batches of any shape a bucket holds, every micro-batch of a step the same shape. CUDA
     /// runs them as `rumble_cuda::BucketedGraphs` (graphs captured on a bucket's first step).
+    /// Each bucket's step is compiled with `opts`.
     pub fn with_buckets(
-        cfg: Config,
-        sc: StepConfig,
-        buckets: Buckets,
-        weights: Weights,
-        schedule: LrSchedule,
-        device: DeviceChoice,
-    ) -> Result<Trainer> {
-        Self::with_buckets_options(cfg, sc, buckets, weights, schedule, device, &CompileOptions::default())
-    }
-
-    /// As `with_buckets`, each bucket's step compiled with `opts`.
-    pub fn with_buckets_options(
         cfg: Config,
         sc: StepConfig,
         buckets: Buckets,
@@ -212,20 +201,7 @@ impl Trainer {
                 "shape buckets need the causal-LM objective (padding would change logits.sum())".into(),
             ));
         }
-        let device = match device {
-            DeviceChoice::Cpu => DeviceKind::Cpu,
-            DeviceChoice::Cuda => match cuda_unavailable() {
-                Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
-                None => DeviceKind::Cuda,
-            },
-            DeviceChoice::Auto => {
-                if cuda_unavailable().is_some() {
-                    DeviceKind::Cpu
-                } else {
-                    DeviceKind::Cuda
-                }
-            }
-        };
+        let device = device.resolve()?;
         let mut traces = Vec::new();
         let mut first: Option<TrainStep> = None;
         for s in buckets.shapes() {

@@ -189,8 +189,10 @@ fn the_trainer_takes_batches_of_changing_length() {
     let buckets = Buckets::seqs(2, "8,16").unwrap();
     let schedule = LrSchedule::constant(3e-3);
     let w = Weights::init(&cfg, 1).unwrap();
+    let opts = rumble_core::compile::CompileOptions::default();
     let mut tr =
-        Trainer::with_buckets(cfg.clone(), s.clone(), buckets.clone(), w.clone(), schedule, DeviceChoice::Cpu).unwrap();
+        Trainer::with_buckets(cfg.clone(), s.clone(), buckets.clone(), w.clone(), schedule, DeviceChoice::Cpu, &opts)
+            .unwrap();
     let mut rng = Rng::new(2);
     for t in [5, 16, 9, 8] {
         let st = tr.step(&[batch(&mut rng, cfg.vocab_size, 2, t)]).unwrap();
@@ -201,6 +203,6 @@ fn the_trainer_takes_batches_of_changing_length() {
     let e = tr.step(&[batch(&mut rng, cfg.vocab_size, 2, 17)]).unwrap_err().to_string();
     assert!(e.contains("(2, 17)"), "{e}");
     let sum = StepConfig { objective: Objective::LogitsSum, ..s };
-    let e = Trainer::with_buckets(cfg, sum, buckets, w, schedule, DeviceChoice::Cpu).err().expect("refused");
+    let e = Trainer::with_buckets(cfg, sum, buckets, w, schedule, DeviceChoice::Cpu, &opts).err().expect("refused");
     assert!(e.to_string().contains("causal-LM"), "{e}");
 }

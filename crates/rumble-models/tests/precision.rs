@@ -17,6 +17,16 @@ fn tiny_bf16() -> Config {
     Config { dtype: DType::BF16, ..preset("tiny").unwrap().config }
 }
 
+/// The shipped corpus.
+fn corpus() -> Corpus {
+    Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap()
+}
+
+/// A trainer of `cfg` at a constant learning rate of 1e-3, its weights drawn from `seed`.
+fn trainer(cfg: &Config, s: &StepConfig, seed: u64, device: DeviceChoice) -> Trainer {
+    Trainer::new(cfg.clone(), s.clone(), Weights::init(cfg, seed).unwrap(), LrSchedule::constant(1e-3), device).unwrap()
+}
+
 fn sc(precision: Precision) -> StepConfig {
     StepConfig {
         optimizer: Some(Optimizer::adamw()),
@@ -30,7 +40,7 @@ fn sc(precision: Precision) -> StepConfig {
 /// stored (bf16) value changed.
 fn train(precision: Precision, lr: f64, steps: usize) -> (Vec<f32>, f64) {
     let cfg = tiny_bf16();
-    let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
+    let corpus = corpus();
     let w0 = Weights::init(&cfg, 0).unwrap();
     let s = sc(precision);
     let mut t = Trainer::new(cfg, s.clone(), w0.clone(), LrSchedule::constant(lr), DeviceChoice::Cpu).unwrap();
@@ -100,17 +110,10 @@ fn bf16_mixed_follows_32_true_where_bf16_true_stalls() {
 #[test]
 fn eval_is_the_steps_forward_and_changes_nothing() {
     let cfg = tiny_bf16();
-    let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
+    let corpus = corpus();
     for p in Precision::ALL {
         let s = sc(p);
-        let mut t = Trainer::new(
-            cfg.clone(),
-            s.clone(),
-            Weights::init(&cfg, 3).unwrap(),
-            LrSchedule::constant(1e-3),
-            DeviceChoice::Cpu,
-        )
-        .unwrap();
+        let mut t = trainer(&cfg, &s, 3, DeviceChoice::Cpu);
         let mut rng = Rng::new(9);
         for _ in 0..3 {
             t.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap();
@@ -236,14 +239,11 @@ fn cuda_step_and_eval_give_the_cpus_validation_loss() {
     if let Some(why) = rumble_models::exec::cuda_unavailable() {
         panic!("this test needs a CUDA device (run with --include-ignored only on a GPU machine): {why}");
     }
-    let corpus = Corpus::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")).unwrap();
+    let corpus = corpus();
     let cfg = preset("tiny").unwrap().config; // f32: CPU and GPU agree closely
     let s = StepConfig { precision: None, ..sc(Precision::F32True) };
     let run = |device: DeviceChoice| {
-        let mut t =
-            Trainer::new(cfg.clone(), s.clone(), Weights::init(&cfg, 7).unwrap(), LrSchedule::constant(1e-3), device)
-                .unwrap();
-        t = t.with_eval(s.batch, 16).unwrap();
+        let mut t = trainer(&cfg, &s, 7, device).with_eval(s.batch, 16).unwrap();
         let mut rng = Rng::new(4);
         let val = corpus.sample(&mut Rng::new(99), s.batch, 16).unwrap();
         let (mut steps, mut evals) = (Vec::new(), Vec::new());
@@ -273,16 +273,7 @@ fn cuda_step_and_eval_give_the_cpus_validation_loss() {
     assert_eq!(gpu_evals.len(), 6);
     // Tighter, at the very same parameters: the CUDA trainer's evaluation (its program in the
     // step's arena) against the CPU reference over its weights.
-    let mut gpu = Trainer::new(
-        cfg.clone(),
-        s.clone(),
-        Weights::init(&cfg, 8).unwrap(),
-        LrSchedule::constant(1e-3),
-        DeviceChoice::Cuda,
-    )
-    .unwrap()
-    .with_eval(s.batch, 16)
-    .unwrap();
+    let mut gpu = trainer(&cfg, &s, 8, DeviceChoice::Cuda).with_eval(s.batch, 16).unwrap();
     let mut rng = Rng::new(5);
     for _ in 0..3 {
         gpu.step(&[corpus.sample(&mut rng, s.batch, s.seq).unwrap()]).unwrap();

@@ -12,6 +12,22 @@ use super::dtype::{DType, Shape, TensorType};
 use super::fused::FusedBody;
 use super::heads::{HeadLayout, RopeScaling};
 
+/// The elementwise ops ([`Op::is_elementwise`]) as one pattern, for matches that treat them
+/// alike and stay exhaustive: `match op { elementwise_ops!() | Op::Full { .. } => ..., ... }`.
+#[macro_export]
+macro_rules! elementwise_ops {
+    () => {
+        $crate::ir::Op::Unary(_)
+            | $crate::ir::Op::PowScalar { .. }
+            | $crate::ir::Op::AddScalar { .. }
+            | $crate::ir::Op::MulScalar { .. }
+            | $crate::ir::Op::Cast { .. }
+            | $crate::ir::Op::Binary(_)
+            | $crate::ir::Op::Compare(_)
+            | $crate::ir::Op::Where
+    };
+}
+
 /// Elementwise functions of one float tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum UnaryOp {
@@ -374,19 +390,10 @@ impl Op {
     }
 
     /// True for ops that map each output element to the same-index elements of their
-    /// operands (candidates for elementwise fusion and for writing in place).
+    /// operands (candidates for elementwise fusion and for writing in place): the ops of
+    /// [`elementwise_ops!`](crate::elementwise_ops).
     pub fn is_elementwise(&self) -> bool {
-        matches!(
-            self,
-            Op::Unary(_)
-                | Op::PowScalar { .. }
-                | Op::AddScalar { .. }
-                | Op::MulScalar { .. }
-                | Op::Cast { .. }
-                | Op::Binary(_)
-                | Op::Compare(_)
-                | Op::Where
-        )
+        matches!(self, crate::elementwise_ops!())
     }
 
     /// True if the result may be computed over operand `i` (same buffer): pointwise ops over

@@ -276,13 +276,8 @@ mod tests {
 
     #[test]
     fn lowest_first_shortcuts_change_nothing() {
-        let mut seed = 0x9e3779b97f4a7c15u64;
-        let mut rnd = |n: usize| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n as u64) as usize
-        };
+        let mut rng = crate::cpu::Rng::new(7);
+        let mut rnd = |n: usize| rng.below(n);
         for _ in 0..200 {
             let steps = 2 + rnd(30);
             let items: Vec<Item> = (0..1 + rnd(60))

@@ -131,17 +131,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
     let dt = at.first().map(|t| t.dtype).unwrap_or(ot[0].dtype);
     let unsupported = |what: String| CudaError::Unsupported(format!("{} on {what}", op.name()));
     match op {
-        Op::Full { .. }
-        | Op::Unary(_)
-        | Op::PowScalar { .. }
-        | Op::AddScalar { .. }
-        | Op::MulScalar { .. }
-        | Op::Cast { .. }
-        | Op::Binary(_)
-        | Op::Compare(_)
-        | Op::Where
-        | Op::Swiglu
-        | Op::SwigluBackward => {
+        Op::Full { .. } | rumble_core::elementwise_ops!() | Op::Swiglu | Op::SwigluBackward => {
             let f = Fused::of_op(op, at, ot).ok_or_else(|| unsupported("this op".into()))?;
             return fused_recipe(dev, op.name(), &f, out_n);
         }

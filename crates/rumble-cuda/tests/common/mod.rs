@@ -1,7 +1,10 @@
 //! Helpers shared by the GPU tests and benches: the device (a test's, or a bench's printed skip), comparisons against the
-//! CPU reference with per-dtype tolerances, random inputs.
+//! CPU reference with per-dtype tolerances, random inputs, the tiny training step; and the
+//! CPU emulator tests' setup.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 
 use rumble_core::cpu::{HostTensor, Rng};
@@ -10,7 +13,7 @@ use rumble_cuda::Device;
 
 /// The GPU of a test that needs one. Such tests are `#[ignore = "needs a CUDA device"]`, so on a
 /// machine without CUDA `cargo test` counts them as ignored, never as passed; on a GPU machine
-/// run them with `cargo test -- --include-ignored` (scripts/gpu-run does). Included where there
+/// run them with `cargo test -- --include-ignored` (`scripts/gpu tests` does). Included where there
 /// is no device, they fail, saying why.
 pub fn gpu() -> Arc<Device> {
     Device::new(0).unwrap_or_else(|e| {
@@ -27,6 +30,24 @@ pub fn device() -> Option<Arc<Device>> {
             None
         }
     }
+}
+
+/// For a CPU emulator test: the folder `tests/{emu}` of its sources and a fresh build folder
+/// under the temporary folder, or `None` after printing why the test is skipped (no `g++`, or
+/// `{main}` missing: a test binary built on another machine).
+pub fn emulator(emu: &str, main: &str) -> Option<(PathBuf, PathBuf)> {
+    if Command::new("g++").arg("--version").output().is_err() {
+        println!("skipped: no g++");
+        return None;
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join(emu);
+    if !here.join(main).exists() {
+        println!("skipped: {} is not on this machine (a test binary built elsewhere)", here.display());
+        return None;
+    }
+    let dir = std::env::temp_dir().join(format!("rumble-{}-{}", emu.replace('_', "-"), std::process::id()));
+    std::fs::create_dir_all(&dir).expect("build dir");
+    Some((here, dir))
 }
 
 /// Relative-error tolerance of each dtype: ||gpu - cpu|| / ||cpu||.
@@ -161,6 +182,14 @@ pub fn tiny_step(dtype: DType) -> (TinyLlama, Trace) {
     let c = tiny(dtype);
     let trace = training_step(&c, Some(0.05));
     (c, trace)
+}
+
+/// [`tiny_step`] in each dtype the executor tests train in (f32, then bf16), with its dtype.
+pub fn tiny_steps() -> impl Iterator<Item = (DType, TinyLlama, Trace)> {
+    [DType::F32, DType::BF16].into_iter().map(|dtype| {
+        let (c, trace) = tiny_step(dtype);
+        (dtype, c, trace)
+    })
 }
 
 /// `steps` training steps of `trace` on `ex`, each on new inputs drawn from `Rng::new(seed)`:

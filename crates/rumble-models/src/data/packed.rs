@@ -251,20 +251,8 @@ pub struct Dataset {
 }
 
 impl Dataset {
-    /// Reads `data`, then as [`Dataset::new`].
-    pub fn load(
-        data: &Path,
-        val: &Validation,
-        tok: &Tokenizer,
-        seq: usize,
-        vocab: usize,
-        seed: u64,
-    ) -> Result<Dataset> {
-        Dataset::new(read_documents(data)?, &data.display().to_string(), val, tok, seq, vocab, seed)
-    }
-
-    /// Tokenizes, splits and packs `docs` (named `what` in errors). Every id must be below
-    /// `vocab` (the model's).
+    /// Tokenizes, splits and packs `docs` (named `what` in errors; from a file:
+    /// [`read_documents`]). Every id must be below `vocab` (the model's).
     pub fn new(
         docs: Vec<Document>,
         what: &str,

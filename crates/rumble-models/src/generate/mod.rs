@@ -133,14 +133,7 @@ impl Generator {
         for inp in traces[0].inputs.iter().filter(|i| i.role == InputRole::State) {
             given.insert(inp.name.clone(), host::zeros(traces[0].ty(inp.value)));
         }
-        let use_cuda = match device {
-            DeviceChoice::Cpu => false,
-            DeviceChoice::Cuda => match cuda_unavailable() {
-                Some(why) => return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why }),
-                None => true,
-            },
-            DeviceChoice::Auto => cuda_unavailable().is_none(),
-        };
+        let use_cuda = device.resolve()? == DeviceKind::Cuda;
         let persistent = |t: &Trace| -> Result<Vec<(usize, HostTensor)>> {
             let mut out = Vec::new();
             for (i, inp) in t.inputs.iter().enumerate().filter(|(_, i)| i.role.is_persistent()) {

@@ -26,7 +26,7 @@ use rumble_core::{DType, Graph, HeadLayout, Tensor, Trace};
 
 use crate::config::Config;
 use crate::error::Result;
-use crate::model::{Params, head_weight};
+use crate::model::{Params, head_weight, linear};
 
 /// What the sampler does (the `sample` op's attributes); `temperature == 0` is greedy.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -103,16 +103,6 @@ pub fn build(cfg: &Config, shape: StepShape, sampling: &Sampling, logits: bool) 
         g.output(&lg, "logits")?;
     }
     Ok(g.finish()?)
-}
-
-/// `x @ w^T (+ b)` with `w` (and `b`) the parameter `prefix.weight` (`.bias`).
-fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tensor> {
-    let y = x.matmul_t(params.get(&format!("{prefix}.weight"))?)?; // (N, out)
-    if !bias {
-        return Ok(y);
-    }
-    let bv = params.get(&format!("{prefix}.bias"))?.broadcast_to(y.dims())?; // (N, out)
-    Ok(y.add(&bv)?)
 }
 
 /// RoPE of `x (B, T, H, D)` at positions `0..T` (prefill) or `pos[b] + t` (decode), and the
