@@ -201,3 +201,50 @@ fn bf16_mixed_ddp_and_zero1_agree() {
         assert!(e <= 1e-6, "bf16-mixed: DDP and ZeRO-1 differ on `{name}` ({e:e})");
     }
 }
+
+/// One rank: the data-parallel step is the plain step bit for bit (every collective of a world
+/// of one is the identity, and ZeRO-1's shard is the whole bucket), as the one-rank NCCL run
+/// must be on a device.
+#[test]
+fn one_rank_is_the_plain_step_bit_for_bit() {
+    let t = step(BATCH, F32_ADAMW);
+    let mut rng = Rng::new(9);
+    let mut inputs = rumble_core::testing::random_inputs(&t, 256, 0.05, &mut rng);
+    for (i, x) in t.inputs.iter().zip(inputs.iter_mut()) {
+        if i.role == InputRole::OptState || i.role == InputRole::Input && x.ty.rank() == 0 {
+            // Non-negative moments and scalars (learning rate, bias corrections).
+            *x = HostTensor::from_f64(x.ty.dtype, x.ty.dims(), &x.to_f64().iter().map(|v| v.abs()).collect::<Vec<_>>())
+                .unwrap();
+        }
+    }
+    let want = cpu::eval(&t, &inputs).unwrap();
+    for mode in [Mode::Ddp, Mode::Zero1] {
+        let (r, plan) = data_parallel(&t, &DataParallel { world: 1, rank: 0, mode, bucket_bytes: 40_000 }).unwrap();
+        let shards = plan.shard_states(&|n| Some(named(&t, &inputs, n).clone())).unwrap();
+        let rin: Vec<HostTensor> = r
+            .inputs
+            .iter()
+            .map(|i| match plan.shard_states.iter().position(|s| s.name == i.name) {
+                Some(k) => shards[k].clone(),
+                None => named(&t, &inputs, &i.name).clone(),
+            })
+            .collect();
+        let got = simulate(1, std::slice::from_ref(&r), &[rin]).unwrap().remove(0);
+        for (o, w) in t.outputs.iter().zip(&want) {
+            match r.outputs.iter().position(|x| x.name == o.name) {
+                Some(k) => assert_eq!(got[k].bytes, w.bytes, "{mode:?}: `{}` differs", o.name),
+                None => assert_eq!(mode, Mode::Zero1, "only ZeRO-1 replaces the state outputs ({})", o.name),
+            }
+        }
+        if mode == Mode::Zero1 {
+            let states: Vec<HostTensor> = plan
+                .shard_states
+                .iter()
+                .map(|s| got[r.outputs.iter().position(|o| o.name == format!("new.{}", s.name)).unwrap()].clone())
+                .collect();
+            for (name, v) in plan.gather_states(&[states]).unwrap() {
+                assert_eq!(v.bytes, output(&t, &want, &format!("new.{name}")).bytes, "ZeRO-1 state `{name}`");
+            }
+        }
+    }
+}
