@@ -105,3 +105,15 @@ fn the_verifier_wants_one_world_and_rank_per_trace() {
     let err = g.finish().unwrap_err().to_string();
     assert!(err.contains("node 1 (all_reduce)") && err.contains("rank 1 of 2") && err.contains("rank 0 of 2"), "{err}");
 }
+
+#[test]
+fn simulate_refuses_a_rank_that_ends_while_others_wait() {
+    let x = HostTensor::randn(rumble_core::TensorType::new(DType::F32, [4]), 1.0, &mut Rng::new(4));
+    let g = Graph::new("no_collective");
+    let a = g.data("x", DType::F32, &[4]).unwrap();
+    g.output(&a.mul_scalar(3.0).unwrap(), "y").unwrap();
+    let lone = g.finish().unwrap();
+    let traces = [lone, rank_trace(CollectiveOp::AllReduce, 2, 1, 4)];
+    let err = rumble_core::testing::simulate(2, &traces, &[vec![x.clone()], vec![x]]).unwrap_err().to_string();
+    assert!(err.contains("rank 0 ended while rank 1 waits at all_reduce"), "{err}");
+}

@@ -328,3 +328,26 @@ fn zero1_plans_half_the_optimizer_state_at_world_2() {
     );
     assert!(slack * 20 < state_bytes, "the bound means something: slack {slack} of {state_bytes}");
 }
+
+/// ZeRO-1 replays only elementwise optimizer ops: anything else is refused, naming the node
+/// and the parameter.
+#[test]
+fn zero1_refuses_an_optimizer_it_cannot_shard() {
+    use rumble_core::Graph;
+    use rumble_core::ir::{OutputRole, Phase};
+    let g = Graph::new("odd_optimizer");
+    let x = g.data("x", DType::F32, &[3, 4]).unwrap();
+    let w = g.param("w", DType::F32, &[4, 4]).unwrap();
+    let loss = x.matmul(&w).unwrap().sum_all().unwrap();
+    let gw = rumble_core::autodiff::backward(&loss, &[&w]).unwrap().remove(0);
+    g.set_phase(Phase::Optimizer);
+    // An update that transposes its gradient: not elementwise.
+    let new = w.sub(&gw.transpose(0, 1).unwrap().mul_scalar(0.1).unwrap()).unwrap();
+    g.output(&loss, "loss").unwrap();
+    g.output_with_role(&new, "new.w", OutputRole::Update { of: w.id() }).unwrap();
+    let t = g.finish().unwrap();
+    let dp = |mode| DataParallel { world: 2, rank: 0, mode, bucket_bytes: 1 << 20 };
+    assert!(data_parallel(&t, &dp(Mode::Ddp)).is_ok(), "DDP leaves the optimizer alone");
+    let e = data_parallel(&t, &dp(Mode::Zero1)).unwrap_err().to_string();
+    assert!(e.contains("permute") && e.contains("`w`") && e.contains("elementwise"), "{e}");
+}

@@ -171,6 +171,35 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #[test]
+        fn every_plan_keeps_the_rules(
+            grads in proptest::collection::vec((0usize..3, 1usize..300), 1..40),
+            world in 1usize..9,
+            limit in 1usize..2000,
+        ) {
+            let dtypes = [DType::F32, DType::BF16, DType::F64];
+            let g: Vec<GradSpec> =
+                grads.iter().enumerate().map(|(i, &(d, n))| spec(&format!("g{i}"), dtypes[d], n)).collect();
+            let b = plan_buckets(&g, world, limit).unwrap();
+            let mut seen = vec![0; g.len()];
+            for (k, bk) in b.iter().enumerate() {
+                let mut offset = 0;
+                for (j, m) in bk.members.iter().enumerate() {
+                    seen[m.grad] += 1;
+                    assert_eq!((m.offset, m.numel, g[m.grad].dtype), (offset, g[m.grad].numel, bk.dtype));
+                    assert!(j == 0 || m.grad > bk.members[j - 1].grad, "production order within a bucket");
+                    offset += m.numel;
+                }
+                assert_eq!(offset, bk.numel);
+                assert!(bk.bytes() <= limit || bk.members.len() == 1, "only a lone gradient passes the limit");
+                assert!(bk.padded % world == 0 && bk.padded >= bk.numel && bk.padded - bk.numel < world);
+                assert!(k == 0 || b[k - 1].last_grad() < bk.last_grad(), "buckets in the order they are ready");
+            }
+            assert!(seen.iter().all(|&s| s == 1), "every gradient in exactly one bucket");
+        }
+    }
+
     #[test]
     fn bad_settings_are_refused() {
         let g = [spec("a", DType::F32, 4)];
