@@ -351,3 +351,104 @@ fn zero1_refuses_an_optimizer_it_cannot_shard() {
     let e = data_parallel(&t, &dp(Mode::Zero1)).unwrap_err().to_string();
     assert!(e.contains("permute") && e.contains("`w`") && e.contains("elementwise"), "{e}");
 }
+
+/// A ZeRO-1 run resumes on another number of ranks: the shards of world 2 gathered into whole
+/// states (what rank 0 would checkpoint) and cut again for world 4 continue the run as if it
+/// had never stopped (f64, so any slip shows).
+#[test]
+fn zero1_state_moves_from_2_to_4_ranks() {
+    let dtype = DType::F64;
+    let one = model(GLOBAL_BATCH, dtype).train_step(Optimizer::adamw(1e-2)).unwrap();
+    let mut rng = Rng::new(21);
+    let mut inputs: Vec<HostTensor> = one
+        .inputs
+        .iter()
+        .map(|i| {
+            let ty = one.ty(i.value).clone();
+            let x = HostTensor::randn(ty.clone(), 0.1, &mut rng);
+            match i.role {
+                InputRole::OptState => {
+                    HostTensor::from_f64(dtype, ty.dims(), &x.to_f64().iter().map(|v| v * v).collect::<Vec<_>>())
+                        .unwrap()
+                }
+                _ => x,
+            }
+        })
+        .collect();
+    let batches: Vec<(HostTensor, HostTensor)> = (0..3)
+        .map(|_| {
+            let ty = |k: usize| one.ty(one.inputs[k].value).clone();
+            (HostTensor::randint(ty(0), 32, &mut rng), HostTensor::randint(ty(1), 32, &mut rng))
+        })
+        .collect();
+    // Whole states by name, carried between the two worlds.
+    let mut state: Vec<(String, HostTensor)> = one
+        .inputs
+        .iter()
+        .zip(&inputs)
+        .filter(|(i, _)| i.role == InputRole::OptState)
+        .map(|(i, v)| (i.name.clone(), v.clone()))
+        .collect();
+    let mut params: Vec<(String, HostTensor)> = one
+        .inputs
+        .iter()
+        .zip(&inputs)
+        .filter(|(i, _)| i.role == InputRole::Param)
+        .map(|(i, v)| (i.name.clone(), v.clone()))
+        .collect();
+    for (s, world) in [(0, 2), (1, 2), (2, 4)] {
+        let step = model(GLOBAL_BATCH / world, dtype).train_step(Optimizer::adamw(1e-2)).unwrap();
+        let ranks: Vec<(Trace, DpPlan)> = (0..world)
+            .map(|rank| {
+                data_parallel(&step, &DataParallel { world, rank, mode: Mode::Zero1, bucket_bytes: 1500 }).unwrap()
+            })
+            .collect();
+        let find = |v: &[(String, HostTensor)], n: &str| v.iter().find(|(k, _)| k == n).map(|(_, t)| t.clone());
+        let rank_inputs: Vec<Vec<HostTensor>> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (t, plan))| {
+                let shards = plan.shard_states(&|n| find(&state, n)).unwrap();
+                t.inputs
+                    .iter()
+                    .map(|i| match (i.name.as_str(), plan.shard_states.iter().position(|x| x.name == i.name)) {
+                        ("tokens", _) => rows(&batches[s].0, r, world),
+                        ("targets", _) => rows(&batches[s].1, r, world),
+                        (_, Some(k)) => shards[k].clone(),
+                        (n, None) => find(&params, n).unwrap(),
+                    })
+                    .collect()
+            })
+            .collect();
+        let traces: Vec<Trace> = ranks.iter().map(|(t, _)| t.clone()).collect();
+        let outs = simulate(world, &traces, &rank_inputs).unwrap();
+        let (t0, plan0) = &ranks[0];
+        let out = |n: &str| outs[0][t0.outputs.iter().position(|o| o.name == n).unwrap()].clone();
+        params = params.iter().map(|(n, _)| (n.clone(), out(&format!("new.{n}")))).collect();
+        let shards: Vec<Vec<HostTensor>> = ranks
+            .iter()
+            .zip(&outs)
+            .map(|((t, plan), o)| {
+                plan.shard_states
+                    .iter()
+                    .map(|x| o[t.outputs.iter().position(|y| y.name == format!("new.{}", x.name)).unwrap()].clone())
+                    .collect()
+            })
+            .collect();
+        state = plan0.gather_states(&shards).unwrap();
+        // The one-rank step on the whole batch.
+        inputs[0] = batches[s].0.clone();
+        inputs[1] = batches[s].1.clone();
+        let want = cpu::eval(&one, &inputs).unwrap();
+        cpu::apply_updates(&one, &mut inputs, &want);
+    }
+    for (i, want) in one.inputs.iter().zip(&inputs) {
+        let got = match i.role {
+            InputRole::Param => params.iter().find(|(n, _)| *n == i.name).unwrap().1.clone(),
+            InputRole::OptState => state.iter().find(|(n, _)| *n == i.name).unwrap().1.clone(),
+            _ => continue,
+        };
+        let e = rel_err(&got, want);
+        assert!(e <= 1e-12, "`{}` after 2 steps on 2 ranks and 1 on 4: rel. err {e:e}", i.name);
+    }
+}
