@@ -16,7 +16,8 @@
 //! - [`Mode::Ddp`]: each bucket is flattened, concatenated, `all_reduce`d and scaled by
 //!   `1/world` (the mean over ranks of the per-rank mean gradients, the global batch's mean
 //!   when ranks have equal rows), then split back; the optimizer runs unchanged on the whole
-//!   gradient (so clipping sees the global norm).
+//!   gradient (so clipping sees the global norm). An all-reduce needs no equal shards, so DDP
+//!   leaves the bucket unpadded.
 //! - [`Mode::Zero1`]: each bucket, padded to a multiple of `world`, is `reduce_scatter`ed and
 //!   scaled by `1/world`; this rank keeps its flat shard. The optimizer nodes are replayed on
 //!   the shard, parameter by parameter over the part of the shard each one covers: the
@@ -30,6 +31,12 @@
 //!   the global gradient norm is exact.
 //! - In both modes a scalar float `Output` that depends on no gradient (the loss) is
 //!   `all_reduce`d and scaled by `1/world`: every rank reports the global mean.
+//!
+//! The averages assume every rank counts as many targets (the mean of the ranks' means is the
+//! global mean): true for corpus windows; with ignored targets spread unevenly (padded shape
+//! buckets) the ranks would need their target counts all-reduced first, which is not done.
+//! Every pass after this one keeps the collectives in order (`passes::schedule` chains them;
+//! `cse`, `dce`, `remat` leave them alone), so compiled rank traces still meet them alike.
 //!
 //! What an NCCL backend needs from this: the collectives are ordinary nodes with planned
 //! operand and result buffers, so each becomes one `ncclAllReduce` / `ncclReduceScatter` /
