@@ -10,6 +10,7 @@ mod bench;
 mod common;
 mod generate;
 mod generate_profile;
+mod launch;
 mod output;
 mod plan;
 mod rundir;
@@ -28,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (default: the tiny preset on the shipped corpus) and save a checkpoint.
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Build a training step and show its trace and memory plan.
     Plan(plan::PlanArgs),
     /// Time training steps of a workload on random tokens.
@@ -40,7 +41,7 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Generate(a) => generate::run(a),

@@ -68,6 +68,11 @@ pub struct TrainArgs {
     /// cpu, cuda or auto (cuda when usable, else cpu).
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Data-parallel training on N GPUs of this host, one process each (under torchrun, whose
+    /// RANK, WORLD_SIZE, ... are read instead, leave it out). Needs the NCCL backend, not built
+    /// yet: N > 1 is refused.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
     /// Start from these weights instead of a random initialisation.
     #[arg(long, value_name = "CHECKPOINT.safetensors")]
     pub init_from: Option<PathBuf>,
@@ -219,6 +224,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
         return Err(ModelError::Usage("--steps must be at least 1".into()));
     }
     let device: DeviceChoice = a.device.parse()?;
+    let launch = crate::launch::resolve(a.gpus, &|v| std::env::var(v).ok()).map_err(ModelError::Usage)?;
+    if launch.world > 1 && device == DeviceChoice::Cpu {
+        return Err(ModelError::Usage(format!("{} ranks run on GPUs: drop --device cpu", launch.world)));
+    }
+    crate::launch::refuse_data_parallel(&launch, &|i| {
+        rumble_cuda::Device::new(i).map(|_| ()).map_err(|e| e.to_string())
+    })
+    .map_err(ModelError::Usage)?;
     // --resume: the newest complete checkpoint of the run, whose config.json is the model.
     let resume = match &a.run_dir.resume {
         Some(_) if a.init_from.is_some() => {

@@ -100,3 +100,51 @@ fn plan_and_bench_print_json() {
     assert_eq!((b["workload"].as_str(), b["executor"].as_str()), (Some("tiny"), Some("rumble-cpu")));
     assert!(b["median_step_ms"].as_f64().is_some_and(|m| m > 0.0), "{b}");
 }
+
+/// `rumble train` with `--gpus N` or under torchrun's environment: read into one launch, bad
+/// values named, data-parallel runs refused until the NCCL backend exists; one rank trains.
+#[test]
+fn gpus_and_the_torchrun_environment_are_checked_then_refused() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rumble"));
+        for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+            c.env_remove(v);
+        }
+        let out = c.args(args).envs(env.iter().copied()).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let out = tmp("cli", "gpus");
+    let o = out.to_str().unwrap();
+    let (ok, err) = run(&["train", "--gpus", "2", "--out", o], &[]);
+    assert!(!ok && err.starts_with("error: "), "{err}");
+    assert!(
+        err.contains("--gpus 2 needs 2 CUDA devices") || err.contains("NCCL backend, which is not built yet"),
+        "{err}"
+    );
+    assert!(!out.exists(), "a refused run leaves no folder");
+    let (ok, err) = run(&["train", "--gpus", "0", "--out", o], &[]);
+    assert!(!ok && err.contains("--gpus must be at least 1"), "{err}");
+    let (ok, err) = run(&["train", "--gpus", "2", "--device", "cpu", "--out", o], &[]);
+    assert!(!ok && err.contains("drop --device cpu"), "{err}");
+    let torchrun = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let (ok, err) = run(&["train", "--out", o], &torchrun);
+    assert!(!ok && err.contains("over 2 ranks needs the NCCL backend"), "{err}");
+    let (ok, err) = run(&["train", "--gpus", "2", "--out", o], &torchrun);
+    assert!(!ok && err.contains("leave --gpus out"), "{err}");
+    let (ok, err) = run(&["train", "--out", o], &[("RANK", "0"), ("WORLD_SIZE", "two"), ("LOCAL_RANK", "0")]);
+    assert!(!ok && err.contains("WORLD_SIZE=`two` is not a whole number"), "{err}");
+    assert!(!out.exists());
+    // One rank under torchrun is an ordinary run.
+    let one = [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")];
+    let args = ["train", "--steps", "1", "--batch", "2", "--seq", "16", "--device", "cpu", "--json", "--out", o];
+    let (ok, err) = run(&args, &one);
+    assert!(ok, "{err}");
+    assert!(out.join("model.safetensors").is_file());
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -1,8 +1,11 @@
 //! Small LLaMA-style programs for tests and benchmarks of the core crate (the real models,
-//! built from Hugging Face configs, live in `rumble-models`).
+//! built from Hugging Face configs, live in `rumble-models`), and [`simulate`], the lockstep
+//! CPU simulator of data-parallel rank traces.
 
+mod simulate;
 mod train;
 
+pub use simulate::simulate;
 pub use train::Optimizer;
 
 use crate::Result;

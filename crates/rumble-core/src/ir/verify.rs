@@ -10,12 +10,14 @@
 //! 5. every value's size fits (`TensorType::checked_size_in_bytes`), and so does the sum of all
 //!    of them (so no planner sum of sizes can wrap);
 //! 6. `grad_of` names an input whose type equals the gradient's; `update_of` names a
-//!    persistent input (param or opt_state) of the same type.
+//!    persistent input (param or opt_state) of the same type;
+//! 7. every collective has the same `world` and `rank` (a trace is one rank's program).
 //!
 //! It is cheap (one pass) and can run after every pass.
 
 use std::collections::HashSet;
 
+use super::op::Op;
 use super::trace::{OutputRole, Trace, ValueId};
 use crate::{Error, Result};
 
@@ -39,6 +41,7 @@ pub fn verify(t: &Trace) -> Result<()> {
         }
         Ok(())
     };
+    let mut collective: Option<(usize, usize, usize)> = None;
     let mut names = HashSet::new();
     for inp in &t.inputs {
         let at = || format!("input \"{}\"", inp.name);
@@ -52,6 +55,20 @@ pub fn verify(t: &Trace) -> Result<()> {
         for a in &node.args {
             if a.index() >= n || !defined[a.index()] {
                 return Err(err(at(), format!("operand {a} is used before it is defined")));
+            }
+        }
+        if let Op::Collective { world, rank, .. } = node.op {
+            match collective {
+                None => collective = Some((i, world, rank)),
+                Some((j, w, r)) if (w, r) != (world, rank) => {
+                    return Err(err(
+                        at(),
+                        format!(
+                            "runs as rank {rank} of {world}, but node {j} runs as rank {r} of {w}: one trace is one rank's"
+                        ),
+                    ));
+                }
+                Some(_) => {}
             }
         }
         let arg_types: Vec<_> = node.args.iter().map(|a| t.ty(*a)).collect();

@@ -1,10 +1,11 @@
 //! Common-subexpression elimination: a node equal to an earlier one (same op, attributes and
-//! operands) is dropped and its outputs replaced by the earlier node's.
+//! operands) is dropped and its outputs replaced by the earlier node's. Collectives are never
+//! merged: each is one exchange every rank runs.
 
 use std::collections::HashMap;
 
 use crate::Result;
-use crate::ir::{OutputRole, Trace, ValueId, op_attrs};
+use crate::ir::{Op, OutputRole, Trace, ValueId, op_attrs};
 
 pub fn cse(trace: &Trace) -> Result<Trace> {
     let mut subst: HashMap<ValueId, ValueId> = HashMap::new();
@@ -19,12 +20,12 @@ pub fn cse(trace: &Trace) -> Result<Trace> {
         let attrs: Vec<String> = op_attrs(&node.op).into_iter().map(|(k, v)| format!("{k}={v}")).collect();
         let key = (format!("{} {}", node.op.name(), attrs.join(" ")), node.args.clone());
         match seen.get(&key) {
-            Some(prev) => {
+            Some(prev) if !matches!(node.op, Op::Collective { .. }) => {
                 for (o, p) in node.outs.iter().zip(prev) {
                     subst.insert(*o, *p);
                 }
             }
-            None => {
+            _ => {
                 seen.insert(key, node.outs.clone());
                 t.nodes.push(node);
             }

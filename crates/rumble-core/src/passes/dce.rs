@@ -1,8 +1,9 @@
 //! Dead-code elimination: drops nodes none of whose outputs reach a trace output.
-//! Every op is pure, so this is always safe. Inputs stay (they are the calling convention).
+//! Every op is pure, so this is always safe. Inputs stay (they are the calling convention), and
+//! so do collectives: every rank must run the same ones, whatever this rank does with a result.
 
 use crate::Result;
-use crate::ir::Trace;
+use crate::ir::{Op, Trace};
 
 pub fn dce(trace: &Trace) -> Result<Trace> {
     let mut live = vec![false; trace.num_values()];
@@ -11,7 +12,7 @@ pub fn dce(trace: &Trace) -> Result<Trace> {
     }
     let mut keep = vec![false; trace.nodes.len()];
     for (i, node) in trace.nodes.iter().enumerate().rev() {
-        if node.outs.iter().any(|o| live[o.index()]) {
+        if node.outs.iter().any(|o| live[o.index()]) || matches!(node.op, Op::Collective { .. }) {
             keep[i] = true;
             node.args.iter().for_each(|a| live[a.index()] = true);
         }

@@ -5,9 +5,11 @@
 //! - [`dce`], [`cse`]: dead code and common subexpressions;
 //! - [`fuse`]: elementwise fusion;
 //! - [`schedule`]: a memory-aware topological reorder that lowers LOAD;
-//! - [`remat`]: recompute cheap forward values in the backward instead of saving them.
+//! - [`remat`]: recompute cheap forward values in the backward instead of saving them;
+//! - [`data_parallel`]: a training step split over ranks, with collectives (bucket plan).
 
 mod cse;
+pub mod data_parallel;
 mod dce;
 mod fuse;
 pub mod remat;

@@ -128,9 +128,11 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
 /// True for ops a budget may recompute when a cost model prices them: every op with one
 /// result but the losses (scalars: nothing to save).
 fn is_recomputable(op: &Op) -> bool {
+    // A collective recomputed on one rank would wait for ranks that do not run it again.
     !matches!(
         op,
-        Op::CrossEntropy { .. }
+        Op::Collective { .. }
+            | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::LinearCrossEntropyBackward { .. }

@@ -16,7 +16,9 @@
 //! embedding lookup or `beta * moment`) are never scheduled on their own: each is emitted just
 //! before its first reader. A parameter updated in place needs every other reader of it to run
 //! before the chain that overwrites it: such anti-dependences are added as edges, so the
-//! in-place update stays legal in every order tried.
+//! in-place update stays legal in every order tried. Collectives keep their order (each waits
+//! on the one before): every rank must meet them in the same order, and ranks whose traces
+//! differ (ZeRO-1's shards) would otherwise be scheduled apart.
 
 use std::time::Instant;
 
@@ -139,6 +141,12 @@ impl DepGraph {
                     edge(p, i, &mut preds, &mut succs);
                 }
             }
+        }
+        // Collectives in trace order: every rank runs the same sequence.
+        let collectives: Vec<usize> =
+            (0..n).filter(|&i| matches!(trace.nodes[i].op, crate::ir::Op::Collective { .. })).collect();
+        for w in collectives.windows(2) {
+            edge(w[0], w[1], &mut preds, &mut succs);
         }
         // Anti-dependences: every other reader of a parameter updated in place runs before the
         // chain's first node, unless it depends on that node.
