@@ -44,6 +44,34 @@ pub fn random_inputs(trace: &Trace, vocab: u64, std: f64, rng: &mut Rng) -> Vec<
     out
 }
 
+/// A training step's state at random: parameters normal with deviation `param_std`, optimizer
+/// moments normal with `state_std` (second moments squared, so non-negative), and every other
+/// input from `other`. Values are drawn in input order.
+pub fn random_train_state(
+    trace: &Trace,
+    param_std: f64,
+    state_std: f64,
+    rng: &mut Rng,
+    other: impl Fn(crate::ir::TensorType, &mut Rng) -> HostTensor,
+) -> Vec<HostTensor> {
+    use crate::ir::InputRole;
+    let mut out = Vec::with_capacity(trace.inputs.len());
+    for i in &trace.inputs {
+        let ty = trace.ty(i.value).clone();
+        out.push(match i.role {
+            InputRole::Param => HostTensor::randn(ty, param_std, rng),
+            InputRole::OptState if i.name.contains("exp_avg_sq") => {
+                let v: Vec<f64> =
+                    HostTensor::randn(ty.clone(), state_std, rng).to_f64().iter().map(|x| x * x).collect();
+                HostTensor::from_f64(ty.dtype, ty.dims(), &v).expect("same shape")
+            }
+            InputRole::OptState => HostTensor::randn(ty, state_std, rng),
+            _ => other(ty, rng),
+        });
+    }
+    out
+}
+
 /// Proportions of a LLaMA-style decoder, small enough for CPU tests.
 #[derive(Clone, Debug)]
 pub struct TinyLlama {

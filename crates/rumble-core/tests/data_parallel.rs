@@ -6,7 +6,7 @@
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{InputRole, verify};
 use rumble_core::passes::data_parallel::{DataParallel, DpPlan, Mode, data_parallel};
-use rumble_core::testing::{Optimizer, TinyLlama, simulate};
+use rumble_core::testing::{Optimizer, TinyLlama, random_train_state, simulate};
 use rumble_core::{DType, Trace};
 
 const GLOBAL_BATCH: usize = 4;
@@ -43,22 +43,7 @@ fn check(world: usize, mode: Mode, bucket_bytes: usize, dtype: DType) {
     let step = model(GLOBAL_BATCH / world, dtype).train_step(Optimizer::adamw(1e-2)).unwrap();
     let mut rng = Rng::new(11);
     // Parameters N(0, 0.2); moments small and random (exp_avg_sq non-negative).
-    let mut inputs: Vec<HostTensor> = one
-        .inputs
-        .iter()
-        .map(|i| {
-            let ty = one.ty(i.value).clone();
-            match i.role {
-                InputRole::Param => HostTensor::randn(ty, 0.2, &mut rng),
-                InputRole::OptState if i.name.ends_with("exp_avg_sq") => {
-                    let v: Vec<f64> =
-                        HostTensor::randn(ty.clone(), 1e-2, &mut rng).to_f64().iter().map(|x| x * x).collect();
-                    HostTensor::from_f64(ty.dtype, ty.dims(), &v).unwrap()
-                }
-                _ => HostTensor::randn(ty, 1e-2, &mut rng),
-            }
-        })
-        .collect();
+    let mut inputs = random_train_state(&one, 0.2, 1e-2, &mut rng, |ty, rng| HostTensor::randn(ty, 1e-2, rng));
     let ranks: Vec<(Trace, DpPlan)> = (0..world)
         .map(|rank| {
             let (t, plan) = data_parallel(&step, &DataParallel { world, rank, mode, bucket_bytes }).unwrap();

@@ -9,7 +9,7 @@
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::InputRole;
 use rumble_core::passes::data_parallel::{DataParallel, DpPlan, Mode, data_parallel};
-use rumble_core::testing::simulate;
+use rumble_core::testing::{random_train_state, simulate};
 use rumble_core::{DType, Trace};
 use rumble_models::{Config, Optimizer, Precision, StepConfig, build_train_step, preset};
 
@@ -66,23 +66,7 @@ fn check(world: usize, mode: Mode, c: Case) -> Vec<(String, HostTensor)> {
     let one = step(BATCH, c);
     let local = step(BATCH / world, c);
     let mut rng = Rng::new(5);
-    let mut inputs: Vec<HostTensor> = one
-        .inputs
-        .iter()
-        .map(|i| {
-            let ty = one.ty(i.value).clone();
-            match i.role {
-                InputRole::Param => HostTensor::randn(ty, 0.1, &mut rng),
-                InputRole::OptState if i.name.contains("exp_avg_sq") => {
-                    let v: Vec<f64> =
-                        HostTensor::randn(ty.clone(), 1e-3, &mut rng).to_f64().iter().map(|x| x * x).collect();
-                    HostTensor::from_f64(ty.dtype, ty.dims(), &v).unwrap()
-                }
-                InputRole::OptState => HostTensor::randn(ty, 1e-3, &mut rng),
-                _ => HostTensor::zeros(ty),
-            }
-        })
-        .collect();
+    let mut inputs = random_train_state(&one, 0.1, 1e-3, &mut rng, |ty, _| HostTensor::zeros(ty));
     let ranks: Vec<(Trace, DpPlan)> = (0..world)
         .map(|rank| data_parallel(&local, &DataParallel { world, rank, mode, bucket_bytes: 40_000 }).unwrap())
         .collect();
