@@ -65,19 +65,9 @@ fn check(world: usize, mode: Mode, bucket_bytes: usize, dtype: DType) {
         }
     }
     // Each rank's inputs: its rows of the batch, the parameters, the (sharded) states.
-    let full = |vals: &[HostTensor], name: &str| Some(by_name(&one, vals, name).clone());
     let mut rank_inputs: Vec<Vec<HostTensor>> = ranks
         .iter()
-        .map(|(t, plan)| {
-            let shards = plan.shard_states(&|n| full(&inputs, n)).unwrap();
-            t.inputs
-                .iter()
-                .map(|i| match plan.shard_states.iter().position(|s| s.name == i.name) {
-                    Some(k) => shards[k].clone(),
-                    None => by_name(&one, &inputs, &i.name).clone(),
-                })
-                .collect()
-        })
+        .map(|(t, plan)| plan.rank_inputs(t, &|n| Some(by_name(&one, &inputs, n).clone())).unwrap())
         .collect();
     for s in 0..3 {
         let tokens = HostTensor::randint(one.ty(one.inputs[0].value).clone(), 32, &mut rng);

@@ -74,16 +74,7 @@ fn check(world: usize, mode: Mode, c: Case) -> Vec<(String, HostTensor)> {
     let traces: Vec<Trace> = ranks.iter().map(|(t, _)| t.clone()).collect();
     let mut rank_inputs: Vec<Vec<HostTensor>> = ranks
         .iter()
-        .map(|(t, plan)| {
-            let shards = plan.shard_states(&|n| Some(named(&one, &inputs, n).clone())).unwrap();
-            t.inputs
-                .iter()
-                .map(|i| match plan.shard_states.iter().position(|s| s.name == i.name) {
-                    Some(k) => shards[k].clone(),
-                    None => named(&one, &inputs, &i.name).clone(),
-                })
-                .collect()
-        })
+        .map(|(t, plan)| plan.rank_inputs(t, &|n| Some(named(&one, &inputs, n).clone())).unwrap())
         .collect();
     for s in 1..=3u64 {
         // Data: each micro-batch's tokens and targets, rows split over ranks; the scalars alike.

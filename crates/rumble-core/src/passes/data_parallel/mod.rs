@@ -137,6 +137,25 @@ impl DpPlan {
         Ok(out)
     }
 
+    /// Every input of this rank's trace `rank_trace`, looked up by name among `full`: the
+    /// shard of each sharded optimizer state, the value itself for everything else (data
+    /// inputs the caller then replaces by this rank's rows).
+    pub fn rank_inputs(
+        &self,
+        rank_trace: &Trace,
+        full: &dyn Fn(&str) -> Option<HostTensor>,
+    ) -> Result<Vec<HostTensor>> {
+        let shards = self.shard_states(full)?;
+        rank_trace
+            .inputs
+            .iter()
+            .map(|i| match self.shard_states.iter().position(|s| s.name == i.name) {
+                Some(k) => Ok(shards[k].clone()),
+                None => full(&i.name).ok_or_else(|| Error::msg(format!("rank_inputs: no input `{}`", i.name))),
+            })
+            .collect()
+    }
+
     /// The whole optimizer states (name, tensor) from every rank's shards: `shards[r]` holds
     /// rank `r`'s values of `shard_states`, in order (any rank's plan gathers).
     pub fn gather_states(&self, shards: &[Vec<HostTensor>]) -> Result<Vec<(String, HostTensor)>> {
