@@ -11,6 +11,9 @@ use rumble_core::ir::{BinaryOp, CmpOp, DType, FusedBody, Op, TensorType, UnaryOp
 use crate::compile::fnv1a;
 use crate::error::{CudaError, Result};
 
+/// Elements a thread moves per run in the vector path (`EW_VEC` in kernels/prelude.cuh).
+pub const RUN: usize = 8;
+
 /// What a node computes from its `args` (earlier node indices).
 #[derive(Clone, Debug, PartialEq)]
 pub enum EOp {
@@ -410,6 +413,11 @@ mod tests {
         let out = op.infer(&at).unwrap();
         let ot: Vec<&TensorType> = out.iter().collect();
         Fused::of_op(&op, &at, &ot).unwrap()
+    }
+
+    #[test]
+    fn run_length_matches_the_prelude() {
+        assert!(crate::kernels::PRELUDE.contains(&format!("#define EW_VEC {RUN}\n")));
     }
 
     #[test]

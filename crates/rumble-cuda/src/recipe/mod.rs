@@ -207,8 +207,15 @@ pub fn fused_recipe(dev: &Device, op: &'static str, f: &Fused, n: usize) -> Resu
     let steps = if n == 0 {
         vec![]
     } else {
-        // A thread takes runs of 8 elements (fused.rs), so 8x fewer threads cover `n`.
-        vec![Step::Kernel { func, name, grid: grid_for(dev, n.div_ceil(8), 256), block: 256, smem: 0, args }]
+        // A thread takes runs of `fused::RUN` elements, so that many times fewer threads cover `n`.
+        vec![Step::Kernel {
+            func,
+            name,
+            grid: grid_for(dev, n.div_ceil(crate::fused::RUN), 256),
+            block: 256,
+            smem: 0,
+            args,
+        }]
     };
     Ok(Recipe { op, steps, scratch: 0, node_scratch: 0 })
 }
