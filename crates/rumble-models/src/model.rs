@@ -84,6 +84,9 @@ pub struct Params {
     pub list: Vec<Tensor>,
     pub names: Vec<String>,
     index: HashMap<String, usize>,
+    /// Under [`Params::autocast`] with tied embeddings: the embedding table cast for the output
+    /// projection (the lookup reads the table itself).
+    tied_head: Option<Tensor>,
 }
 
 impl Params {
@@ -97,14 +100,27 @@ impl Params {
             names.push(s.name.clone());
         }
         let index = names.iter().enumerate().map(|(i, n)| (n.clone(), i)).collect();
-        Ok(Params { list, names, index })
+        Ok(Params { list, names, index, tied_head: None })
     }
 
-    /// The same parameters cast to `dtype` (the compute copies of mixed precision); a
-    /// parameter already of `dtype` is itself.
-    pub fn cast(&self, dtype: DType) -> Result<Params> {
-        let list = self.list.iter().map(|p| p.cast(dtype)).collect::<rumble_core::Result<Vec<_>>>()?;
-        Ok(Params { list, names: self.names.clone(), index: self.index.clone() })
+    /// The compute copies of mixed precision, as PyTorch's autocast makes them: every matmul
+    /// operand among the parameters (the projections' weights and biases, `lm_head` or, when
+    /// tied, the embedding table as the head) cast to `dtype`; the norms' weights and the table
+    /// the embedding lookup reads stay as they are. The model then runs each matmul in `dtype`
+    /// and keeps everything between matmuls (the residual stream, the norms) in the masters'
+    /// dtype (see [`linear`]). A parameter already of `dtype` is itself.
+    pub fn autocast(&self, dtype: DType) -> Result<Params> {
+        let list = self
+            .list
+            .iter()
+            .zip(&self.names)
+            .map(|(p, n)| if is_matmul_operand(n) { p.cast(dtype) } else { Ok(p.clone()) })
+            .collect::<rumble_core::Result<Vec<_>>>()?;
+        let tied_head = match self.index.get(EMBED) {
+            Some(&i) if !self.index.contains_key(HEAD) => Some(self.list[i].cast(dtype)?),
+            _ => None,
+        };
+        Ok(Params { list, names: self.names.clone(), index: self.index.clone(), tied_head })
     }
 
     pub fn get(&self, name: &str) -> Result<&Tensor> {
@@ -115,9 +131,19 @@ impl Params {
     }
 }
 
-/// `x @ w^T (+ b)`: a Hugging Face `nn.Linear` on `x (N, in)` with `w (out, in)`.
+const EMBED: &str = "model.embed_tokens.weight";
+const HEAD: &str = "lm_head.weight";
+
+/// Whether parameter `name` is a matmul operand (cast by [`Params::autocast`]).
+fn is_matmul_operand(name: &str) -> bool {
+    name.ends_with("_proj.weight") || name.ends_with("_proj.bias") || name == HEAD
+}
+
+/// `x @ w^T (+ b)`: a Hugging Face `nn.Linear` on `x (N, in)` with `w (out, in)`, computed in
+/// `w`'s dtype (`x` is cast to it first under [`Params::autocast`]; the result stays in it).
 pub(crate) fn linear(x: &Tensor, params: &Params, prefix: &str, bias: bool) -> Result<Tensor> {
-    let y = x.matmul_t(params.get(&format!("{prefix}.weight"))?)?; // (N, out)
+    let w = params.get(&format!("{prefix}.weight"))?;
+    let y = x.cast(w.dtype())?.matmul_t(w)?; // (N, out)
     if !bias {
         return Ok(y);
     }
@@ -154,7 +180,10 @@ fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize
     let p = |s: &str| format!("model.layers.{l}.{s}");
 
     // Attention.
-    let h = x.rms_norm(params.get(&p("input_layernorm.weight"))?, eps)?; // (B*T, C)
+    // Under autocast the norms' outputs are cast once for the matmuls that read them, and each
+    // branch's result is cast back to the residual stream's dtype.
+    let mm = params.get(&p("self_attn.q_proj.weight"))?.dtype();
+    let h = x.rms_norm(params.get(&p("input_layernorm.weight"))?, eps)?.cast(mm)?; // (B*T, C)
     let heads = |y: Tensor, n: usize| -> Result<Tensor> {
         Ok(y.reshape(&[b, t, n, d])?) // (B, T, n, D)
     };
@@ -166,13 +195,13 @@ fn block(cfg: &Config, params: &Params, x: &Tensor, l: usize, b: usize, t: usize
     let scale = grow / (d as f64).sqrt();
     let (o, _lse) = Tensor::attention_in(HeadLayout::Bthd, &q, &k, &v, scale, true)?; // (B, T, Hq, D), lse (B, Hq, T)
     let o = o.reshape(&[b * t, hq * d])?; // (B*T, Hq*D)
-    let x = x.add(&linear(&o, params, &p("self_attn.o_proj"), false)?)?; // (B*T, C)
+    let x = x.add(&linear(&o, params, &p("self_attn.o_proj"), false)?.cast(x.dtype())?)?; // (B*T, C)
 
     // MLP.
-    let h = x.rms_norm(params.get(&p("post_attention_layernorm.weight"))?, eps)?; // (B*T, C)
+    let h = x.rms_norm(params.get(&p("post_attention_layernorm.weight"))?, eps)?.cast(mm)?; // (B*T, C)
     let gate_up = linear(&h, params, &p("mlp.gate_up_proj"), false)?; // (B*T, 2F): [gate | up]
     let m = linear(&gate_up.swiglu_packed()?, params, &p("mlp.down_proj"), false)?; // (B*T, C)
-    Ok(x.add(&m)?) // (B*T, C)
+    Ok(x.add(&m.cast(x.dtype())?)?) // (B*T, C)
 }
 
 /// The final hidden state `(B*T, C)` (after the last RMSNorm) for token ids `tokens (B, T)`.
@@ -182,7 +211,7 @@ pub fn hidden(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> 
     };
     let (b, t) = (*b, *t);
     cfg.check_window(t, &format!("the sequence length {t}"))?;
-    let embed = params.get("model.embed_tokens.weight")?; // (V, C)
+    let embed = params.get(EMBED)?; // (V, C)
     let mut x = embed.gather(&tokens.reshape(&[b * t])?)?; // (B*T, C)
     for l in 0..cfg.num_hidden_layers {
         x = block(cfg, params, &x, l, b, t)?; // (B*T, C)
@@ -192,13 +221,17 @@ pub fn hidden(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> 
 
 /// The output projection `(V, C)`: `lm_head.weight`, or the embedding table when tied.
 pub fn head_weight<'p>(cfg: &Config, params: &'p Params) -> Result<&'p Tensor> {
-    params.get(if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" })
+    match &params.tied_head {
+        Some(h) if cfg.tie_word_embeddings => Ok(h),
+        _ => params.get(if cfg.tie_word_embeddings { EMBED } else { HEAD }),
+    }
 }
 
 /// The logits `(B*T, V)` for token ids `tokens (B, T)` (i64).
 pub fn logits(cfg: &Config, params: &Params, tokens: &Tensor) -> Result<Tensor> {
     let x = hidden(cfg, params, tokens)?; // (B*T, C)
-    Ok(x.matmul_t(head_weight(cfg, params)?)?) // (B*T, V)
+    let head = head_weight(cfg, params)?; // (V, C)
+    Ok(x.cast(head.dtype())?.matmul_t(head)?) // (B*T, V)
 }
 
 /// The scalar f32 loss of `logits (B*T, V)`: HF's causal-LM cross-entropy against `targets
@@ -227,8 +260,8 @@ pub fn objective(
     targets: Option<&Tensor>,
     fused: bool,
 ) -> Result<Tensor> {
-    let x = hidden(cfg, params, tokens)?; // (B*T, C)
     let head = head_weight(cfg, params)?; // (V, C)
+    let x = hidden(cfg, params, tokens)?.cast(head.dtype())?; // (B*T, C)
     match targets {
         Some(t) if fused => {
             let chunk = loss_chunk(cfg.vocab_size, x.dims()[0]);

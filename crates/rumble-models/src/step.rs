@@ -15,10 +15,12 @@
 //!
 //! **Precision** ([`Precision`], litgpt's names): `32-true` and `bf16-true` keep parameters and
 //! optimizer state in the compute dtype. `bf16-mixed` keeps f32 *master* parameters and f32
-//! optimizer state and computes in bf16: the step's first forward ops cast each master to a bf16
-//! copy (values of the arena, like any activation), the model runs on the copies, and the
-//! gradients flow back through the casts' VJPs to the f32 masters (the micro-batch sums are f32),
-//! which the optimizer updates in f32. Everything stays one trace, planned once.
+//! optimizer state and computes as PyTorch's autocast does: the step's first forward ops cast
+//! each matmul weight to a bf16 copy (values of the arena, like any activation), every matmul
+//! and the attention run in bf16, while the embedding lookup, the norms (with their f32 weights)
+//! and the residual stream stay in f32 ([`crate::model::Params::autocast`]). Gradients flow back
+//! through the casts' VJPs to the f32 masters (the micro-batch sums are f32), which the optimizer
+//! updates in f32. Everything stays one trace, planned once.
 //!
 //! Trace inputs, in order: per micro-batch `tokens` (i64 `[B, T]`) and, for the causal-LM
 //! objective, `targets` (i64 `[B*T]`), named `tokens.{i}`/`targets.{i}` when `k > 1`; the
@@ -201,7 +203,7 @@ pub fn build_eval_step(cfg: &Config, sc: &StepConfig) -> Result<Trace> {
     }
     g.set_phase(Phase::Forward);
     let compute_cfg = Config { dtype: sc.compute_dtype(cfg.dtype), ..cfg.clone() };
-    let compute = params.cast(compute_cfg.dtype)?;
+    let compute = params.autocast(compute_cfg.dtype)?;
     let loss = model::objective(&compute_cfg, &compute, &tokens, Some(&targets), sc.fused_loss)?; // f32[]
     g.output(&loss, "loss")?;
     Ok(g.finish()?)
@@ -251,7 +253,7 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
     let compute_cfg = Config { dtype: sc.compute_dtype(cfg.dtype), ..cfg.clone() };
     let params = Params::declare(&g, &Config { dtype: sc.master_dtype(cfg.dtype), ..cfg.clone() })?;
     g.set_phase(Phase::Forward);
-    let compute = params.cast(compute_cfg.dtype)?; // each master cast once, at the step's start
+    let compute = params.autocast(compute_cfg.dtype)?; // each matmul weight cast once, at the step's start
     let cfg = &compute_cfg;
     let mut states = Vec::new();
     let mut state_tensors = Vec::new();

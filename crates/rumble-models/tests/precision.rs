@@ -7,7 +7,7 @@ use std::path::Path;
 
 use rumble_core::DType;
 use rumble_core::cpu::Rng;
-use rumble_core::ir::InputRole;
+use rumble_core::ir::{InputRole, Op};
 use rumble_models::step::Precision;
 use rumble_models::{
     Config, Corpus, DeviceChoice, LrSchedule, Optimizer, StepConfig, Trainer, Weights, build_train_step, preset,
@@ -71,9 +71,26 @@ fn mixed_step_keeps_f32_masters_and_states() {
     assert!(!params.is_empty());
     assert!(params.iter().all(|i| t.ty(i.value).dtype == DType::F32), "masters are f32");
     assert!(step.states.iter().all(|(_, ty)| ty.dtype == DType::F32), "optimizer states are f32");
-    // The matmuls compute in bf16: the forward reads bf16 copies.
+    // As PyTorch's autocast: the matmuls compute in bf16 (on bf16 copies), the norms and the
+    // residual stream in f32.
     let text = t.to_string();
     assert!(text.contains("cast") && text.contains("bf16["), "no bf16 copies in\n{text}");
+    let (mut matmuls, mut norms) = (0, 0);
+    for n in &t.nodes {
+        let dtypes: Vec<DType> = n.args.iter().map(|&a| t.ty(a).dtype).collect();
+        match n.op {
+            Op::Matmul { .. } => {
+                matmuls += 1;
+                assert!(dtypes.iter().all(|&d| d == DType::BF16), "a matmul on {dtypes:?}");
+            }
+            Op::RmsNorm { .. } => {
+                norms += 1;
+                assert!(dtypes.iter().all(|&d| d == DType::F32), "an rms_norm on {dtypes:?}");
+            }
+            _ => {}
+        }
+    }
+    assert!(matmuls > 0 && norms == 2 * cfg.num_hidden_layers + 1, "{matmuls} matmuls, {norms} norms");
     let truth = build_train_step(&cfg, &sc(Precision::Bf16True)).unwrap();
     let tp: Vec<_> = truth.trace.inputs.iter().filter(|i| i.role == InputRole::Param).collect();
     assert!(tp.iter().all(|i| truth.trace.ty(i.value).dtype == DType::BF16));
@@ -85,7 +102,7 @@ fn bf16_mixed_follows_32_true_where_bf16_true_stalls() {
     // Adam moves each weight by about lr a step: 3e-5 is below half a bf16 ulp of every
     // weight of magnitude above 2^-7 (the norms' 1.0 among them), so bf16-true's updates mostly
     // round away, while f32 masters accumulate them.
-    let (lr, steps) = (3e-5, 120);
+    let (lr, steps) = (3e-5, 300);
     let t0 = std::time::Instant::now();
     // The three runs at once (each is one thread of small matmuls).
     let [(f32_losses, _), (mixed, mixed_changed), (truth, true_changed)] = std::thread::scope(|s| {
