@@ -7,7 +7,7 @@
 use rumble_core::autodiff::backward;
 use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{HostTensor, Rng, decode, eval};
-use rumble_core::ir::{DType, Graph, HeadLayout, InputRole, OutputRole, Tensor, TensorType, parse};
+use rumble_core::ir::{DType, Graph, HeadLayout, InputRole, OutputRole, RopeScaling, Tensor, TensorType, parse};
 
 fn randn(dims: &[usize], rng: &mut Rng) -> HostTensor {
     HostTensor::randn(TensorType::new(DType::F32, dims.to_vec()), 1.0, rng)
@@ -21,19 +21,61 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 
 #[test]
 fn rope_at_is_rope_of_a_longer_sequence() {
+    // Each sequence at its own offset, in both layouts, plain and with each frequency scaling:
+    // llama3's wavelengths (2pi * theta^(2j/D): 6.3, 63, 628, 6283 at D = 8) straddle its
+    // bounds (16 and 64 here), so one frequency is kept, one blended and two divided.
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64.0,
+    };
     let mut rng = Rng::new(1);
-    let (b, t, h, d, off) = (2, 3, 2, 8, 5);
-    let x = randn(&[b, off + t, h, d], &mut rng); // (B, P+T, H, D)
-    let g = Graph::new("rope");
-    let xi = g.data("x", DType::F32, &[b, off + t, h, d]).unwrap();
-    let pos = g.data("pos", DType::I64, &[b]).unwrap();
-    let full = xi.rope_in(HeadLayout::Bthd, 1e4).unwrap().slice(1, off, off + t).unwrap();
-    let at = xi.slice(1, off, off + t).unwrap().rope_at(&pos, HeadLayout::Bthd, 1e4).unwrap();
-    g.output(&full, "full").unwrap();
-    g.output(&at, "at").unwrap();
-    let outs =
-        eval(&g.finish().unwrap(), &[x, HostTensor::from_i64(DType::I64, &[b], &[off as i64; 2]).unwrap()]).unwrap();
-    assert_eq!(outs[0].to_f32(), outs[1].to_f32(), "same angles, same bits");
+    let (b, t, h, d, offs) = (2, 3, 2, 8, [5usize, 2]);
+    let len = offs[0].max(offs[1]) + t;
+    for layout in HeadLayout::ALL {
+        let (seq, dims) = match layout {
+            HeadLayout::Bthd => (1, [b, len, h, d]),
+            HeadLayout::Bhtd => (2, [b, h, len, d]),
+        };
+        let x = randn(&dims, &mut rng);
+        let mut plain = None;
+        for scaling in [RopeScaling::None, RopeScaling::Linear { factor: 4.0 }, llama3] {
+            let g = Graph::new("rope");
+            let xi = g.data("x", DType::F32, &dims).unwrap();
+            let pos = g.data("pos", DType::I64, &[b]).unwrap();
+            g.output(&xi.rope_scaled(layout, 1e4, scaling).unwrap(), "full").unwrap();
+            for (i, &off) in offs.iter().enumerate() {
+                // Sequence i's rows off..off + T, at positions pos[i] = off.
+                let xs = xi.slice(0, i, i + 1).unwrap().slice(seq, off, off + t).unwrap();
+                let at = xs.rope_at_scaled(&pos.slice(0, i, i + 1).unwrap(), layout, 1e4, scaling).unwrap();
+                g.output(&at, &format!("at{i}")).unwrap();
+            }
+            let p = HostTensor::from_i64(DType::I64, &[b], &offs.map(|o| o as i64)).unwrap();
+            let outs = eval(&g.finish().unwrap(), &[x.clone(), p]).unwrap();
+            let full = outs[0].to_f32();
+            for (i, &off) in offs.iter().enumerate() {
+                // Row (i, r) of the full rope, r in off..off + T, in the layout's order.
+                let mut want = Vec::new();
+                for a in 0..dims[1] {
+                    for c in 0..dims[2] {
+                        let r = if seq == 1 { a } else { c };
+                        if (off..off + t).contains(&r) {
+                            let at = ((i * dims[1] + a) * dims[2] + c) * d;
+                            want.extend_from_slice(&full[at..at + d]);
+                        }
+                    }
+                }
+                let what = format!("{layout:?} {scaling:?} sequence {i}");
+                assert_eq!(outs[1 + i].to_f32(), want, "{what}: same angles, same bits");
+            }
+            // The scaling changes the result (so a rope_at ignoring it would fail above).
+            match &plain {
+                None => plain = Some(full),
+                Some(p) => assert!(p.iter().zip(&full).any(|(a, b)| (a - b).abs() > 1e-3), "{scaling:?}"),
+            }
+        }
+    }
 }
 
 #[test]
@@ -136,7 +178,13 @@ fn text_form_types_and_vjp() {
     let x = g.data("x", DType::F32, &[2, 1, 1, 4]).unwrap();
     let pos = g.data("pos", DType::I64, &[2]).unwrap();
     let key = g.data("key", DType::I64, &[2]).unwrap();
-    let xr = x.rope_at(&pos, HeadLayout::Bthd, 500000.0).unwrap();
+    let llama3 = RopeScaling::Llama3 {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    let xr = x.rope_at_scaled(&pos, HeadLayout::Bthd, 500000.0, llama3).unwrap();
     let c = cache.cache_write(&xr, &pos).unwrap();
     let o = Tensor::attention_cached(&xr, &c, &c, &pos, 0.5).unwrap();
     let next = o.reshape(&[2, 4]).unwrap().sample(&key, 0.7, 40, 0.95).unwrap();
@@ -145,7 +193,7 @@ fn text_form_types_and_vjp() {
     let t = g.finish().unwrap();
     let text = t.to_string();
     for s in [
-        "rope_at(%1, %2) theta=500000.0 layout=bthd",
+        "rope_at(%1, %2) theta=500000.0 layout=bthd scaling=llama3:32.0:1.0:4.0:8192.0",
         "cache_write(%0, %4, %2)",
         "attention_cached(",
         "sample(",
@@ -155,6 +203,13 @@ fn text_form_types_and_vjp() {
         assert!(text.contains(s), "{s} in\n{text}");
     }
     assert_eq!(parse(&text).unwrap(), t, "round trip");
+    // Linear scaling reads back too; unscaled prints no attribute; a bad one is named.
+    let lin = text.replace("scaling=llama3:32.0:1.0:4.0:8192.0", "scaling=linear:2.0");
+    assert_eq!(parse(&lin).unwrap().to_string(), lin);
+    let plain = text.replace(" scaling=llama3:32.0:1.0:4.0:8192.0", "");
+    assert_eq!(parse(&plain).unwrap().to_string(), plain);
+    let e = parse(&text.replace("scaling=llama3:32.0:1.0:4.0:8192.0", "scaling=yarn:2.0")).unwrap_err().to_string();
+    assert!(e.contains("bad value `yarn:2.0` for attribute `scaling`"), "{e}");
     // The cache is written in place: no copy back after the step.
     let p = plan(&t, &CompileOptions::default()).unwrap();
     assert!(p.plan.copy_back.is_empty(), "{:?}", p.plan.copy_back);

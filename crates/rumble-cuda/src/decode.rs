@@ -2,6 +2,8 @@
 //! kernels are in `kernels/decode.cu`. All four are graph-capturable: positions and the
 //! sampling key are read from device memory, so one captured decode step serves every token.
 //!
+//! - `rope_at` takes `rope`'s inverse-frequency table (`RopeScaling::inv_freq`, packed by
+//!   `recipe::rope_freqs`), so a scaled RoPE rotates a decode step's token as training did.
 //! - `cache_write` copies the cache to its result first unless the plan put them in one buffer
 //!   (the planner does, `Op::may_overwrite`), then writes the new rows only.
 //! - `attention_cached` is flash-decoding: a block takes all query heads of one kv head (so K
@@ -12,8 +14,8 @@
 //! - `sample`: one block of 1024 threads per row; greedy is one argmax pass, top-k and top-p
 //!   each a 32-step search over the logits' float keys, the draw one pass in index order.
 //!
-//! f64 operands, positions or keys other than i64, and head sizes over 256 have no kernel:
-//! those nodes run on the host (the CPU reference), like any op without one.
+//! f64 operands, positions or keys other than i64, and head sizes over 256 (512 for `rope_at`)
+//! have no kernel: those nodes run on the host (the CPU reference), like any op without one.
 
 use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 
@@ -54,10 +56,12 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
     };
     let blocks = |n: usize| n.div_ceil(THREADS as usize).clamp(1, dev.multiprocessors.max(1) * 32) as u32;
     match op {
-        Op::RopeAt { theta, layout } => {
+        Op::RopeAt { theta, layout, scaling } => {
             let x = at[0].dims();
             let (rows, d) = (at[0].numel() / x[3].max(1), x[3]);
             let seq_first = matches!(layout, HeadLayout::Bthd) as i32;
+            // The inverse frequencies as `rope`'s recipe passes them (rescaled on the host).
+            let freqs = crate::recipe::rope_freqs("rope_at", &scaling.inv_freq(*theta, d))?;
             let args = vec![
                 Arg::In(0),
                 Arg::In(1),
@@ -67,7 +71,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                 Arg::I64(x[2] as i64),
                 Arg::I32(seq_first),
                 Arg::I64(d as i64),
-                Arg::F64(*theta),
+                Arg::Blob(freqs),
             ];
             kernel("rope_at", blocks(rows * d / 2), THREADS, args)?;
         }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use common::{compare, gpu, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{DType, Graph, HeadLayout, Op, TensorType};
+use rumble_core::ir::{DType, Graph, HeadLayout, Op, RopeScaling, TensorType};
 use rumble_core::plan::plan_naive;
 use rumble_cuda::decode::AttentionSplit;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
@@ -52,7 +52,18 @@ fn decoding_ops_match_cpu() {
         };
         for layout in HeadLayout::ALL {
             let dims = if layout == HeadLayout::Bthd { [3, 2, 4, 16] } else { [3, 4, 2, 16] };
-            check(Op::RopeAt { theta: 1e4, layout }, vec![randn(t(d, &dims), &mut rng), ids(&[0, 7, 130])]);
+            // Plain and rescaled frequencies (llama3's bounds 16 and 64 keep, blend and divide
+            // some of D = 16's), at positions past the original context too.
+            let llama3 = RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64.0,
+            };
+            for scaling in [RopeScaling::None, RopeScaling::Linear { factor: 4.0 }, llama3] {
+                let op = Op::RopeAt { theta: 1e4, layout, scaling };
+                check(op, vec![randn(t(d, &dims), &mut rng), ids(&[0, 7, 130])]);
+            }
         }
         let cache = randn(t(d, &[3, 20, 2, 8]), &mut rng);
         check(Op::CacheWrite, vec![cache.clone(), randn(t(d, &[3, 4, 2, 8]), &mut rng), ids(&[0, 9, 16])]);

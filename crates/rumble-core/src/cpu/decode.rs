@@ -7,14 +7,14 @@ use crate::ir::HeadLayout;
 use crate::{Error, Result};
 
 /// RoPE of `x` (layout `layout`, dims `[B, ., ., D]`) with row `t` of sequence `b` at position
-/// `pos[b] + t`; the angle is computed as `rope`'s is (f32 product of position and frequency).
-pub fn rope_at<A: Real>(dims: &[usize], x: &[A], pos: &[i64], theta: f64, layout: HeadLayout) -> Result<Vec<A>> {
+/// `pos[b] + t`; the angle is computed as `rope`'s is (f32 product of position and frequency,
+/// `inv_freq` from `RopeScaling::inv_freq`).
+pub fn rope_at<A: Real>(dims: &[usize], x: &[A], pos: &[i64], inv_freq: &[f32], layout: HeadLayout) -> Result<Vec<A>> {
     let [b_len, h, t_len, d] = layout.bhtd(dims);
     if let Some(p) = pos.iter().find(|&&p| p < 0) {
         return Err(Error::runtime("rope_at", format!("negative position {p}")));
     }
     let half = d / 2;
-    let inv_freq: Vec<f32> = (0..half).map(|j| 1.0 / (theta as f32).powf((2 * j) as f32 / d as f32)).collect();
     let mut out = vec![A::zero(); x.len()];
     for (b, &start) in pos.iter().enumerate().take(b_len) {
         for hh in 0..h {

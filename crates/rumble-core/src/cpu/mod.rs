@@ -203,9 +203,10 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             Ok(vec![out(&o), write_float(ot[1].dtype, &lse)])
         }
         Op::Fused(body) => run_fused(body, args),
-        Op::RopeAt { theta, layout } => {
+        Op::RopeAt { theta, layout, scaling } => {
             let pos = read_int(at[1].dtype, args[1]);
-            one(out(&decode::rope_at::<A>(at[0].dims(), &f(0), &pos, *theta, *layout)?))
+            let inv_freq = scaling.inv_freq(*theta, layout.bhtd(at[0].dims())[3]);
+            one(out(&decode::rope_at::<A>(at[0].dims(), &f(0), &pos, &inv_freq, *layout)?))
         }
         Op::CacheWrite => {
             let pos = read_int(at[2].dtype, args[2]);

@@ -384,7 +384,12 @@ impl Tensor {
     /// RoPE of `self` in `layout` with row `t` of sequence `b` at position `pos[b] + t`
     /// (`pos` int `[B]`).
     pub fn rope_at(&self, pos: &Tensor, layout: HeadLayout, theta: f64) -> Result<Tensor> {
-        self.graph.apply1(Op::RopeAt { theta, layout }, &[self, pos])
+        self.rope_at_scaled(pos, layout, theta, RopeScaling::None)
+    }
+    /// [`Tensor::rope_at`] with inverse frequencies rescaled by `scaling` (as
+    /// [`Tensor::rope_scaled`]'s are).
+    pub fn rope_at_scaled(&self, pos: &Tensor, layout: HeadLayout, theta: f64, scaling: RopeScaling) -> Result<Tensor> {
+        self.graph.apply1(Op::RopeAt { theta, layout, scaling }, &[self, pos])
     }
     /// `self` (a cache `[B, S, H, D]`) with rows `pos[b] .. pos[b] + T` replaced by `new
     /// [B, T, H, D]`.

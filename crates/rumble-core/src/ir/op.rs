@@ -195,8 +195,10 @@ pub enum Op {
     // Decoding (inference only: no VJP). Type rules in `ir::decode`.
     /// RoPE like `rope`, but row `t` of sequence `b` sits at position `pos[b] + t`:
     /// `(x, pos int [B]) -> x`, x `[B, T, H, D]` in layout `bthd` (`[B, H, T, D]` in `bhtd`),
-    /// D even. One decode step's new token is rotated at its sequence's own position.
-    RopeAt { theta: f64, layout: HeadLayout },
+    /// D even. One decode step's new token is rotated at its sequence's own position. The
+    /// angle of position `p` and frequency `j` is `p * scaling.inv_freq(theta, D)[j]`, as in
+    /// `rope`, so a row at position `p` equals row `p` of `rope` with the same attributes.
+    RopeAt { theta: f64, layout: HeadLayout, scaling: RopeScaling },
     /// A KV-cache write: `(cache [B, S, H, D], new [B, T, H, D], pos int [B]) -> cache` with
     /// rows `pos[b] .. pos[b] + T` of sequence `b` replaced by `new[b]`, every other element
     /// kept. `pos[b] + T > S` is an error (the CPU says so; a device kernel skips such rows).

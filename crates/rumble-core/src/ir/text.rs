@@ -62,9 +62,10 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             a
         }
         Op::Fused(body) => vec![("shape", body.shape.to_string())],
-        Op::RopeAt { theta, layout } => {
+        Op::RopeAt { theta, layout, scaling } => {
             let mut a = vec![("theta", f(*theta))];
             a.extend(layout_attr(*layout));
+            a.extend(scaling.text().map(|s| ("scaling", s)));
             a
         }
         Op::AttentionCached { scale } => vec![("scale", f(*scale))],
@@ -212,7 +213,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "attention_backward" => {
             Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")?, layout: a.layout()? }
         }
-        "rope_at" => Op::RopeAt { theta: a.f64("theta")?, layout: a.layout()? },
+        "rope_at" => Op::RopeAt { theta: a.f64("theta")?, layout: a.layout()?, scaling: a.rope_scaling()? },
         "cache_write" => Op::CacheWrite,
         "attention_cached" => Op::AttentionCached { scale: a.f64("scale")? },
         "sample" => Op::Sample { temperature: a.f64("temperature")?, top_k: a.usize("top_k")?, top_p: a.f64("top_p")? },

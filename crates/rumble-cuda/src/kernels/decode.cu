@@ -3,17 +3,22 @@
 
 // RoPE at per-sequence positions: rows of d, row r = ((b * n1 + i1) * n2 + i2) with the position
 // index t = i1 (layout bthd: n1 = T, n2 = H) or i2 (bhtd: n1 = H, n2 = T); position pos[b] + t.
+// The inverse frequencies are rope's (RopeFreqs in the prelude, rescaled on the host as the
+// op's `scaling` says), so position p gets the angles of rope's row p.
 template <typename T>
 __device__ void rope_at(const T* __restrict__ x, const i64* __restrict__ pos, T* __restrict__ y, i64 rows, i64 n1,
-                        i64 n2, int seq_first, i64 d, double theta) {
+                        i64 n2, int seq_first, i64 d, const RopeFreqs& f) {
   typedef typename Acc<T>::t A;
+  // Staged in shared memory once per block, as rope_table does.
+  __shared__ float inv[ROPE_MAX_HALF];
   i64 half = d / 2, total = rows * half;
+  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
+  __syncthreads();
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 row = e / half, j = e % half;
     i64 i2 = row % n2, i1 = (row / n2) % n1, b = row / (n1 * n2);
     float p = (float)(pos[b] + (seq_first ? i1 : i2));
-    float inv = 1.0f / (float)pow((double)(float)theta, (double)((float)(2 * j) / (float)d));
-    double ang = (double)(p * inv);
+    double ang = (double)(p * inv[j]);
     A c = (A)cos(ang), s = (A)sin(ang);
     A u = ldf(x[row * d + j]), v = ldf(x[row * d + j + half]);
     stf(&y[row * d + j], u * c - v * s);
@@ -307,8 +312,8 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
 
 #define DECODE(T, SUF)                                                                                          \
   extern "C" __global__ void rope_at_##SUF(const T* x, const i64* pos, T* y, i64 rows, i64 n1, i64 n2,         \
-                                           int seq_first, i64 d, double theta) {                                \
-    rope_at<T>(x, pos, y, rows, n1, n2, seq_first, d, theta);                                                   \
+                                           int seq_first, i64 d, RopeFreqs f) {                                 \
+    rope_at<T>(x, pos, y, rows, n1, n2, seq_first, d, f);                                                       \
   }                                                                                                             \
   extern "C" __global__ void cache_write_##SUF(T* cache, const T* nw, const i64* pos, i64 b_len, i64 s,         \
                                                i64 t_len, i64 r, int* status, int tag) {                        \

@@ -171,6 +171,12 @@ __device__ __forceinline__ i64 bidx(i64 i, const Strides& s) {
   return off;
 }
 
+// RoPE's inverse frequencies (RopeScaling::inv_freq in rumble-core: plain or rescaled, one
+// table for every backend), passed by value to the rope kernels of rows.cu and decode.cu
+// (recipe::rope_freqs packs it): head sizes up to 2 * ROPE_MAX_HALF.
+#define ROPE_MAX_HALF 256
+struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
+
 // Fixed-order block reductions (deterministic): every warp reduces by shuffles, then warp 0
 // reduces the warps' partials. `buf` holds 32 values.
 __device__ __forceinline__ float warp_sum(float v) {

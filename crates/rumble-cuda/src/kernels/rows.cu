@@ -156,13 +156,10 @@ __device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* part, T* __restric
 }
 
 // Rotate-half RoPE on [B, H, T, D]; angle t * inv_freq_j in f32 (as Hugging Face), sin/cos in f64.
-// The inverse frequencies come from the host (RopeScaling::inv_freq in rumble-core: plain or
-// rescaled RoPE, one table for every backend), passed by value.
+// The inverse frequencies come from the host (RopeFreqs in the prelude), passed by value.
 // Two kernels: rope_table computes each (position, frequency) pair's cos and sign * sin once
 // into the node's scratch (t_len x half pairs of A), rope applies them to every row: the same
 // numbers as computing them per element, with 1 / (B * H) of the trigonometry.
-#define ROPE_MAX_HALF 256
-struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
 
 template <typename T>
 __device__ void rope_table(typename Acc<T>::t* __restrict__ tab, i64 t_len, i64 d, const RopeFreqs& f, double sign) {

@@ -10,6 +10,8 @@ mod layout;
 mod reduce;
 mod rows;
 
+pub(crate) use rows::rope_freqs;
+
 use rumble_core::ir::{DType, Op, TensorType};
 
 use crate::compile::Options;

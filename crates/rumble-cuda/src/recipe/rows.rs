@@ -73,7 +73,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 let acc = if dt == DType::F64 { 8 } else { 4 };
                 let tab = b.scratch(t * half * 2 * acc);
                 let sign = if *inverse { -1.0 } else { 1.0 };
-                let freqs = rope_freqs(&scaling.inv_freq(*theta, d))?;
+                let freqs = rope_freqs("rope", &scaling.inv_freq(*theta, d))?;
                 let args =
                     vec![Arg::Scratch(tab), Arg::I64(t as i64), Arg::I64(d as i64), Arg::Blob(freqs), Arg::F64(sign)];
                 b.k(KernelFile::Rows, format!("rope_table_{}", sfx(dt)), grid_for(dev, t * half, 256), 256, 0, args)?;
@@ -242,16 +242,17 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
     Ok(())
 }
 
-/// Inverse frequencies the RoPE kernels take by value (`RopeFreqs` in rows.cu: head sizes up
-/// to 512).
+/// Inverse frequencies the RoPE kernels take by value (`RopeFreqs` in the prelude: head sizes
+/// up to 512).
 const ROPE_MAX_HALF: usize = 256;
 
-/// The `RopeFreqs` struct of rows.cu as 8-byte words: f32 `inv` entries, two a word (little
-/// endian), zero past the table.
-fn rope_freqs(inv: &[f32]) -> Result<Vec<u64>> {
+/// The `RopeFreqs` struct of the kernel prelude as 8-byte words: f32 `inv` entries, two a word
+/// (little endian), zero past the table. Both `rope` (rows.cu) and `rope_at` (decode.cu) take
+/// it; `op` names the op in the error for a head size past the table.
+pub(crate) fn rope_freqs(op: &str, inv: &[f32]) -> Result<Vec<u64>> {
     if inv.len() > ROPE_MAX_HALF {
         return Err(CudaError::Unsupported(format!(
-            "rope on head size {} (at most {})",
+            "{op} on head size {} (at most {})",
             2 * inv.len(),
             2 * ROPE_MAX_HALF
         )));
