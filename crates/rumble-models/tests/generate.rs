@@ -103,6 +103,19 @@ fn cpu_generate_equals_the_full_forward_qwen2_gqa7() {
     self_consistent("qwen2_gqa7_tied");
 }
 
+/// Llama 3.1's RoPE scaling (its blended and divided frequencies reached by these positions):
+/// the prefill and decode rotations must be the forward's rescaled ones.
+#[test]
+fn cpu_generate_equals_the_full_forward_llama3_rope_scaled() {
+    self_consistent("llama3_rope_scaled");
+}
+
+/// Linear RoPE scaling (every frequency divided by 4).
+#[test]
+fn cpu_generate_equals_the_full_forward_llama_rope_linear() {
+    self_consistent("llama_rope_linear");
+}
+
 /// The ids transformers' greedy `generate` wrote (`make_generate_reference.py`): the first
 /// line of `generate/CASE.txt` holds the prompt ids, the second the 64 new ids.
 #[test]
@@ -194,7 +207,15 @@ fn cuda_generate_equals_cpu() {
     if let Some(why) = rumble_models::exec::cuda_unavailable() {
         panic!("this test needs a CUDA device (run with --include-ignored only on a GPU machine): {why}");
     }
-    for name in ["llama_gqa_tied", "llama_mha_untied", "qwen2_gqa7_tied", "qwen2_head_dim_1"] {
+    let fixtures = [
+        "llama_gqa_tied",
+        "llama_mha_untied",
+        "qwen2_gqa7_tied",
+        "qwen2_head_dim_1",
+        "llama3_rope_scaled",
+        "llama_rope_linear",
+    ];
+    for name in fixtures {
         let (cfg, w) = fixture(name);
         let ps = prompts(cfg.vocab_size as i64);
         let run = |device: DeviceChoice, s: Sampling| {

@@ -105,12 +105,18 @@ pub fn build(cfg: &Config, shape: StepShape, sampling: &Sampling, logits: bool) 
     Ok(g.finish()?)
 }
 
-/// RoPE of `x (B, T, H, D)` at positions `0..T` (prefill) or `pos[b] + t` (decode), and the
-/// factor by which the attention scale grows (2 for D == 1, as `model::rotary` explains).
-fn rotary(x: &Tensor, shape: StepShape, pos: &Tensor, theta: f64) -> Result<(Tensor, f64)> {
+/// RoPE of `x (B, T, H, D)` at positions `0..T` (prefill) or `pos[b] + t` (decode), with the
+/// model's `rope_theta` and `rope_scaling` (as training's `model::rotary`), and the factor by
+/// which the attention scale grows (2 for D == 1, as `model::rotary` explains).
+fn rotary(x: &Tensor, shape: StepShape, pos: &Tensor, cfg: &Config) -> Result<(Tensor, f64)> {
     let (b, t, h, d) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
+    let (theta, scaling) = (cfg.rope_theta, cfg.rope_scaling);
     let rope = |y: &Tensor| -> Result<Tensor> {
-        Ok(if shape.prefill { y.rope_in(HeadLayout::Bthd, theta)? } else { y.rope_at(pos, HeadLayout::Bthd, theta)? })
+        Ok(if shape.prefill {
+            y.rope_scaled(HeadLayout::Bthd, theta, scaling)?
+        } else {
+            y.rope_at_scaled(pos, HeadLayout::Bthd, theta, scaling)?
+        })
     };
     if d != 1 {
         return Ok((rope(x)?, 1.0)); // (B, T, H, D)
@@ -141,8 +147,8 @@ fn block(
     let proj = |name: &str, n: usize| -> Result<Tensor> {
         Ok(linear(&h, params, &p(&format!("self_attn.{name}")), cfg.qkv_bias)?.reshape(&[b, t, n, d])?)
     };
-    let (q, grow) = rotary(&proj("q_proj", hq)?, shape, pos, cfg.rope_theta)?; // (B, T, Hq, D)
-    let (k, _) = rotary(&proj("k_proj", hkv)?, shape, pos, cfg.rope_theta)?; // (B, T, Hkv, D)
+    let (q, grow) = rotary(&proj("q_proj", hq)?, shape, pos, cfg)?; // (B, T, Hq, D)
+    let (k, _) = rotary(&proj("k_proj", hkv)?, shape, pos, cfg)?; // (B, T, Hkv, D)
     let v = proj("v_proj", hkv)?; // (B, T, Hkv, D)
     let k_new = k_cache.cache_write(&k, pos)?; // (B, S, Hkv, D)
     let v_new = v_cache.cache_write(&v, pos)?; // (B, S, Hkv, D)
