@@ -23,6 +23,8 @@ struct Case {
     dtype: DType,
     precision: Option<Precision>,
     tol: f64,
+    /// The learning rate of the three steps.
+    lr: f64,
 }
 
 const F32_ADAMW: Case = Case {
@@ -30,6 +32,7 @@ const F32_ADAMW: Case = Case {
     dtype: DType::F32,
     precision: None,
     tol: 1e-6,
+    lr: 1e-2,
 };
 
 fn step(batch: usize, c: Case) -> Trace {
@@ -83,7 +86,7 @@ fn check(world: usize, mode: Mode, c: Case) -> Vec<(String, HostTensor)> {
                 HostTensor::randint(one.ty(i.value).clone(), 256, &mut rng)
             } else {
                 let at = opt.hyper_names().iter().position(|n| *n == i.name).expect("a hyper-parameter");
-                opt.hyper_values(s, 1e-2)[at].clone()
+                opt.hyper_values(s, c.lr)[at].clone()
             };
             inputs[k] = v.clone();
             for (r, (t, _)) in ranks.iter().enumerate() {
@@ -165,9 +168,13 @@ fn zero1_shards_sgd_with_and_without_momentum() {
 /// gradients to bf16 before the reduction, so the ranks match the one-rank step only to
 /// bf16's precision; DDP and ZeRO-1 run the same rank-local computation and must agree with
 /// each other far more closely (they differ only in the order of the clipping norm's sum).
+/// The learning rate is 1e-3: Adam turns a small gradient whose sign the rounding flips into a
+/// full step the other way, so the runs drift apart by about the learning rate per step (at
+/// 1e-2, against weights of 0.1, the grad norm differs by 4% at the third step while the first
+/// agrees to 2e-5).
 #[test]
 fn bf16_mixed_ddp_and_zero1_agree() {
-    let c = Case { dtype: DType::BF16, precision: Some(Precision::Bf16Mixed), tol: 1e-2, ..F32_ADAMW };
+    let c = Case { dtype: DType::BF16, precision: Some(Precision::Bf16Mixed), tol: 1e-2, lr: 1e-3, ..F32_ADAMW };
     let ddp = check(2, Mode::Ddp, c);
     let zero1 = check(2, Mode::Zero1, c);
     assert_eq!(ddp.len(), zero1.len());
