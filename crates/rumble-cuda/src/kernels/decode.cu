@@ -8,12 +8,10 @@
 template <typename T>
 __device__ void rope_at(const T* __restrict__ x, const i64* __restrict__ pos, T* __restrict__ y, i64 rows, i64 n1,
                         i64 n2, int seq_first, i64 d, const RopeFreqs& f) {
-  typedef typename Acc<T>::t A;
-  // Staged in shared memory once per block, as rope_table does.
   __shared__ float inv[ROPE_MAX_HALF];
   i64 half = d / 2, total = rows * half;
-  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
-  __syncthreads();
+  stage_rope_freqs(inv, f, half);
+  typedef typename Acc<T>::t A;
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 row = e / half, j = e % half;
     i64 i2 = row % n2, i1 = (row / n2) % n1, b = row / (n1 * n2);

@@ -176,6 +176,12 @@ __device__ __forceinline__ i64 bidx(i64 i, const Strides& s) {
 // (recipe::rope_freqs packs it): head sizes up to 2 * ROPE_MAX_HALF.
 #define ROPE_MAX_HALF 256
 struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
+// Copies the first `half` frequencies into the block's shared `inv`: a warp reading 32
+// different parameter words would be served one word at a time.
+__device__ __forceinline__ void stage_rope_freqs(float* inv, const RopeFreqs& f, i64 half) {
+  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
+  __syncthreads();
+}
 
 // Fixed-order block reductions (deterministic): every warp reduces by shuffles, then warp 0
 // reduces the warps' partials. `buf` holds 32 values.

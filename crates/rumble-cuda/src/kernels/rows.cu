@@ -164,12 +164,9 @@ __device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* part, T* __restric
 template <typename T>
 __device__ void rope_table(typename Acc<T>::t* __restrict__ tab, i64 t_len, i64 d, const RopeFreqs& f, double sign) {
   typedef typename Acc<T>::t A;
-  // Staged in shared memory once per block: a warp reading 32 different parameter words
-  // would be served one word at a time.
   __shared__ float inv[ROPE_MAX_HALF];
   i64 half = d / 2, total = t_len * half;
-  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
-  __syncthreads();
+  stage_rope_freqs(inv, f, half);
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 tt = e / half, j = e % half;
     float t = (float)tt;
