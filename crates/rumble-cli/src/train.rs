@@ -553,7 +553,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             }
         }
     }
+    let saving = Instant::now();
     checkpoint::save(&out, &trainer, &state(&trainer, &data, &lengths, last_lr))?;
+    let save_s = saving.elapsed().as_secs_f64();
     if let Some(d) = model_dir.as_ref().filter(|d| d.as_path() != out.as_path()) {
         copy_tokenizer_files(d, &out)?;
     }
@@ -596,7 +598,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.json {
         let mut done = json!({"event": "done", "first_loss": first_loss, "final_loss": final_loss, "val_loss": last_val,
                "elapsed_s": elapsed, "checkpoint": out.join("model.safetensors"), "config": out.join("config.json"),
-               "loss_log": log_path, "buckets": reports});
+               "loss_log": log_path, "buckets": reports, "save_s": (save_s * 100.0).round() / 100.0});
         let peak = match trainer.device() {
             DeviceKind::Cuda => trainer.stats().map(|st| st.peak_allocated_bytes),
             DeviceKind::Cpu => None,
