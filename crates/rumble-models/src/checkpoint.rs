@@ -5,7 +5,7 @@
 //! name and, when the step keeps its parameters in another dtype than the model folder (f32
 //! masters under bf16-mixed), those exact masters as `master.{name}`), then [`STATE_FILE`]
 //! ([`TrainerState`]: step, schedule, learning rate, data position, precision, the arguments
-//! that shape the step, and the size and FNV-1a hash of every other file).
+//! that shape the step, and the size and CRC-32 of every other file).
 //!
 //! Writes are safe against a crash at any moment: `OUT/checkpoint-STEP/` folders are written
 //! whole under a hidden temporary name and renamed into place ([`save_step`]); at the run's root
@@ -21,7 +21,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
-use crate::host::HostTensor;
 use crate::trainer::{LrSchedule, ScheduleKind, Trainer};
 use crate::weights::{Weights, read_safetensors, write_atomic, write_safetensors};
 
@@ -66,20 +65,56 @@ impl ScheduleState {
     }
 }
 
-/// A file's size and FNV-1a 64-bit hash (hex): enough to tell a file from another version.
+/// A file's size and CRC-32 (hex): enough to tell a file from another version. Checkpoints
+/// written before the CRC carry an FNV-1a 64-bit hash instead, still checked as such.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileDigest {
     pub bytes: u64,
-    pub fnv1a64: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fnv1a64: Option<String>,
 }
 
 impl FileDigest {
+    /// The digest of the file at `path`, read in blocks (never whole into memory).
     pub fn of(path: &Path) -> Result<FileDigest> {
-        let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
-        let mut h = fnv::FnvHasher::default();
-        h.write(&bytes);
-        let h = h.finish();
-        Ok(FileDigest { bytes: bytes.len() as u64, fnv1a64: format!("{h:016x}") })
+        Self::with(path, true)
+    }
+
+    /// The digest of `path` of the kind `self` holds, to compare with it.
+    fn again(&self, path: &Path) -> Result<FileDigest> {
+        Self::with(path, self.fnv1a64.is_none())
+    }
+
+    fn with(path: &Path, crc: bool) -> Result<FileDigest> {
+        use std::io::Read;
+        let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let mut buf = vec![0u8; 8 << 20];
+        let (mut c, mut h, mut bytes) = (crc32fast::Hasher::new(), fnv::FnvHasher::default(), 0u64);
+        loop {
+            let n = match f.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(ModelError::io(path, e)),
+            };
+            if crc {
+                c.update(&buf[..n]);
+            } else {
+                h.write(&buf[..n]);
+            }
+            bytes += n as u64;
+        }
+        Ok(if crc {
+            FileDigest { bytes, crc32: Some(format!("{:08x}", c.finalize())), fnv1a64: None }
+        } else {
+            FileDigest { bytes, crc32: None, fnv1a64: Some(format!("{:016x}", h.finish())) }
+        })
+    }
+
+    fn hash(&self) -> &str {
+        self.crc32.as_deref().or(self.fnv1a64.as_deref()).unwrap_or("-")
     }
 }
 
@@ -158,41 +193,41 @@ pub fn verify(dir: &Path, state: &TrainerState) -> Result<()> {
         if !path.is_file() {
             return Err(ModelError::Usage(format!("{}: missing (listed in {STATE_FILE})", path.display())));
         }
-        let got = FileDigest::of(&path)?;
+        let got = want.again(&path)?;
         if &got != want {
             return Err(ModelError::Usage(format!(
                 "{}: {} bytes, hash {}, but {STATE_FILE} lists {} bytes, hash {} (a save was cut short)",
                 path.display(),
                 got.bytes,
-                got.fnv1a64,
+                got.hash(),
                 want.bytes,
-                want.fnv1a64
+                want.hash()
             )));
         }
     }
     Ok(())
 }
 
-/// The tensors [`OPTIMIZER_FILE`] holds for `trainer`: its optimizer states and, when its
-/// parameters are kept in another dtype than the model folder's, the exact parameters.
-fn resume_tensors(trainer: &Trainer) -> Result<Vec<(String, HostTensor)>> {
-    let mut out = trainer.optimizer_states()?;
-    let stored = trainer.config().dtype;
-    if trainer.step_config().master_dtype(stored) != stored {
-        for (name, t) in trainer.weights()?.tensors {
-            out.push((format!("{MASTER_PREFIX}{name}"), t));
-        }
-    }
-    Ok(out)
-}
-
 /// Writes a checkpoint of `trainer` into `dir` (created if needed): the model folder, the
-/// optimizer file, then `state` (with `files` filled in) last. Each file is atomic; the set is
-/// made safe by [`verify`] (see the module doc).
+/// optimizer file (its optimizer states and, when its parameters are kept in another dtype than
+/// the model folder's, the exact parameters), then `state` (with `files` filled in) last, all
+/// from one read-back of the device. Each file is atomic; the set is made safe by [`verify`]
+/// (see the module doc).
 pub fn save(dir: &Path, trainer: &Trainer, state: &TrainerState) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    trainer.save_checkpoint(dir)?;
-    write_safetensors(&dir.join(OPTIMIZER_FILE), &resume_tensors(trainer)?)?;
+    let (params, mut resume) = trainer.snapshot()?;
+    let stored = trainer.config().dtype;
+    let model = if trainer.step_config().master_dtype(stored) != stored {
+        let tensors = params.tensors.iter().map(|(n, t)| (n.clone(), t.cast(stored))).collect();
+        resume.extend(params.tensors.into_iter().map(|(name, t)| (format!("{MASTER_PREFIX}{name}"), t)));
+        Weights { tensors }
+    } else {
+        params
+    };
+    crate::trainer::save_checkpoint(dir, trainer.config(), &model)?;
+    drop(model);
+    write_safetensors(&dir.join(OPTIMIZER_FILE), &resume)?;
+    drop(resume);
     let state = TrainerState { files: digests(dir)?, ..state.clone() };
     let text = serde_json::to_string_pretty(&state).map_err(|e| ModelError::Usage(e.to_string()))?;
     write_atomic(&dir.join(STATE_FILE), format!("{text}\n").as_bytes())
@@ -336,15 +371,27 @@ pub fn load(dir: &Path, cfg: &Config) -> Result<Weights> {
 mod tests {
     use super::*;
 
-    /// The digest is FNV-1a 64 (the published test vectors), as in checkpoints already written.
+    /// New digests are CRC-32 (the published check value of "123456789" is cbf43926), read in
+    /// blocks, so files past the 8 MiB block hash the same as whole; a digest of the older
+    /// kind (FNV-1a 64, its published test vectors) is checked as that kind.
     #[test]
-    fn file_digest_is_fnv1a_64() {
+    fn file_digests_crc32_new_and_fnv1a_64_old() {
         let dir = std::env::temp_dir().join(format!("rumble-digest-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for (text, want) in [("", "cbf29ce484222325"), ("a", "af63dc4c8601ec8c"), ("foobar", "85944171f73967e8")] {
-            let p = dir.join("f");
+        let p = dir.join("f");
+        let crc = |s: &str| Some(s.to_string());
+        for (text, want) in [("", "00000000"), ("123456789", "cbf43926")] {
             std::fs::write(&p, text).unwrap();
-            assert_eq!(FileDigest::of(&p).unwrap(), FileDigest { bytes: text.len() as u64, fnv1a64: want.into() });
+            let got = FileDigest::of(&p).unwrap();
+            assert_eq!(got, FileDigest { bytes: text.len() as u64, crc32: crc(want), fnv1a64: None });
+        }
+        let big: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        std::fs::write(&p, &big).unwrap();
+        assert_eq!(FileDigest::of(&p).unwrap().crc32, Some(format!("{:08x}", crc32fast::hash(&big))));
+        for (text, want) in [("", "cbf29ce484222325"), ("a", "af63dc4c8601ec8c"), ("foobar", "85944171f73967e8")] {
+            std::fs::write(&p, text).unwrap();
+            let old = FileDigest { bytes: text.len() as u64, crc32: None, fnv1a64: Some(want.into()) };
+            assert_eq!(old.again(&p).unwrap(), old);
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

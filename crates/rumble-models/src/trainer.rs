@@ -271,8 +271,28 @@ impl Trainer {
 
     /// The optimizer states, by name, in trace order.
     pub fn optimizer_states(&self) -> Result<Vec<(String, HostTensor)>> {
-        let params: std::collections::HashSet<String> = param_specs(&self.cfg).into_iter().map(|s| s.name).collect();
-        Ok(self.exec.persistent_values()?.into_iter().filter(|(n, _)| !params.contains(n)).collect())
+        Ok(self.snapshot()?.1)
+    }
+
+    /// The parameters (as [`Trainer::weights`]) and the optimizer states (as
+    /// [`Trainer::optimizer_states`]) from one read-back of the executor's persistent values:
+    /// a checkpoint reads the device once.
+    pub fn snapshot(&self) -> Result<(Weights, Vec<(String, HostTensor)>)> {
+        let specs = param_specs(&self.cfg);
+        let params: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        let (mut all, states): (std::collections::HashMap<String, HostTensor>, Vec<_>) = {
+            let (p, o): (Vec<_>, Vec<_>) =
+                self.exec.persistent_values()?.into_iter().partition(|(n, _)| params.contains(n.as_str()));
+            (p.into_iter().collect(), o)
+        };
+        let mut tensors = Vec::with_capacity(specs.len());
+        for spec in &specs {
+            let t = all
+                .remove(&spec.name)
+                .ok_or_else(|| ModelError::Usage(format!("the executor lost parameter `{}`", spec.name)))?;
+            tensors.push((spec.name.clone(), t));
+        }
+        Ok((Weights { tensors }, states))
     }
 
     /// One optimizer step over `batches` (one per micro-batch).
@@ -436,16 +456,7 @@ impl Trainer {
     /// The current parameters as the step keeps them (in the master dtype: f32 under
     /// bf16-mixed).
     pub fn weights(&self) -> Result<Weights> {
-        let mut all: std::collections::HashMap<String, HostTensor> =
-            self.exec.persistent_values()?.into_iter().collect();
-        let mut tensors = Vec::new();
-        for spec in param_specs(&self.cfg) {
-            let t = all
-                .remove(&spec.name)
-                .ok_or_else(|| ModelError::Usage(format!("the executor lost parameter `{}`", spec.name)))?;
-            tensors.push((spec.name, t));
-        }
-        Ok(Weights { tensors })
+        Ok(self.snapshot()?.0)
     }
 
     /// The current parameters in the config's dtype (what a model folder stores).
@@ -535,7 +546,7 @@ pub fn cast(t: HostTensor, dtype: DType) -> Result<HostTensor> {
     if !t.ty.dtype.is_float() || !dtype.is_float() {
         return Err(ModelError::Usage(format!("cannot cast a {} tensor to {dtype}", t.ty)));
     }
-    host::from_f32s(dtype, t.ty.dims(), &host::to_f32s(&t)?)
+    Ok(t.cast(dtype))
 }
 
 /// The starting persistent values of a step: `weights`' parameters (in the config's dtype, or

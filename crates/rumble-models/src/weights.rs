@@ -269,7 +269,8 @@ fn describe(e: &safetensors::SafeTensorError, len: usize) -> String {
 }
 
 /// Writes `tensors` as a safetensors file with `{"format": "pt"}` metadata (what transformers
-/// expects), atomically: a temporary file beside `path`, synced, then renamed.
+/// expects), atomically: streamed into a temporary file beside `path` (no copy of the whole
+/// file in memory), synced, then renamed.
 pub fn write_safetensors(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
     let bad = |msg: String| ModelError::Safetensors { file: path.into(), msg };
     let mut views = Vec::with_capacity(tensors.len());
@@ -282,12 +283,28 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, HostTensor)]) -> Resul
         views.push((name.as_str(), view));
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| bad(e.to_string()))?;
-    write_atomic(path, &bytes)
+    let mut failed = None;
+    write_atomic_with(path, |tmp| {
+        safetensors::serialize_to_file(views, Some(meta), tmp).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => e,
+            e => {
+                failed = Some(bad(e.to_string()));
+                std::io::Error::other("not serialized")
+            }
+        })
+    })
+    .map_err(|e| failed.take().unwrap_or(e))
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| std::fs::File::create(tmp)?.write_all(bytes))
+}
+
+/// Has `write` create and fill a temporary file beside `path` (`.NAME.tmp-PID`), then syncs it
+/// and renames it to `path`: a reader sees the old file or the whole new one, never a part. On
+/// an error the temporary file is removed.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let file_name =
         path.file_name().ok_or_else(|| ModelError::Usage(format!("{}: not a file path", path.display())))?;
@@ -296,9 +313,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp: PathBuf = dir.join(tmp_name);
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        write(&tmp)?;
+        std::fs::OpenOptions::new().write(true).open(&tmp)?.sync_all()?;
         std::fs::rename(&tmp, path)
     })();
     if let Err(e) = result {
