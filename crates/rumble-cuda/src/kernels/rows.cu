@@ -465,17 +465,17 @@ __device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, 
   }
 }
 
-#define CE_SPLIT_BWD(T, SUF, O, OSUF, I, ISUF)                                                                   \
-  extern "C" __global__ void ce_split_backward_##SUF##_##OSUF##_##ISUF(                                         \
+#define CE_SPLIT_BWD(T, SUF, O, OSUF, I, ISUF)                                                                    \
+  extern "C" __global__ void ce_split_backward_##SUF##_##OSUF##_##ISUF(                                           \
       const T* x, const I* tg, const Acc<T>::t* lse, const Acc<T>::t* dloss, const int* count, O* dx, i64 rows,   \
-      i64 v, i64 splits, i64 span, i64 ignore, int* status, int tag) {                                          \
-    ce_split_bwd<T, I, O>(x, tg, lse, dloss, count, dx, rows, v, splits, span, ignore, status, tag);             \
+      i64 v, i64 splits, i64 span, i64 ignore, int* status, int tag) {                                            \
+    ce_split_bwd<T, I, O>(x, tg, lse, dloss, count, dx, rows, v, splits, span, ignore, status, tag);              \
   }
-#define CE_SPLIT(T, SUF, I, ISUF)                                                                                \
-  extern "C" __global__ void ce_split_rows_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* stats,      \
-                                                          double* loss, int* valid, Acc<T>::t* lse, i64 rows,    \
-                                                          i64 v, i64 splits, i64 ignore, int* status, int tag) { \
-    ce_split_rows<T, I>(x, tg, stats, loss, valid, lse, rows, v, splits, ignore, status, tag);                  \
+#define CE_SPLIT(T, SUF, I, ISUF)                                                                                 \
+  extern "C" __global__ void ce_split_rows_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* stats,        \
+                                                          double* loss, int* valid, Acc<T>::t* lse, i64 rows,     \
+                                                          i64 v, i64 splits, i64 ignore, int* status, int tag) {  \
+    ce_split_rows<T, I>(x, tg, stats, loss, valid, lse, rows, v, splits, ignore, status, tag);                    \
   }
 extern "C" __global__ void ce_split_stats_f32(const float* x, float* stats, i64 rows, i64 v, i64 splits, i64 span) {
   ce_split_stats<float>(x, stats, rows, v, splits, span);
