@@ -11,8 +11,9 @@
 //!   few tiles, and a last wave may leave most multiprocessors idle), which is what makes a
 //!   chunked loss of thin matmuls slower than a wide one; its weight is read once per chunk.
 //!   Fused linear cross-entropy is priced chunk by chunk as the CUDA recipe runs it
-//!   (`recipe.rs`'s `linear_ce`: per chunk one logits matmul and two passes over the logits
-//!   forward; a recomputation, one pass and two gradient matmuls backward).
+//!   (`recipe/rows.rs`'s `linear_ce`: per chunk one logits matmul and two passes over the
+//!   logits forward; a recomputation, one pass reading the forward's log-sum-exp and two
+//!   gradient matmuls backward).
 //! - [`Measured`]: times measured on the device (the matmul tuner records each shape it
 //!   times), read from a file keyed by device, op, shapes and dtypes ([`matmul_key`],
 //!   [`node_key`]); the roofline answers for anything not measured.
@@ -270,10 +271,9 @@ impl Roofline {
             let logits = (rows * v) as f64;
             total += mm(t, s, false, true, rows, v, c);
             if backward {
-                // The split log-sum-exp again (one read of the logits), the logit gradient in
-                // the operand dtype, then dx = dl w and dw += dl^T x.
-                total += self.stream_seconds(logits * ssz, 3.0 * logits, 1);
-                total += self.stream_seconds(logits * (ssz + tsz), 4.0 * logits, 1);
+                // The logit gradient in the operand dtype from the logits and the forward's
+                // log-sum-exp (no statistics pass), then dx = dl w and dw += dl^T x.
+                total += self.stream_seconds(logits * (ssz + tsz) + rows as f64 * ssz, 4.0 * logits, 1);
                 total += mm(t, t, false, false, rows, c, v);
                 total += mm(t, t, true, false, v, c, rows);
             } else {
@@ -414,11 +414,12 @@ mod tests {
         let (x, w, t) = (ty(DType::BF16, &[4096, 896]), ty(DType::BF16, &[151936, 896]), ty(DType::I64, &[4096]));
         let out = ty(DType::F32, &[]);
         let time = |chunk| {
-            let f = r.node_seconds(&Op::LinearCrossEntropy { ignore_index: -100, chunk }, &[&x, &w, &t], &[&out]);
+            let lse = ty(DType::F32, &[4096]);
+            let f = r.node_seconds(&Op::LinearCrossEntropy { ignore_index: -100, chunk }, &[&x, &w, &t], &[&out, &lse]);
             let dl = ty(DType::F32, &[]);
             let b = r.node_seconds(
                 &Op::LinearCrossEntropyBackward { ignore_index: -100, chunk },
-                &[&x, &w, &t, &dl],
+                &[&x, &w, &t, &lse, &dl],
                 &[&x, &w],
             );
             f + b

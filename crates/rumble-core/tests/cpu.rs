@@ -2,7 +2,7 @@
 
 use rumble_core::autodiff;
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{DType, Graph, HeadLayout, Tensor, TensorType};
+use rumble_core::ir::{DType, Graph, HeadLayout, Op, Tensor, TensorType};
 
 fn run1(g: &Graph, out: &Tensor, inputs: &[HostTensor]) -> HostTensor {
     g.output(out, "out").unwrap();
@@ -193,4 +193,101 @@ fn casts_truncate_and_round() {
     assert_eq!(x.cast(DType::I32).to_i64(), vec![-1, 2, 0, 0]);
     assert_eq!(x.cast(DType::Bool).to_i64(), vec![1, 1, 0, 1]);
     assert_eq!(x.cast(DType::BF16).cast(DType::F64).to_f64()[1], 2.90625);
+}
+
+/// The fused loss's second output is each row's log-sum-exp of `x @ w^T` (ignored rows too),
+/// whatever the chunk; its loss is the mean of `lse - logit[target]` over the kept rows.
+#[test]
+fn fused_loss_outputs_each_rows_log_sum_exp() {
+    let (n, c, v) = (7, 5, 9);
+    let r = &mut Rng::new(31);
+    let xs = HostTensor::randn(TensorType::new(DType::F64, [n, c]), 1.0, r);
+    let ws = HostTensor::randn(TensorType::new(DType::F64, [v, c]), 1.0, r);
+    let tv = [3, -100, 0, 8, -100, 2, 1];
+    let ts = HostTensor::from_i64(DType::I64, &[n], &tv).unwrap();
+    let (x, w) = (xs.to_f64(), ws.to_f64());
+    let logit = |i: usize, j: usize| (0..c).map(|k| x[i * c + k] * w[j * c + k]).sum::<f64>();
+    let want: Vec<f64> = (0..n).map(|i| (0..v).map(|j| logit(i, j).exp()).sum::<f64>().ln()).collect();
+    let kept: Vec<usize> = (0..n).filter(|&i| tv[i] >= 0).collect();
+    let loss = kept.iter().map(|&i| want[i] - logit(i, tv[i] as usize)).sum::<f64>() / kept.len() as f64;
+    for chunk in [1, 3, 7, 100] {
+        let g = Graph::new("lce");
+        let x = g.data("x", DType::F64, &[n, c]).unwrap();
+        let w = g.data("w", DType::F64, &[v, c]).unwrap();
+        let t = g.data("t", DType::I64, &[n]).unwrap();
+        let (l, lse) = x.linear_cross_entropy_lse(&w, &t, -100, chunk).unwrap();
+        assert_eq!((l.dims(), lse.dims(), lse.dtype()), (&[][..], &[n][..], DType::F64));
+        g.output(&l, "loss").unwrap();
+        g.output(&lse, "lse").unwrap();
+        let outs = cpu::eval(&g.finish().unwrap(), &[xs.clone(), ws.clone(), ts.clone()]).unwrap();
+        assert!((outs[0].item() - loss).abs() < 1e-12, "chunk {chunk}: loss {} vs {loss}", outs[0].item());
+        for (i, (got, want)) in outs[1].to_f64().iter().zip(&want).enumerate() {
+            assert!((got - want).abs() < 1e-12, "chunk {chunk} row {i}: lse {got} vs {want}");
+        }
+    }
+    // f32 operands give an f32 lse.
+    let g = Graph::new("lce32");
+    let x = g.data("x", DType::BF16, &[n, c]).unwrap();
+    let w = g.data("w", DType::BF16, &[v, c]).unwrap();
+    let t = g.data("t", DType::I32, &[n]).unwrap();
+    assert_eq!(x.linear_cross_entropy_lse(&w, &t, -100, 2).unwrap().1.dtype(), DType::F32);
+}
+
+/// The fused loss's backward takes each row's log-sum-exp from its `lse` operand rather than
+/// recomputing it: with `lse + ln 2` every softmax halves, so `2 dx' - dx = -dloss / count *
+/// w[target]` on kept rows and 0 on ignored ones. A wrong-typed `lse` is a clear error.
+#[test]
+fn fused_loss_backward_reads_the_given_lse() {
+    let (n, c, v) = (6, 4, 11);
+    let r = &mut Rng::new(32);
+    let xs = HostTensor::randn(TensorType::new(DType::F64, [n, c]), 1.0, r);
+    let ws = HostTensor::randn(TensorType::new(DType::F64, [v, c]), 1.0, r);
+    let tv = [4, 10, -100, 0, 7, 7];
+    let ts = HostTensor::from_i64(DType::I64, &[n], &tv).unwrap();
+    let op = Op::LinearCrossEntropyBackward { ignore_index: -100, chunk: 4 };
+    let g = Graph::new("lce");
+    let x = g.data("x", DType::F64, &[n, c]).unwrap();
+    let w = g.data("w", DType::F64, &[v, c]).unwrap();
+    let t = g.data("t", DType::I64, &[n]).unwrap();
+    let lse_in = g.data("lse", DType::F64, &[n]).unwrap();
+    let dl = g.data("dloss", DType::F64, &[]).unwrap();
+    let (_, lse) = x.linear_cross_entropy_lse(&w, &t, -100, 4).unwrap();
+    g.output(&lse, "lse").unwrap();
+    let grads = g.apply(op.clone(), &[&x, &w, &t, &lse_in, &dl]).unwrap();
+    g.output(&grads[0], "dx").unwrap();
+    let trace = g.finish().unwrap();
+    let dloss = 0.8;
+    let run = |lse: Option<&HostTensor>| {
+        let zero = HostTensor::zeros(TensorType::new(DType::F64, [n]));
+        let ins =
+            [xs.clone(), ws.clone(), ts.clone(), lse.unwrap_or(&zero).clone(), HostTensor::scalar(DType::F64, dloss)];
+        cpu::eval(&trace, &ins).unwrap()
+    };
+    let lse = run(None).remove(0);
+    let dx = run(Some(&lse)).remove(1).to_f64();
+    let shifted =
+        HostTensor::from_f64(DType::F64, &[n], &lse.to_f64().iter().map(|l| l + 2f64.ln()).collect::<Vec<_>>())
+            .unwrap();
+    let dx2 = run(Some(&shifted)).remove(1).to_f64();
+    let (w, count) = (ws.to_f64(), tv.iter().filter(|&&t| t >= 0).count() as f64);
+    for i in 0..n {
+        for k in 0..c {
+            let want = if tv[i] < 0 { 0.0 } else { -dloss / count * w[tv[i] as usize * c + k] };
+            let got = 2.0 * dx2[i * c + k] - dx[i * c + k];
+            assert!((got - want).abs() < 1e-12, "row {i} col {k}: {got} vs {want}");
+        }
+    }
+    // The lse operand's type is checked: wrong length, wrong dtype.
+    let g = Graph::new("bad");
+    let x = g.data("x", DType::BF16, &[n, c]).unwrap();
+    let w = g.data("w", DType::BF16, &[v, c]).unwrap();
+    let t = g.data("t", DType::I64, &[n]).unwrap();
+    let dl = g.data("dloss", DType::F32, &[]).unwrap();
+    for bad in [g.data("short", DType::F32, &[n - 1]).unwrap(), g.data("half", DType::BF16, &[n]).unwrap()] {
+        let e = g.apply(op.clone(), &[&x, &w, &t, &bad, &dl]).unwrap_err().to_string();
+        assert!(e.contains("linear_cross_entropy_backward") && e.contains("lse must be f32[6]"), "{e}");
+        assert!(e.contains(&bad.ty().to_string()), "{e}");
+    }
+    let e = g.apply(op, &[&x, &w, &t, &dl]).unwrap_err().to_string();
+    assert!(e.contains("takes 5 operands, got 4"), "{e}");
 }

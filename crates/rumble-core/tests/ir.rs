@@ -114,6 +114,46 @@ fn head_layouts_in_the_text_form_and_the_verifier() {
     assert!(e.contains("q [B, T, Hq, D], k and v [B, S, Hkv, D]"), "{e}");
 }
 
+/// The fused loss prints as two outputs (loss, lse) and its backward as five operands (the
+/// lse among them); both read back. A gradient through the lse is an error, as attention's.
+#[test]
+fn fused_loss_and_its_lse_in_the_text_form() {
+    let g = Graph::new("lce");
+    let x = g.param("x", DType::BF16, &[6, 4]).unwrap();
+    let w = g.param("w", DType::BF16, &[10, 4]).unwrap();
+    let t = g.data("t", DType::I32, &[6]).unwrap();
+    let loss = x.linear_cross_entropy(&w, &t, -100, 4).unwrap();
+    g.output(&loss, "loss").unwrap();
+    let trace = g.finish().unwrap();
+    let joint = autodiff::grad(&trace, "loss", &["x", "w"]).unwrap();
+    let text = joint.to_string();
+    assert!(
+        text.contains("%3: f32[], %4: f32[6] = linear_cross_entropy(%0, %1, %2) ignore_index=-100 chunk=4"),
+        "{text}"
+    );
+    assert!(text.contains("= linear_cross_entropy_backward(%0, %1, %2, %4, "), "{text}");
+    let back = parse(&text).unwrap();
+    assert_eq!(back, joint);
+    assert_eq!(back.to_string(), text);
+    // A backward whose lse is not f32[N] does not read back.
+    let e = parse_err(
+        &text.replace("linear_cross_entropy_backward(%0, %1, %2, %4,", "linear_cross_entropy_backward(%0, %1, %2, %3,"),
+    );
+    assert!(
+        e.contains("linear_cross_entropy_backward") && e.contains("lse must be f32[6]") && e.contains("got f32[]"),
+        "{e}"
+    );
+
+    let g = Graph::new("lse_grad");
+    let x = g.param("x", DType::F32, &[6, 4]).unwrap();
+    let w = g.param("w", DType::F32, &[10, 4]).unwrap();
+    let t = g.data("t", DType::I64, &[6]).unwrap();
+    let (_, lse) = x.linear_cross_entropy_lse(&w, &t, -100, 4).unwrap();
+    g.output(&lse.sum_all().unwrap(), "loss").unwrap();
+    let e = autodiff::grad(&g.finish().unwrap(), "loss", &["x"]).unwrap_err().to_string();
+    assert!(e.contains("linear_cross_entropy: a gradient through the log-sum-exp output is not supported"), "{e}");
+}
+
 fn parse_err(text: &str) -> String {
     parse(text).unwrap_err().to_string()
 }

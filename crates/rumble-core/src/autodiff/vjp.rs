@@ -31,13 +31,15 @@ pub fn vjp(
     need: &[bool],
 ) -> Result<Vec<Option<Tensor>>> {
     let none = || vec![None; args.len()];
-    // Every op but attention has one output.
+    // Every op but attention and the fused loss has one output; their second, a log-sum-exp
+    // kept for the backward, takes no gradient.
+    if matches!(op, Op::Attention { .. } | Op::LinearCrossEntropy { .. }) && cts.get(1).is_some_and(|c| c.is_some()) {
+        return Err(Error::Autodiff(format!(
+            "{}: a gradient through the log-sum-exp output is not supported",
+            op.name()
+        )));
+    }
     let Some(ct) = cts[0].clone() else {
-        if matches!(op, Op::Attention { .. }) && cts.get(1).is_some_and(|c| c.is_some()) {
-            return Err(Error::Autodiff(
-                "attention: a gradient through the log-sum-exp output is not supported".into(),
-            ));
-        }
         return Ok(none());
     };
     let y = &outs[0];
@@ -213,7 +215,7 @@ pub fn vjp(
         }
         Op::LinearCrossEntropy { ignore_index, chunk } => {
             let op = Op::LinearCrossEntropyBackward { ignore_index: *ignore_index, chunk: *chunk };
-            let mut r = args[0].graph().apply(op, &[&args[0], &args[1], &args[2], &ct])?;
+            let mut r = args[0].graph().apply(op, &[&args[0], &args[1], &args[2], &outs[1], &ct])?;
             let dw = r.pop();
             vec![r.pop(), dw, None]
         }
@@ -224,11 +226,6 @@ pub fn vjp(
         }
         Op::SwigluPacked => vec![Some(args[0].graph().apply(Op::SwigluPackedBackward, &[&args[0], &ct])?.remove(0))],
         Op::Attention { scale, causal, layout } => {
-            if cts[1].is_some() {
-                return Err(Error::Autodiff(
-                    "attention: a gradient through the log-sum-exp output is not supported".into(),
-                ));
-            }
             let (q, k, v) = (&args[0], &args[1], &args[2]);
             // dq, dk, dv in the layout of q, k, v.
             let op = Op::AttentionBackward { scale: *scale, causal: *causal, layout: *layout };

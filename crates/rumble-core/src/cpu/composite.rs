@@ -137,17 +137,18 @@ pub fn cross_entropy<A: Real>(v: usize, logits: &[A], t: &[i64], ignore: i64) ->
 pub fn cross_entropy_backward<A: Real>(v: usize, logits: &[A], t: &[i64], dloss: f64, ignore: i64) -> Result<Vec<A>> {
     let tg = targets(v, t, ignore)?;
     let count = tg.iter().filter(|t| t.is_some()).count().max(1) as f64;
-    Ok(ce_rows_backward(v, logits, &tg, dloss / count))
+    let lse: Vec<f64> = logits.chunks(v.max(1)).map(row_lse).collect();
+    Ok(ce_rows_backward(v, logits, &tg, &lse, dloss / count))
 }
 
-/// `(softmax(row) - onehot(target)) * scale` for rows with a target, 0 for the others.
-fn ce_rows_backward<A: Real>(v: usize, logits: &[A], tg: &[Option<usize>], scale: f64) -> Vec<A> {
+/// `(exp(row - lse) - onehot(target)) * scale` for rows with a target, 0 for the others;
+/// `lse` holds each row's log-sum-exp.
+fn ce_rows_backward<A: Real>(v: usize, logits: &[A], tg: &[Option<usize>], lse: &[f64], scale: f64) -> Vec<A> {
     let mut out = Vec::with_capacity(logits.len());
-    for (row, t) in logits.chunks(v).zip(tg) {
+    for ((row, t), &lse) in logits.chunks(v).zip(tg).zip(lse) {
         match t {
             None => out.extend(std::iter::repeat_n(A::zero(), v)),
             Some(t) => {
-                let lse = row_lse(row);
                 out.extend(row.iter().enumerate().map(|(j, x)| {
                     let p = (x.f64() - lse).exp() - if j == *t { 1.0 } else { 0.0 };
                     A::of(p * scale)
@@ -199,7 +200,8 @@ fn chunk_logits<A: Real>(xt: &TensorType, x: &[A], wt: &TensorType, w: &[A], r0:
     matmul(&xt.with_shape([r1 - r0, c]), &x[r0 * c..r1 * c], wt, w, false, true)
 }
 
-/// `cross_entropy(x @ w^T, t)`, `chunk` rows of logits at a time.
+/// `(cross_entropy(x @ w^T, t), lse)`, `chunk` rows of logits at a time; `lse` is every row's
+/// log-sum-exp of its logits, ignored rows included.
 pub fn linear_cross_entropy<A: Real>(
     xt: &TensorType,
     x: &[A],
@@ -208,28 +210,33 @@ pub fn linear_cross_entropy<A: Real>(
     t: &[i64],
     ignore: i64,
     chunk: usize,
-) -> Result<f64> {
+) -> Result<(f64, Vec<f64>)> {
     let (n, v) = (xt.dims()[0], wt.dims()[0]);
     let tg = targets(v, t, ignore)?;
     let (mut sum, mut count) = (0.0, 0usize);
+    let mut lse = Vec::with_capacity(n);
     for r0 in (0..n).step_by(chunk) {
         let r1 = (r0 + chunk).min(n);
         let logits = chunk_logits(xt, x, wt, w, r0, r1);
         for (row, t) in logits.chunks(v).zip(&tg[r0..r1]) {
+            let l = row_lse(row);
+            lse.push(l);
             if let Some(t) = t {
-                sum += row_lse(row) - row[*t].f64();
+                sum += l - row[*t].f64();
                 count += 1;
             }
         }
     }
-    Ok(sum / count.max(1) as f64)
+    Ok((sum / count.max(1) as f64, lse))
 }
 
-/// `(dx, dw)` of `linear_cross_entropy`, recomputing each chunk's logits.
+/// `(dx, dw)` of `linear_cross_entropy`, recomputing each chunk's logits but taking each
+/// row's log-sum-exp from the forward's `lse`.
 pub fn linear_cross_entropy_backward<A: Real>(
     (xt, x): (&TensorType, &[A]),
     (wt, w): (&TensorType, &[A]),
     t: &[i64],
+    lse: &[f64],
     dloss: f64,
     ignore: i64,
     chunk: usize,
@@ -242,7 +249,7 @@ pub fn linear_cross_entropy_backward<A: Real>(
     for r0 in (0..n).step_by(chunk) {
         let r1 = (r0 + chunk).min(n);
         let logits = chunk_logits(xt, x, wt, w, r0, r1);
-        let dl = ce_rows_backward(v, &logits, &tg[r0..r1], scale);
+        let dl = ce_rows_backward(v, &logits, &tg[r0..r1], &lse[r0..r1], scale);
         let dlt = TensorType::new(xt.dtype, [r1 - r0, v]);
         dx.extend(matmul(&dlt, &dl, wt, w, false, false));
         let g = matmul(&dlt, &dl, &xt.with_shape([r1 - r0, c]), &x[r0 * c..r1 * c], true, false);

@@ -174,16 +174,19 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         }
         Op::LinearCrossEntropy { ignore_index, chunk } => {
             let t = read_int(at[2].dtype, args[2]);
-            let loss = composite::linear_cross_entropy::<A>(at[0], &f(0), at[1], &f(1), &t, *ignore_index, *chunk)?;
-            one(write_float::<f64>(ot[0].dtype, &[loss]))
+            let (loss, lse) =
+                composite::linear_cross_entropy::<A>(at[0], &f(0), at[1], &f(1), &t, *ignore_index, *chunk)?;
+            Ok(vec![write_float::<f64>(ot[0].dtype, &[loss]), write_float::<f64>(ot[1].dtype, &lse)])
         }
         Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
             let t = read_int(at[2].dtype, args[2]);
-            let dloss = read_float::<f64>(at[3].dtype, args[3])[0];
+            let lse = read_float::<f64>(at[3].dtype, args[3]);
+            let dloss = read_float::<f64>(at[4].dtype, args[4])[0];
             let (dx, dw) = composite::linear_cross_entropy_backward::<A>(
                 (at[0], &f(0)),
                 (at[1], &f(1)),
                 &t,
+                &lse,
                 dloss,
                 *ignore_index,
                 *chunk,

@@ -359,7 +359,20 @@ impl Tensor {
         ignore_index: i64,
         chunk: usize,
     ) -> Result<Tensor> {
-        self.graph.apply1(Op::LinearCrossEntropy { ignore_index, chunk }, &[self, w, targets])
+        Ok(self.linear_cross_entropy_lse(w, targets, ignore_index, chunk)?.0)
+    }
+    /// [`Tensor::linear_cross_entropy`] and its second output, each row's log-sum-exp `[N]`
+    /// (what the backward reads instead of recomputing it).
+    pub fn linear_cross_entropy_lse(
+        &self,
+        w: &Tensor,
+        targets: &Tensor,
+        ignore_index: i64,
+        chunk: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut outs = self.graph.apply(Op::LinearCrossEntropy { ignore_index, chunk }, &[self, w, targets])?;
+        let lse = outs.pop().expect("linear_cross_entropy has two outputs");
+        Ok((outs.pop().expect("linear_cross_entropy has two outputs"), lse))
     }
     /// Causal or full attention on `[B, H, T, D]` operands; returns the output and the
     /// log-sum-exp per query.

@@ -163,12 +163,14 @@ pub enum Op {
     /// `(logits, targets, dloss) -> dlogits`; `dloss` has the loss's type.
     CrossEntropyBackward { ignore_index: i64 },
     /// The last projection and the loss in one op, never materialising all the logits:
-    /// `(x [N, C], w [V, C], targets int [N]) -> loss`, equal to
-    /// `cross_entropy(x @ w^T, targets)`. Backends work on `chunk` rows at a time, so their
-    /// scratch is `chunk x V` (see `Op::scratch_bytes`); the backward recomputes each chunk's
-    /// logits instead of saving them.
+    /// `(x [N, C], w [V, C], targets int [N]) -> (loss, lse [N])`, `loss` equal to
+    /// `cross_entropy(x @ w^T, targets)` and `lse` each row's log-sum-exp of its logits
+    /// `x @ w^T` (every row's, ignored rows included), both in f32 (f64 for f64 operands).
+    /// Backends work on `chunk` rows at a time, so their scratch is `chunk x V` (see
+    /// `Op::scratch_bytes`); the backward recomputes each chunk's logits instead of saving
+    /// them, but takes each row's log-sum-exp from `lse` (as attention's backward does).
     LinearCrossEntropy { ignore_index: i64, chunk: usize },
-    /// `(x, w, targets, dloss) -> (dx, dw)`.
+    /// `(x, w, targets, lse, dloss) -> (dx, dw)`, `lse` the forward's second output.
     LinearCrossEntropyBackward { ignore_index: i64, chunk: usize },
     /// `(gate, up) -> silu(gate) * up`.
     Swiglu,
@@ -385,7 +387,8 @@ impl Op {
             | Op::LinearCrossEntropy { .. }
             | Op::CacheWrite
             | Op::Attention { .. } => 3,
-            Op::LinearCrossEntropyBackward { .. } | Op::AttentionCached { .. } => 4,
+            Op::AttentionCached { .. } => 4,
+            Op::LinearCrossEntropyBackward { .. } => 5,
             Op::AttentionBackward { .. } => 6,
             Op::Concat { .. } | Op::Fused(_) => return None,
         })
@@ -671,14 +674,17 @@ impl Op {
                 one(args[0].clone())
             }
             Op::LinearCrossEntropy { chunk, .. } => {
-                linear_ce_operands(args[0], args[1], args[2], *chunk)?;
-                one(TensorType::scalar(stat_dtype(args[0].dtype)))
+                let lse = linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                Ok(vec![TensorType::scalar(lse.dtype), lse])
             }
             Op::LinearCrossEntropyBackward { chunk, .. } => {
-                linear_ce_operands(args[0], args[1], args[2], *chunk)?;
-                let want = TensorType::scalar(stat_dtype(args[0].dtype));
-                if *args[3] != want {
-                    return Err(format!("dloss must be {want}, got {}", args[3]));
+                let lse = linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                if *args[3] != lse {
+                    return Err(format!("lse must be {lse} (each row's log-sum-exp, [N]), got {}", args[3]));
+                }
+                let want = TensorType::scalar(lse.dtype);
+                if *args[4] != want {
+                    return Err(format!("dloss must be {want}, got {}", args[4]));
                 }
                 Ok(vec![args[0].clone(), args[1].clone()])
             }
@@ -780,7 +786,8 @@ fn ce_operands(logits: &TensorType, targets: &TensorType) -> Result<(), String> 
     Ok(())
 }
 
-fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usize) -> Result<(), String> {
+/// Checks the fused loss's x, w and targets; returns the type of the log-sum-exp `[N]`.
+fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usize) -> Result<TensorType, String> {
     float(x)?;
     if x.dtype != w.dtype || x.rank() != 2 || w.rank() != 2 || x.dims()[1] != w.dims()[1] {
         return Err(format!("needs x [N, C] and w [V, C] of one dtype, got {x} and {w}"));
@@ -789,7 +796,7 @@ fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usi
     if chunk == 0 {
         return Err("chunk must be at least 1 row".into());
     }
-    Ok(())
+    Ok(TensorType::new(stat_dtype(x.dtype), [x.dims()[0]]))
 }
 
 /// Checks attention's q, k, v in `layout`; returns the type of the log-sum-exp `[B, Hq, T]`.

@@ -43,7 +43,7 @@ pub enum Remat {
 }
 
 /// True for ops cheap enough to run twice: everything but matmul, attention and the losses
-/// (whose results are scalars anyway).
+/// (whose results are small anyway: a scalar, and the fused loss's `[N]` log-sum-exp).
 pub fn is_cheap(op: &Op) -> bool {
     !matches!(
         op,
@@ -126,7 +126,7 @@ pub fn remat(trace: &Trace, mode: Remat, workspace_bytes: usize, opts: LifetimeO
 }
 
 /// True for ops a budget may recompute when a cost model prices them: every op with one
-/// result but the losses (scalars: nothing to save).
+/// result but the losses (a scalar, and the fused loss's `[N]` log-sum-exp: nothing to save).
 fn is_recomputable(op: &Op) -> bool {
     // A collective recomputed on one rank would wait for ranks that do not run it again.
     !matches!(

@@ -332,8 +332,9 @@ __device__ void ce_bwd(const T* __restrict__ x, const I* __restrict__ tg, const 
 // Cross-entropy over long rows (a vocabulary of 10^5) split across blocks: block b of a 1-D
 // grid works on row b / splits, columns [s * span, min(v, (s + 1) * span)) with s = b % splits,
 // so a chunk of a few hundred rows still fills the GPU. ce_split_stats writes each piece's
-// (max, sum of exp(x - max)); the row's log-sum-exp combines them in piece order (the same
-// value in every block that needs it: deterministic). The logits are read once: each thread
+// (max, sum of exp(x - max)); ce_split_rows combines them in piece order into the row's
+// log-sum-exp (deterministic), which the forward outputs and the backward (ce_split_bwd) reads
+// back instead of recomputing it. The logits are read once: each thread
 // keeps a running (max, sum) (online log-sum-exp), as float4 where the rows and pieces are
 // multiples of 4 wide (`vec4`), and the block combines its threads' pairs in a fixed order.
 template <typename T> struct IsF32 { static const bool v = false; };
@@ -395,11 +396,16 @@ __device__ __forceinline__ A ce_combine(const A* st, i64 splits) {
   return m + ln_(sum);
 }
 
-// One thread per row: loss = lse - x[target] (f64), valid flag; ignored rows give 0.
+// One thread per row: the row's log-sum-exp to lse (every row, ignored ones included),
+// loss = lse - x[target] (f64), valid flag; ignored rows give loss 0.
 template <typename T, typename I>
 __device__ void ce_split_rows(const T* __restrict__ x, const I* __restrict__ tg, const typename Acc<T>::t* stats,
-                              double* loss, int* valid, i64 rows, i64 v, i64 splits, i64 ignore, int* status, int tag) {
+                              double* loss, int* valid, typename Acc<T>::t* lse, i64 rows, i64 v, i64 splits,
+                              i64 ignore, int* status, int tag) {
+  typedef typename Acc<T>::t A;
   for (i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (i64)gridDim.x * blockDim.x) {
+    const A l = ce_combine(stats + 2 * row * splits, splits);
+    lse[row] = l;
     i64 t = (i64)tg[row];
     int ok = t != ignore;
     if (ok && (t < 0 || t >= v)) {
@@ -411,15 +417,16 @@ __device__ void ce_split_rows(const T* __restrict__ x, const I* __restrict__ tg,
       valid[row] = 0;
       continue;
     }
-    loss[row] = (double)ce_combine(stats + 2 * row * splits, splits) - (double)ldf(x[row * v + t]);
+    loss[row] = (double)l - (double)ldf(x[row * v + t]);
     valid[row] = 1;
   }
 }
 
-// dx = (softmax(row) - onehot(target)) * dloss / count over this block's piece, written in the
-// operand dtype O (the matmuls that follow read it); 0 for ignored rows.
+// dx = (exp(row - lse[row]) - onehot(target)) * dloss / count over this block's piece (lse: the
+// forward's log-sum-exp of each row), written in the operand dtype O (the matmuls that follow
+// read it); 0 for ignored rows.
 template <typename T, typename I, typename O>
-__device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, const typename Acc<T>::t* stats,
+__device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, const typename Acc<T>::t* lse_in,
                              const typename Acc<T>::t* dloss, const int* count, O* __restrict__ dx, i64 rows, i64 v,
                              i64 splits, i64 span, i64 ignore, int* status, int tag) {
   typedef typename Acc<T>::t A;
@@ -432,7 +439,7 @@ __device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, 
       for (i64 c = c0 + threadIdx.x; c < c1; c += blockDim.x) stf(&dr[c], (A)0);
       continue;
     }
-    const A lse = ce_combine(stats + 2 * row * splits, splits);
+    const A lse = lse_in[row];
     const int n = *count;
     const A scale = (A)((double)*dloss / (double)(n > 0 ? n : 1));
     const T* xr = x + row * v;
@@ -458,17 +465,17 @@ __device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, 
   }
 }
 
-#define CE_SPLIT_BWD(T, SUF, O, OSUF, I, ISUF)                                                                   \
-  extern "C" __global__ void ce_split_backward_##SUF##_##OSUF##_##ISUF(                                         \
-      const T* x, const I* tg, const Acc<T>::t* stats, const Acc<T>::t* dloss, const int* count, O* dx, i64 rows, \
-      i64 v, i64 splits, i64 span, i64 ignore, int* status, int tag) {                                          \
-    ce_split_bwd<T, I, O>(x, tg, stats, dloss, count, dx, rows, v, splits, span, ignore, status, tag);           \
+#define CE_SPLIT_BWD(T, SUF, O, OSUF, I, ISUF)                                                                    \
+  extern "C" __global__ void ce_split_backward_##SUF##_##OSUF##_##ISUF(                                           \
+      const T* x, const I* tg, const Acc<T>::t* lse, const Acc<T>::t* dloss, const int* count, O* dx, i64 rows,   \
+      i64 v, i64 splits, i64 span, i64 ignore, int* status, int tag) {                                            \
+    ce_split_bwd<T, I, O>(x, tg, lse, dloss, count, dx, rows, v, splits, span, ignore, status, tag);              \
   }
-#define CE_SPLIT(T, SUF, I, ISUF)                                                                                \
-  extern "C" __global__ void ce_split_rows_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* stats,      \
-                                                          double* loss, int* valid, i64 rows, i64 v, i64 splits, \
-                                                          i64 ignore, int* status, int tag) {                    \
-    ce_split_rows<T, I>(x, tg, stats, loss, valid, rows, v, splits, ignore, status, tag);                       \
+#define CE_SPLIT(T, SUF, I, ISUF)                                                                                 \
+  extern "C" __global__ void ce_split_rows_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* stats,        \
+                                                          double* loss, int* valid, Acc<T>::t* lse, i64 rows,     \
+                                                          i64 v, i64 splits, i64 ignore, int* status, int tag) {  \
+    ce_split_rows<T, I>(x, tg, stats, loss, valid, lse, rows, v, splits, ignore, status, tag);                    \
   }
 extern "C" __global__ void ce_split_stats_f32(const float* x, float* stats, i64 rows, i64 v, i64 splits, i64 span) {
   ce_split_stats<float>(x, stats, rows, v, splits, span);

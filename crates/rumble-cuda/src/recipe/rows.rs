@@ -140,11 +140,13 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
 }
 
 /// `linear_cross_entropy` (and its backward) a chunk of rows at a time: each chunk's logits
-/// `x_c @ w^T` (f32, f64 for f64) go to the node's scratch through cuBLASLt; each row's
-/// log-sum-exp is computed in pieces over several blocks (`ce_split_*` in rows.cu), so a chunk
-/// of ~100 rows of a 150k vocabulary still fills the GPU. The backward recomputes the chunk's
-/// logits, writes their gradient in the operand dtype and multiplies it back
-/// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Workspace: the matmuls' and the pieces' statistics.
+/// `x_c @ w^T` (f32, f64 for f64) go to the node's scratch through cuBLASLt. The forward
+/// computes each row's log-sum-exp in pieces over several blocks (`ce_split_*` in rows.cu), so
+/// a chunk of ~100 rows of a 150k vocabulary still fills the GPU, and writes it to its second
+/// output. The backward recomputes the chunk's logits, writes their gradient in the operand
+/// dtype from them and that log-sum-exp (no statistics pass) and multiplies it back
+/// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Workspace: the matmuls', and the forward's pieces'
+/// statistics.
 fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, backward: bool) -> Result<()> {
     let (x, w, tg) = (at[0], at[1], at[2]);
     let (n, c, v) = (x.dims()[0], x.dims()[1], w.dims()[0]);
@@ -174,8 +176,9 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         }
     }
     b.scratch(ws);
-    // Each row's log-sum-exp in `splits` pieces (ce_split_* in rows.cu): enough blocks to fill
-    // the GPU even when a chunk has fewer rows than there are SMs.
+    // Each row's log-sum-exp in `splits` pieces of `span` columns (ce_split_* in rows.cu):
+    // enough blocks to fill the GPU even when a chunk has fewer rows than there are SMs. The
+    // backward's gradient kernel works on the same pieces.
     let sms = b.dev.multiprocessors.max(1);
     // Pieces a multiple of 4 wide where the rows are (the kernels then read float4).
     let splits = (sms * 8).div_ceil(chunk).clamp(1, v.div_ceil(4096).max(1));
@@ -184,33 +187,31 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         span = span.next_multiple_of(4);
     }
     let splits = v.div_ceil(span).max(1);
-    let stats = b.scratch(chunk * splits * 2 * ssz);
     let piece_grid = |rows: usize| ((rows * splits).clamp(1, sms * 64) as u32, 1, 1);
     // The chunk buffers live in the node's own scratch range (Op::scratch_bytes lays it out
     // the same way), so the planner overlaps them with buffers dead at this node.
     let logits = b.node(chunk * v * ssz);
     let s_name = sfx(s);
     let i_name = sfx(tg.dtype);
-    let stats_args =
-        |rows: usize| [vec![Arg::Node(logits), Arg::Scratch(stats)], Arg::i64s(&[rows, v, splits, span])].concat();
     // What ends the arguments of the per-row kernels: the ignored target, the status word, the tag.
     let checked = vec![Arg::I64(ignore), Arg::Status, Arg::Tag];
-    // The leading arguments of the kernels of rows r0..: the logits, the targets, the statistics.
-    let head = |r0: usize| vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::Scratch(stats)];
-    // Rows [r0, r0 + rows): their logits and the statistics of their pieces.
+    // Rows [r0, r0 + rows): their logits.
     let chunk_logits = |b: &mut Builder, r0: usize, rows: usize| {
         let k = key(t, s, false, true, rows, v, c);
         b.matmul(k, Arg::InAt(0, r0 * c * tsz), Arg::In(1), Arg::Node(logits), ws, 0.0);
-        b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, stats_args(rows))
     };
     if !backward {
+        let stats = b.scratch(chunk * splits * 2 * ssz);
         let loss = b.node(n * 8);
         let valid = b.node(n * 4);
         for &r0 in &starts {
             let rows = chunk.min(n - r0);
-            chunk_logits(b, r0, rows)?;
-            let outs = vec![Arg::Node(loss + r0 * 8), Arg::Node(valid + r0 * 4)];
-            let args = [head(r0), outs, Arg::i64s(&[rows, v, splits]), checked.clone()].concat();
+            chunk_logits(b, r0, rows);
+            let args = [vec![Arg::Node(logits), Arg::Scratch(stats)], Arg::i64s(&[rows, v, splits, span])].concat();
+            b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, args)?;
+            let ins = vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::Scratch(stats)];
+            let outs = vec![Arg::Node(loss + r0 * 8), Arg::Node(valid + r0 * 4), Arg::OutAt(1, r0 * ssz)];
+            let args = [ins, outs, Arg::i64s(&[rows, v, splits]), checked.clone()].concat();
             let grid = (rows.div_ceil(128) as u32, 1, 1);
             b.k(KernelFile::Rows, format!("ce_split_rows_{s_name}_{i_name}"), grid, 128, 0, args)?;
         }
@@ -228,9 +229,11 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
     }
     for &r0 in &starts {
         let rows = chunk.min(n - r0);
-        chunk_logits(b, r0, rows)?;
-        let mid = vec![Arg::In(3), Arg::Node(count), Arg::Node(dl)];
-        let args = [head(r0), mid, Arg::i64s(&[rows, v, splits, span]), checked.clone()].concat();
+        chunk_logits(b, r0, rows);
+        // The logits, the targets and the forward's log-sum-exp (operand 3) of rows r0..
+        let ins = vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::InAt(3, r0 * ssz)];
+        let mid = vec![Arg::In(4), Arg::Node(count), Arg::Node(dl)];
+        let args = [ins, mid, Arg::i64s(&[rows, v, splits, span]), checked.clone()].concat();
         let name = format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t));
         b.k(KernelFile::Rows, name, piece_grid(rows), 256, 0, args)?;
         let kx = key(t, t, false, false, rows, c, v);
