@@ -185,12 +185,16 @@ fn layout_and_reduction_ops_match_cpu() {
                     cases.push(case(Op::Reduce { op, axes, keepdim }, vec![randn(x(), r)]));
                 }
             }
-            // Few outputs over many elements: the split (two-pass) reduction, contiguous and not.
+            // Few outputs over many elements: the split (two-pass) reduction, contiguous and not;
+            // and over leading axes, by columns.
             for (op, dims, axes) in [
                 (ReduceOp::Sum, vec![300, 1000], vec![0, 1]),
                 (ReduceOp::Mean, vec![3, 70000], vec![1]),
                 (ReduceOp::Max, vec![70000, 2], vec![0]),
                 (ReduceOp::Sum, vec![2, 40000, 3], vec![1]),
+                // Over the leading axes (a bias gradient): columns read by rows, in pieces.
+                (ReduceOp::Sum, vec![4100, 300], vec![0]),
+                (ReduceOp::Mean, vec![7, 999, 130], vec![0, 1]),
             ] {
                 cases.push(case(Op::Reduce { op, axes, keepdim: false }, vec![randn(t(d, &dims), r)]));
             }

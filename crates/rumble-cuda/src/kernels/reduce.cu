@@ -4,7 +4,8 @@
 // range into `parts` fixed pieces: reduce_part_* writes one accumulator per (output, piece)
 // to scratch, reduce_fin_* folds the pieces in order. The split depends only on the shapes, so
 // the result is the same on every run. `contig`: the reduced axes are the trailing ones, so
-// reduced element r sits at base + r (no index arithmetic per element).
+// reduced element r sits at base + r (no index arithmetic per element). Reductions over the
+// leading axes (the kept ones trailing) read rows instead (reduce_cols_part).
 
 // The input offset of output element o (kept dims) and of reduced element r (reduced dims).
 __device__ __forceinline__ i64 offset_of(i64 idx, const i64* dims, const i64* strides, int rank) {
@@ -92,6 +93,32 @@ __device__ void reduce_fin(const typename Acc<T>::t* __restrict__ part, T* __res
   }
 }
 
+// Reductions over the leading axes of a row-major [R, C] (the kept axes trailing: a bias
+// gradient's sum over the tokens): thread c of block (x, p) folds column c over rows
+// [p * chunk, (p + 1) * chunk) in row order, so a warp reads 32 adjacent elements of a row
+// (coalesced) where one block per output would read one column at a stride of C. Writes
+// part[c * parts + p], the layout reduce_fin folds (in piece order: deterministic).
+template <typename T>
+__device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* __restrict__ part, i64 rows, i64 cols,
+                                 i64 parts, i64 chunk, int mode) {
+  typedef typename Acc<T>::t A;
+  const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  for (i64 p = blockIdx.y; p < parts; p += gridDim.y) {
+    const i64 r0 = p * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    A acc = mode == 2 ? (A)(-F64_INF) : (A)0;
+    for (i64 r = r0; r < r1; ++r) {
+      const A v = ldf(in[r * cols + c]);
+      if (mode == 2) {
+        if (!nan_(acc) && (nan_(v) || v > acc)) acc = v;
+      } else {
+        acc += v;
+      }
+    }
+    part[c * parts + p] = acc;
+  }
+}
+
 template <typename I>
 __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, Strides kept, Strides red, i64 n_out,
                                i64 n_red) {
@@ -131,6 +158,10 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
   extern "C" __global__ void reduce_fin_##SUF(const Acc<T>::t* part, T* out, i64 n_out, i64 n_red, i64 parts, \
                                               int mode) {                                                 \
     reduce_fin<T>(part, out, n_out, n_red, parts, mode);                                                  \
+  }                                                                                                       \
+  extern "C" __global__ void reduce_cols_part_##SUF(const T* in, Acc<T>::t* part, i64 rows, i64 cols, i64 parts, \
+                                                    i64 chunk, int mode) {                                \
+    reduce_cols_part<T>(in, part, rows, cols, parts, chunk, mode);                                        \
   }
 REDUCE_SPLIT(float, f32)
 REDUCE_SPLIT(double, f64)
