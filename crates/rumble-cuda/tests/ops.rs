@@ -128,6 +128,9 @@ fn elementwise_ops_match_cpu() {
             // Gate and up side by side in rows of 2 x 37 (the last dim odd on each half).
             cases.push(case(Op::SwigluPacked, vec![randn(t(d, &[3, 5, 74]), r)]));
             cases.push(case(Op::SwigluPackedBackward, vec![randn(t(d, &[3, 5, 74]), r), randn(t(d, &[3, 5, 37]), r)]));
+            // Rows a multiple of 8 wide: the 16-byte vector path.
+            cases.push(case(Op::SwigluPacked, vec![randn(t(d, &[4, 6, 96]), r)]));
+            cases.push(case(Op::SwigluPackedBackward, vec![randn(t(d, &[4, 6, 96]), r), randn(t(d, &[4, 6, 48]), r)]));
             let cond = randn(t(DType::F32, &s), r).cast(DType::Bool);
             cases.push(case(Op::Where, vec![cond, randn(t(d, &s), r), randn(t(d, &s), r)]));
             cases.push(case(Op::Full { value: -1.25, ty: t(d, &s) }, vec![]));

@@ -557,68 +557,98 @@ extern "C" __global__ void cross_entropy_count_i64(const i64* tg, int* count, i6
 }
 
 // Swiglu of rows [gate | up] (width 2f), as one projection to 2f gives them: y = silu(g) * u,
-// and its gradient back into [dgate | dup]. One thread per (row, column < f); the arithmetic
-// type as the elementwise swiglu kernels (and the CPU), rounded once.
+// and its gradient back into [dgate | dup]. One thread per (row, column < f), or per N
+// neighbouring columns with 16-byte loads and stores where the rows allow (32-bit index
+// arithmetic where the count fits). The arithmetic in the accumulator type, rounded once; for
+// 2-byte outputs the sigmoid uses the fast exponential and reciprocal, whose error (a few f32
+// ulps) is far below the output's resolution.
+template <typename T>
+__device__ __forceinline__ typename Acc<T>::t sigmoid_(typename Acc<T>::t g) {
+  typedef typename Acc<T>::t A;
+  if constexpr (sizeof(T) == 2) {
+    return __frcp_rn(1.0f + __expf(-g));
+  } else {
+    return (A)1 / ((A)1 + ex_(-g));
+  }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void swiglu_packed_vec(const T* __restrict__ x, T* __restrict__ y, I rows, I f) {
+  typedef typename Acc<T>::t A;
+  constexpr int N = Vec16<T>::n;
+  const I fv = f / N, n = rows * fv;
+  for (I q = (I)blockIdx.x * blockDim.x + threadIdx.x; q < n; q += (I)gridDim.x * blockDim.x) {
+    const I r = q / fv, c = (q - r * fv) * N;
+    A g[N], u[N];
+    ld16(x + r * 2 * f + c, g);
+    ld16(x + r * 2 * f + f + c, u);
+#pragma unroll
+    for (int i = 0; i < N; ++i) g[i] = (g[i] * sigmoid_<T>(g[i])) * u[i];
+    st16(y + r * f + c, g);
+  }
+}
+
 template <typename T>
 __device__ void swiglu_packed(const T* __restrict__ x, T* __restrict__ y, i64 rows, i64 f) {
   typedef typename Acc<T>::t A;
-  const A one = 1;
-  constexpr int N = Vec16<T>::n;
   if (vec16<T>(f, x, y, y, y)) {
-    // N neighbouring columns a thread, 16-byte loads and stores.
-    const i64 fv = f / N;
-    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < rows * fv; q += (i64)gridDim.x * blockDim.x) {
-      const i64 r = q / fv, c = (q - r * fv) * N;
-      A g[N], u[N];
-      ld16(x + r * 2 * f + c, g);
-      ld16(x + r * 2 * f + f + c, u);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        A s = one / (one + ex_(-g[i]));
-        g[i] = (g[i] * s) * u[i];
-      }
-      st16(y + r * f + c, g);
+    if (rows * f < (1LL << 31)) {
+      swiglu_packed_vec<T, unsigned>(x, y, (unsigned)rows, (unsigned)f);
+    } else {
+      swiglu_packed_vec<T, i64>(x, y, rows, f);
     }
     return;
   }
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < rows * f; e += (i64)gridDim.x * blockDim.x) {
     i64 r = e / f, c = e % f;
     A g = ldf(x[r * 2 * f + c]), u = ldf(x[r * 2 * f + f + c]);
-    A s = one / (one + ex_(-g));
-    stf(&y[e], (g * s) * u);
+    stf(&y[e], (g * sigmoid_<T>(g)) * u);
   }
 }
+
+template <typename T, typename I>
+__device__ __forceinline__ void swiglu_packed_bwd_vec(const T* __restrict__ x, const T* __restrict__ dy,
+                                                      T* __restrict__ dx, I rows, I f) {
+  typedef typename Acc<T>::t A;
+  const A one = 1;
+  constexpr int N = Vec16<T>::n;
+  const I fv = f / N, n = rows * fv;
+  for (I q = (I)blockIdx.x * blockDim.x + threadIdx.x; q < n; q += (I)gridDim.x * blockDim.x) {
+    const I r = q / fv, c = (q - r * fv) * N;
+    A g[N], u[N], d[N];
+    ld16(x + r * 2 * f + c, g);
+    ld16(x + r * 2 * f + f + c, u);
+    ld16(dy + r * f + c, d);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      A s = sigmoid_<T>(g[i]);
+      A t = g[i] * (s * (A)-1 + one) + one;
+      A du = (d[i] * g[i]) * s;
+      g[i] = ((d[i] * u[i]) * s) * t;
+      u[i] = du;
+    }
+    st16(dx + r * 2 * f + c, g);
+    st16(dx + r * 2 * f + f + c, u);
+  }
+}
+
 template <typename T>
 __device__ void swiglu_packed_bwd(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx, i64 rows,
                                   i64 f) {
   typedef typename Acc<T>::t A;
   const A one = 1;
-  constexpr int N = Vec16<T>::n;
   if (vec16<T>(f, x, dy, dx, dx)) {
-    const i64 fv = f / N;
-    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < rows * fv; q += (i64)gridDim.x * blockDim.x) {
-      const i64 r = q / fv, c = (q - r * fv) * N;
-      A g[N], u[N], d[N];
-      ld16(x + r * 2 * f + c, g);
-      ld16(x + r * 2 * f + f + c, u);
-      ld16(dy + r * f + c, d);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        A s = one / (one + ex_(-g[i]));
-        A t = g[i] * (s * (A)-1 + one) + one;
-        A du = (d[i] * g[i]) * s;
-        g[i] = ((d[i] * u[i]) * s) * t;
-        u[i] = du;
-      }
-      st16(dx + r * 2 * f + c, g);
-      st16(dx + r * 2 * f + f + c, u);
+    if (rows * f < (1LL << 31)) {
+      swiglu_packed_bwd_vec<T, unsigned>(x, dy, dx, (unsigned)rows, (unsigned)f);
+    } else {
+      swiglu_packed_bwd_vec<T, i64>(x, dy, dx, rows, f);
     }
     return;
   }
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < rows * f; e += (i64)gridDim.x * blockDim.x) {
     i64 r = e / f, c = e % f;
     A g = ldf(x[r * 2 * f + c]), u = ldf(x[r * 2 * f + f + c]), d = ldf(dy[e]);
-    A s = one / (one + ex_(-g));
+    A s = sigmoid_<T>(g);
     A t = g * (s * (A)-1 + one) + one;
     stf(&dx[r * 2 * f + c], ((d * u) * s) * t);
     stf(&dx[r * 2 * f + f + c], (d * g) * s);
