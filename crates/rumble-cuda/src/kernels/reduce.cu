@@ -97,7 +97,8 @@ __device__ void reduce_fin(const typename Acc<T>::t* __restrict__ part, T* __res
 // gradient's sum over the tokens): thread c of block (x, p) folds column c over rows
 // [p * chunk, (p + 1) * chunk) in row order, so a warp reads 32 adjacent elements of a row
 // (coalesced) where one block per output would read one column at a stride of C. Writes
-// part[c * parts + p], the layout reduce_fin folds (in piece order: deterministic).
+// part[p * C + c]; reduce_cols_fin folds each column's pieces in piece order (deterministic),
+// its threads again reading adjacent columns.
 template <typename T>
 __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* __restrict__ part, i64 rows, i64 cols,
                                  i64 parts, i64 chunk, int mode) {
@@ -107,6 +108,7 @@ __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* _
   for (i64 p = blockIdx.y; p < parts; p += gridDim.y) {
     const i64 r0 = p * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
     A acc = mode == 2 ? (A)(-F64_INF) : (A)0;
+#pragma unroll 4
     for (i64 r = r0; r < r1; ++r) {
       const A v = ldf(in[r * cols + c]);
       if (mode == 2) {
@@ -115,7 +117,26 @@ __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* _
         acc += v;
       }
     }
-    part[c * parts + p] = acc;
+    part[p * cols + c] = acc;
+  }
+}
+
+template <typename T>
+__device__ void reduce_cols_fin(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 cols, i64 n_red,
+                                i64 parts, int mode) {
+  typedef typename Acc<T>::t A;
+  for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += (i64)gridDim.x * blockDim.x) {
+    A r = part[c];
+    for (i64 p = 1; p < parts; ++p) {
+      const A v = part[p * cols + c];
+      if (mode == 2) {
+        r = (nan_(r) || nan_(v)) ? (A)F64_NAN : (v > r ? v : r);
+      } else {
+        r += v;
+      }
+    }
+    if (mode == 1) r = r / (A)n_red;
+    stf(&out[c], r);
   }
 }
 
@@ -162,6 +183,10 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
   extern "C" __global__ void reduce_cols_part_##SUF(const T* in, Acc<T>::t* part, i64 rows, i64 cols, i64 parts, \
                                                     i64 chunk, int mode) {                                \
     reduce_cols_part<T>(in, part, rows, cols, parts, chunk, mode);                                        \
+  }                                                                                                       \
+  extern "C" __global__ void reduce_cols_fin_##SUF(const Acc<T>::t* part, T* out, i64 cols, i64 n_red, i64 parts, \
+                                                   int mode) {                                            \
+    reduce_cols_fin<T>(part, out, cols, n_red, parts, mode);                                              \
   }
 REDUCE_SPLIT(float, f32)
 REDUCE_SPLIT(double, f64)
