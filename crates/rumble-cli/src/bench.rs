@@ -210,17 +210,28 @@ fn profile(
         return Err(ModelError::DeviceUnavailable { device: "cuda".into(), why });
     }
     let opts = CompileOptions { budget: a.memory_budget, ..Default::default() };
-    let (trace, _) = optimize(&build_train_step(config, sc)?.trace, &opts)?;
+    let step = build_train_step(config, sc)?;
+    let (trace, _) = optimize(&step.trace, &opts)?;
     let opts = CompileOptions { passes: false, ..opts };
-    let mut exec = CudaExecutor::with_options(trace, weights.tensors.clone(), CudaMode::Planned, &opts)?;
+    // With --train, the optimizer states start at zero (a first step's values).
+    let persistent = rumble_models::trainer::persistent_values(config, sc, weights, &step.states)?;
+    let mut exec = CudaExecutor::with_options(trace, persistent, CudaMode::Planned, &opts)?;
     let causal = sc.objective == Objective::CausalLm;
     let mut rng = Rng::for_name(a.seed, "bench");
     let mut times = Vec::new();
     for _ in 0..2 {
-        let b = Batch::random(&mut rng, config.vocab_size, sc.batch, sc.seq);
-        let mut data = vec![host::from_i64s(&[b.batch, b.seq], &b.tokens)?];
-        if causal {
-            data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
+        let mut data = Vec::new();
+        for _ in 0..sc.grad_accum {
+            let b = Batch::random(&mut rng, config.vocab_size, sc.batch, sc.seq);
+            data.push(host::from_i64s(&[b.batch, b.seq], &b.tokens)?);
+            if causal {
+                data.push(host::from_i64s(&[b.batch * b.seq], &b.targets)?);
+            }
+        }
+        // The optimizer's scalars (its first step, at a learning rate of 1e-4: the values do
+        // not change the kernels' times).
+        if let Some(opt) = &sc.optimizer {
+            data.extend(opt.hyper_values(1, 1e-4));
         }
         times = exec.profile(&data)?.ok_or_else(|| ModelError::Usage("the planned executor gave no profile".into()))?;
     }

@@ -553,7 +553,7 @@ pub fn cast(t: HostTensor, dtype: DType) -> Result<HostTensor> {
 /// already in the master dtype) cast to the step's master dtype, then every optimizer state
 /// of `states`, taken from `weights` where it holds one of that name and type (a resumed run)
 /// and zero otherwise. Anything else in `weights` is an error naming it.
-fn persistent_values(
+pub fn persistent_values(
     cfg: &Config,
     sc: &StepConfig,
     weights: Weights,
