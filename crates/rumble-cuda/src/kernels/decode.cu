@@ -48,10 +48,13 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
 // per (head, column) accumulates p.v in f32. With one split the output is written normalised;
 // otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part`
 // for attention_cached_combine. A split past the visible keys leaves (-inf, 0) and zeros.
+// Each warp loads its next key row while it scores the current one, and the V rows go
+// through shared memory AC_VT at a time, so no thread waits on one load after another.
 // d <= 256, gh * d <= AC_Q, gh <= AC_H, blockDim.x = 256.
 #define AC_Q 2048
 #define AC_H 16
 #define AC_TK 64
+#define AC_VT 16
 template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
@@ -60,6 +63,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   __shared__ float qs[AC_Q];
   __shared__ float sc[AC_H * AC_TK];
   __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
+  __shared__ float vs[AC_VT * 256];
   i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
   i64 g = hq / hkv, hchunks = (g + gh - 1) / gh;
   i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, t = (grp / (hchunks * hkv)) % t_len;
@@ -83,13 +87,19 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   const float fs = (float)scale;
   for (i64 j0 = lo; j0 < hi; j0 += AC_TK) {
     i64 tn = hi - j0 < AC_TK ? hi - j0 : AC_TK;
+    // Each warp's next key row is loaded before the scores of the current one are computed.
+    float kv[8], kn[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      i64 e = lane + 32 * r;
+      kv[r] = warp < tn && e < d ? ld(kb[(j0 + warp) * kstride + e]) : 0.0f;
+    }
     for (i64 jj = warp; jj < tn; jj += nw) {
-      const T* kr = kb + (j0 + jj) * kstride;
-      float kv[8];
+      const i64 jn = jj + nw;
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         i64 e = lane + 32 * r;
-        kv[r] = e < d ? ld(kr[e]) : 0.0f;
+        kn[r] = jn < tn && e < d ? ld(kb[(j0 + jn) * kstride + e]) : 0.0f;
       }
       for (i64 hh = 0; hh < nh; ++hh) {
         float dot = 0.0f;
@@ -101,6 +111,8 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
         dot = warp_sum(dot);
         if (lane == 0) sc[hh * AC_TK + jj] = fs * dot;
       }
+#pragma unroll
+      for (int r = 0; r < 8; ++r) kv[r] = kn[r];
     }
     __syncthreads();
     for (i64 hh = warp; hh < nh; hh += nw) {
@@ -125,15 +137,30 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       i64 e = threadIdx.x + (i64)r * blockDim.x;
-      if (e < nh * d) {
-        i64 hh = e / d, c = e % d;
-        const float* p = sc + hh * AC_TK;
-        float a = acc[r] * ch[hh];
-        for (i64 jj = 0; jj < tn; ++jj) a += p[jj] * ld(vb[(j0 + jj) * kstride + c]);
-        acc[r] = a;
-      }
+      if (e < nh * d) acc[r] *= ch[e / d];
     }
-    __syncthreads();
+    // p.v over runs of AC_VT keys whose V rows the block first copies to shared memory
+    // together (coalesced, all loads in flight at once), in key order as before.
+    for (i64 v0 = 0; v0 < tn; v0 += AC_VT) {
+      const i64 vn = tn - v0 < AC_VT ? tn - v0 : AC_VT;
+      for (i64 e = threadIdx.x; e < vn * d; e += blockDim.x) {
+        const i64 jj = e / d, c = e - jj * d;
+        vs[e] = ld(vb[(j0 + v0 + jj) * kstride + c]);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        i64 e = threadIdx.x + (i64)r * blockDim.x;
+        if (e < nh * d) {
+          i64 hh = e / d, c = e % d;
+          const float* p = sc + hh * AC_TK + v0;
+          float a = acc[r];
+          for (i64 jj = 0; jj < vn; ++jj) a += p[jj] * vs[jj * d + c];
+          acc[r] = a;
+        }
+      }
+      __syncthreads();
+    }
   }
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
