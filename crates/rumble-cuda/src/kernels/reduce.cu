@@ -73,15 +73,17 @@ __device__ void reduce_part(const T* __restrict__ in, typename Acc<T>::t* __rest
   }
 }
 
-// Pass 2: one thread per output folds its `parts` accumulators in order.
+// Pass 2: one thread per output folds its `parts` accumulators in order; accumulator p of
+// output o sits at part[o * so + p * sp] (reduce_part: so = parts, sp = 1; reduce_cols_part:
+// so = 1, sp = outputs, so neighbouring threads read neighbouring words).
 template <typename T>
-__device__ void reduce_fin(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 n_out, i64 n_red,
-                           i64 parts, int mode) {
+__device__ void fold_parts(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 n_out, i64 n_red,
+                           i64 parts, i64 so, i64 sp, int mode) {
   typedef typename Acc<T>::t A;
   for (i64 o = (i64)blockIdx.x * blockDim.x + threadIdx.x; o < n_out; o += (i64)gridDim.x * blockDim.x) {
-    A r = part[o * parts];
+    A r = part[o * so];
     for (i64 p = 1; p < parts; ++p) {
-      A v = part[o * parts + p];
+      A v = part[o * so + p * sp];
       if (mode == 2) {
         r = (nan_(r) || nan_(v)) ? (A)F64_NAN : (v > r ? v : r);
       } else {
@@ -121,24 +123,6 @@ __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* _
   }
 }
 
-template <typename T>
-__device__ void reduce_cols_fin(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 cols, i64 n_red,
-                                i64 parts, int mode) {
-  typedef typename Acc<T>::t A;
-  for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += (i64)gridDim.x * blockDim.x) {
-    A r = part[c];
-    for (i64 p = 1; p < parts; ++p) {
-      const A v = part[p * cols + c];
-      if (mode == 2) {
-        r = (nan_(r) || nan_(v)) ? (A)F64_NAN : (v > r ? v : r);
-      } else {
-        r += v;
-      }
-    }
-    if (mode == 1) r = r / (A)n_red;
-    stf(&out[c], r);
-  }
-}
 
 template <typename I>
 __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, Strides kept, Strides red, i64 n_out,
@@ -178,7 +162,7 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
   }                                                                                                       \
   extern "C" __global__ void reduce_fin_##SUF(const Acc<T>::t* part, T* out, i64 n_out, i64 n_red, i64 parts, \
                                               int mode) {                                                 \
-    reduce_fin<T>(part, out, n_out, n_red, parts, mode);                                                  \
+    fold_parts<T>(part, out, n_out, n_red, parts, parts, 1, mode);                                        \
   }                                                                                                       \
   extern "C" __global__ void reduce_cols_part_##SUF(const T* in, Acc<T>::t* part, i64 rows, i64 cols, i64 parts, \
                                                     i64 chunk, int mode) {                                \
@@ -186,7 +170,7 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
   }                                                                                                       \
   extern "C" __global__ void reduce_cols_fin_##SUF(const Acc<T>::t* part, T* out, i64 cols, i64 n_red, i64 parts, \
                                                    int mode) {                                            \
-    reduce_cols_fin<T>(part, out, cols, n_red, parts, mode);                                              \
+    fold_parts<T>(part, out, cols, n_red, parts, 1, cols, mode);                                          \
   }
 REDUCE_SPLIT(float, f32)
 REDUCE_SPLIT(double, f64)
