@@ -105,7 +105,7 @@ pub struct MatmulShape {
 }
 
 impl MatmulShape {
-    /// The shape of an `Op::Matmul { ta, tb }` node on `a` and `b`.
+    /// The shape of an `Op::Matmul { ta, tb, .. }` node on `a` and `b`.
     pub fn of(a: &TensorType, b: &TensorType, ta: bool, tb: bool) -> Self {
         let r = a.rank();
         let batch: usize = a.dims()[..r.saturating_sub(2)].iter().product();
@@ -229,7 +229,10 @@ impl Roofline {
                 0.0
             }
             Op::Full { .. } => self.stream_seconds(bytes(outs), 0.0, 1),
-            Op::Matmul { ta, tb } => matmul(&MatmulShape::of(args[0], args[1], *ta, *tb)),
+            Op::Matmul { ta, tb, out } => matmul(&MatmulShape {
+                out: out.unwrap_or(args[0].dtype),
+                ..MatmulShape::of(args[0], args[1], *ta, *tb)
+            }),
             Op::Attention { .. } | Op::AttentionBackward { .. } => {
                 let rate = self.rates.matmul_rate(args[0].dtype) * self.rates.attention_efficiency;
                 let launches = if matches!(op, Op::AttentionBackward { .. }) { 3 } else { 1 };
@@ -441,9 +444,9 @@ mod tests {
         record(&dir, "Test GPU", &[(matmul_key(&s), 1e-3)]).unwrap();
         let m = Measured::load(&dir, DeviceRates { name: "Test GPU".into(), ..DeviceRates::h200() });
         let (a, b) = (ty(DType::BF16, &[64, 64]), ty(DType::BF16, &[64, 64]));
-        let got = m.node_seconds(&Op::Matmul { ta: false, tb: true }, &[&a, &b], &[&a]);
+        let got = m.node_seconds(&Op::Matmul { ta: false, tb: true, out: None }, &[&a, &b], &[&a]);
         assert!((got - 1e-3).abs() < 1e-12, "{got}");
-        let other = m.node_seconds(&Op::Matmul { ta: false, tb: false }, &[&a, &b], &[&a]);
+        let other = m.node_seconds(&Op::Matmul { ta: false, tb: false, out: None }, &[&a, &b], &[&a]);
         assert!(other < 1e-4, "unmeasured shapes fall back to the roofline: {other}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -337,3 +337,49 @@ fn fusion_never_makes_a_cycle_through_a_later_merge() {
         t.inputs.iter().map(|i| HostTensor::randn(t.ty(i.value).clone(), 1.0, &mut r)).collect();
     assert_eq!(cpu::eval(&t, &inputs).unwrap(), cpu::eval(&fused, &inputs).unwrap());
 }
+
+/// `fold_casts`: a widening cast that is a bf16 matmul's only use becomes the matmul's `out`
+/// (one rounding, to f32: closer to the exact product than bf16-then-f32); a matmul read
+/// elsewhere too, or a narrowing cast, stays as it was. `out=` reads back from the text form,
+/// and a narrower `out` is refused.
+#[test]
+fn widening_casts_fold_into_the_matmul_they_read() {
+    let g = Graph::new("fold");
+    let a = g.param("a", DType::BF16, &[5, 7]).unwrap();
+    let b = g.param("b", DType::BF16, &[7, 3]).unwrap();
+    let wide = a.matmul(&b).unwrap().cast(DType::F32).unwrap(); // folds
+    let shared = a.matmul(&b.cast(DType::F32).unwrap().cast(DType::BF16).unwrap()).unwrap();
+    let kept = shared.cast(DType::F32).unwrap().add(&shared.cast(DType::F32).unwrap()).unwrap(); // read twice
+    g.output(&wide, "wide").unwrap();
+    g.output(&kept, "kept").unwrap();
+    let trace = g.finish().unwrap();
+    let folded = passes::fold_casts(&trace).unwrap();
+    let text = folded.to_string();
+    assert_eq!(text.matches("out=f32").count(), 1, "{text}");
+    assert_eq!(folded.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count(), 4, "{text}");
+    assert_eq!(parse(&text).unwrap(), folded);
+
+    let r = &mut Rng::new(5);
+    let inputs = [
+        HostTensor::randn(TensorType::new(DType::BF16, [5, 7]), 1.0, r),
+        HostTensor::randn(TensorType::new(DType::BF16, [7, 3]), 1.0, r),
+    ];
+    let (x, y) = (inputs[0].to_f64(), inputs[1].to_f64());
+    let exact: Vec<f64> = (0..15).map(|e| (0..7).map(|k| x[(e / 3) * 7 + k] * y[k * 3 + e % 3]).sum()).collect();
+    let before = cpu::eval(&trace, &inputs).unwrap()[0].to_f64();
+    let after = cpu::eval(&folded, &inputs).unwrap()[0].to_f64();
+    let err = |v: &[f64]| v.iter().zip(&exact).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(err(&after) <= 1e-5 * exact.iter().fold(1.0f64, |m, v| m.max(v.abs())), "{after:?} vs {exact:?}");
+    assert!(err(&after) < err(&before), "one rounding to f32 beats bf16 then f32");
+    assert_eq!(cpu::eval(&trace, &inputs).unwrap()[1], cpu::eval(&folded, &inputs).unwrap()[1]);
+
+    // A narrowing `out` is refused, naming the op.
+    let g = Graph::new("narrow");
+    let a = g.param("a", DType::F32, &[2, 2]).unwrap();
+    g.output(&a.matmul(&a).unwrap(), "y").unwrap();
+    let text = g.finish().unwrap().to_string();
+    let line = text.lines().find(|l| l.contains("= matmul(")).unwrap();
+    let narrow = line.replace("f32[2,2] = matmul", "bf16[2,2] = matmul").replace("tb=false", "tb=false out=bf16");
+    let e = parse_err(&text.replace(line, &narrow));
+    assert!(e.contains("matmul") && e.contains("out=bf16 must be a float at least as wide as f32"), "{e}");
+}

@@ -250,12 +250,23 @@ fn matmul_and_composite_ops_match_cpu() {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
                 let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
                 let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
-                cases.push(case(Op::Matmul { ta, tb }, vec![randn(a, r), randn(b, r)]));
+                cases.push(case(Op::Matmul { ta, tb, out: None }, vec![randn(a, r), randn(b, r)]));
             }
             cases.push(case(
-                Op::Matmul { ta: false, tb: true },
+                Op::Matmul { ta: false, tb: true, out: None },
                 vec![randn(t(d, &[96, 128]), r), randn(t(d, &[200, 128]), r)],
             ));
+        }
+        // Written in f32 from bf16 operands (`fold_casts`: weight gradients, the residual's
+        // projections), batched and not.
+        for (ta, tb) in [(true, false), (false, true)] {
+            let (d, out) = (DType::BF16, Some(DType::F32));
+            let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
+            let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
+            cases.push(case(Op::Matmul { ta, tb, out }, vec![randn(a, r), randn(b, r)]));
+            let a = if ta { t(d, &[300, 96]) } else { t(d, &[96, 300]) };
+            let b = if tb { t(d, &[128, 300]) } else { t(d, &[300, 128]) };
+            cases.push(case(Op::Matmul { ta, tb, out }, vec![randn(a, r), randn(b, r)]));
         }
         for d in FLOATS {
             let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
@@ -417,7 +428,7 @@ fn classic_cublas_matmul_matches_cpu() {
             let at = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
             let bt = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
             let (a, b) = (randn(at.clone(), r), randn(bt.clone(), r));
-            let op = Op::Matmul { ta, tb };
+            let op = Op::Matmul { ta, tb, out: None };
             let want =
                 cpu::eval(&one_node(op.clone(), &[at.clone(), bt.clone()]), &[a.clone(), b.clone()]).unwrap().remove(0);
             let key = MatmulKey::new(&at, &bt, ta, tb);

@@ -148,7 +148,7 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         Op::Concat { axis } => one(layout::concat(at, args, *axis)),
         Op::Gather => one(layout::gather(at[0], args[0], at[1], args[1])?),
         Op::ScatterAdd { rows } => one(layout::scatter_add::<A>(at[0], args[0], at[1], args[1], *rows)?),
-        Op::Matmul { ta, tb } => one(out(&matmul::matmul::<A>(at[0], &f(0), at[1], &f(1), *ta, *tb))),
+        Op::Matmul { ta, tb, .. } => one(out(&matmul::matmul::<A>(at[0], &f(0), at[1], &f(1), *ta, *tb))),
         Op::RmsNorm { eps } => one(out(&composite::rms_norm::<A>(&f(0), &f(1), *eps))),
         Op::RmsNormBackward { eps } => {
             let (dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);

@@ -137,8 +137,11 @@ pub enum Op {
     /// The adjoint of `gather`: `(ids int [...], src [..., D]) -> [rows, D]`, rows summed.
     ScatterAdd { rows: usize },
     /// Batched matmul: `a [.., M, K]` (`[.., K, M]` if `ta`) times `b [.., K, N]`
-    /// (`[.., N, K]` if `tb`) gives `[.., M, N]`; batch dims must be equal.
-    Matmul { ta: bool, tb: bool },
+    /// (`[.., N, K]` if `tb`) gives `[.., M, N]`; batch dims must be equal. `out`: the result's
+    /// dtype where it is not the operands' (a wider float: the products accumulate as always
+    /// and are rounded once, to `out`); the fusion passes set it where a matmul's only use is a
+    /// cast to a wider float (`passes::fold_casts`).
+    Matmul { ta: bool, tb: bool, out: Option<DType> },
     /// `(x [..., D], w [D]) -> x * rsqrt(mean(x^2) + eps) * w`, statistics in f32.
     RmsNorm { eps: f64 },
     /// `(x, w, dy) -> (dx, dw)`.
@@ -589,9 +592,14 @@ impl Op {
                 }
                 one(src.with_shape([*rows, src.shape.last()]))
             }
-            Op::Matmul { ta, tb } => {
+            Op::Matmul { ta, tb, out } => {
                 let (a, b) = (args[0], args[1]);
                 float(a)?;
+                if let Some(o) = out
+                    && (!o.is_float() || o.size_in_bytes() < a.dtype.size_in_bytes())
+                {
+                    return Err(format!("out={o} must be a float at least as wide as {}", a.dtype));
+                }
                 if a.dtype != b.dtype {
                     return Err(format!("dtypes differ: {} vs {}", a.dtype, b.dtype));
                 }
@@ -609,7 +617,7 @@ impl Op {
                 }
                 let mut dims = a.dims()[..r - 2].to_vec();
                 dims.extend([m, n]);
-                one(a.with_shape(dims))
+                one(TensorType::new(out.unwrap_or(a.dtype), dims))
             }
             Op::RmsNorm { .. } => {
                 let (x, w) = (args[0], args[1]);

@@ -42,7 +42,11 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         }
         Op::Concat { axis } => vec![("axis", axis.to_string())],
         Op::ScatterAdd { rows } => vec![("rows", rows.to_string())],
-        Op::Matmul { ta, tb } => vec![("ta", ta.to_string()), ("tb", tb.to_string())],
+        Op::Matmul { ta, tb, out } => {
+            let mut a = vec![("ta", ta.to_string()), ("tb", tb.to_string())];
+            a.extend(out.map(|o| ("out", o.to_string())));
+            a
+        }
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps } => vec![("eps", f(*eps))],
         Op::Rope { theta, inverse, layout, scaling } => {
             let mut a = vec![("theta", f(*theta)), ("inverse", inverse.to_string())];
@@ -184,7 +188,11 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "concat" => Op::Concat { axis: a.usize("axis")? },
         "gather" => Op::Gather,
         "scatter_add" => Op::ScatterAdd { rows: a.usize("rows")? },
-        "matmul" => Op::Matmul { ta: a.bool("ta")?, tb: a.bool("tb")? },
+        "matmul" => Op::Matmul {
+            ta: a.bool("ta")?,
+            tb: a.bool("tb")?,
+            out: a.map.get("out").map(|v| v.parse::<DType>()).transpose()?,
+        },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
         "rms_norm_backward" => Op::RmsNormBackward { eps: a.f64("eps")? },
         "rope" => Op::Rope {

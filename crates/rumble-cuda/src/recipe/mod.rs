@@ -151,8 +151,8 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         | Op::Gather
         | Op::ScatterAdd { .. } => layout::prepare(&mut b, op, at, ot)?,
         Op::Reduce { op: r, axes, .. } => reduce::reduce(&mut b, *r, axes, at[0], out_n)?,
-        Op::Matmul { ta, tb } => {
-            let key = MatmulKey::new(at[0], at[1], *ta, *tb);
+        Op::Matmul { ta, tb, .. } => {
+            let key = MatmulKey { out: ot[0].dtype, ..MatmulKey::new(at[0], at[1], *ta, *tb) };
             if key.k == 0 {
                 b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
             } else if out_n > 0 {
