@@ -195,16 +195,21 @@ fn casts_truncate_and_round() {
     assert_eq!(x.cast(DType::BF16).cast(DType::F64).to_f64()[1], 2.90625);
 }
 
+/// A fused-loss test's operands: random f64 `x [n, c]` and `w [v, c]`, and the targets `tv`.
+fn loss_operands((n, c, v): (usize, usize, usize), seed: u64, tv: &[i64]) -> [HostTensor; 3] {
+    let r = &mut Rng::new(seed);
+    let xs = HostTensor::randn(TensorType::new(DType::F64, [n, c]), 1.0, r);
+    let ws = HostTensor::randn(TensorType::new(DType::F64, [v, c]), 1.0, r);
+    [xs, ws, HostTensor::from_i64(DType::I64, &[n], tv).unwrap()]
+}
+
 /// The fused loss's second output is each row's log-sum-exp of `x @ w^T` (ignored rows too),
 /// whatever the chunk; its loss is the mean of `lse - logit[target]` over the kept rows.
 #[test]
 fn fused_loss_outputs_each_rows_log_sum_exp() {
     let (n, c, v) = (7, 5, 9);
-    let r = &mut Rng::new(31);
-    let xs = HostTensor::randn(TensorType::new(DType::F64, [n, c]), 1.0, r);
-    let ws = HostTensor::randn(TensorType::new(DType::F64, [v, c]), 1.0, r);
     let tv = [3, -100, 0, 8, -100, 2, 1];
-    let ts = HostTensor::from_i64(DType::I64, &[n], &tv).unwrap();
+    let [xs, ws, ts] = loss_operands((n, c, v), 31, &tv);
     let (x, w) = (xs.to_f64(), ws.to_f64());
     let logit = |i: usize, j: usize| (0..c).map(|k| x[i * c + k] * w[j * c + k]).sum::<f64>();
     let want: Vec<f64> = (0..n).map(|i| (0..v).map(|j| logit(i, j).exp()).sum::<f64>().ln()).collect();
@@ -239,11 +244,8 @@ fn fused_loss_outputs_each_rows_log_sum_exp() {
 #[test]
 fn fused_loss_backward_reads_the_given_lse() {
     let (n, c, v) = (6, 4, 11);
-    let r = &mut Rng::new(32);
-    let xs = HostTensor::randn(TensorType::new(DType::F64, [n, c]), 1.0, r);
-    let ws = HostTensor::randn(TensorType::new(DType::F64, [v, c]), 1.0, r);
     let tv = [4, 10, -100, 0, 7, 7];
-    let ts = HostTensor::from_i64(DType::I64, &[n], &tv).unwrap();
+    let [xs, ws, ts] = loss_operands((n, c, v), 32, &tv);
     let op = Op::LinearCrossEntropyBackward { ignore_index: -100, chunk: 4 };
     let g = Graph::new("lce");
     let x = g.data("x", DType::F64, &[n, c]).unwrap();
