@@ -59,13 +59,23 @@ fn prompts(v: i64) -> Vec<Vec<i64>> {
 }
 
 /// Greedy generate with logits, then the full forward on prompt + generated tokens: every
-/// token is the forward's argmax at its position and the logits agree to f32 rounding.
+/// token is the forward's argmax at its position and the logits agree to f32 rounding. Also
+/// with the prompts prefilled 3 positions at a time (the 16-row bucket in chunks at 0, 3, ...,
+/// 12 and a last one at 13 overlapping the one before; each prompt's last token in a different
+/// chunk).
 fn self_consistent(name: &str) {
+    self_consistent_with(name, None);
+    self_consistent_with(name, Some(3));
+}
+
+fn self_consistent_with(name: &str, prefill_chunk: Option<usize>) {
     let (cfg, w) = fixture(name);
     let ps = prompts(cfg.vocab_size as i64);
     let new = 10;
     let mut opts = GenConfig::for_prompts(&ps, new, None, Sampling::greedy()).unwrap();
     opts.logits = true;
+    opts.prefill_chunk = prefill_chunk;
+    let name = &format!("{name} (prefill chunk {prefill_chunk:?})");
     let mut g = Generator::new(&cfg, w.tensors.clone(), opts, DeviceChoice::Cpu).unwrap();
     let mut streamed = vec![Vec::new(); ps.len()];
     let out = g.generate(&ps, new, &[], |i, t| streamed[i].push(t)).unwrap();
@@ -242,4 +252,15 @@ fn cuda_generate_equals_cpu() {
         assert_eq!(a.tokens, b.tokens, "{name}: same seed, same tokens on the GPU");
         assert!(a.tokens.iter().flatten().all(|&t| t >= 0 && t < cfg.vocab_size as i64));
     }
+}
+
+/// A prefill chunk under 2 positions (the decode step's own shape) is refused, naming it.
+#[test]
+fn a_prefill_chunk_of_one_is_refused() {
+    let (cfg, w) = fixture("llama_gqa_tied");
+    let ps = prompts(cfg.vocab_size as i64);
+    let mut opts = GenConfig::for_prompts(&ps, 4, None, Sampling::greedy()).unwrap();
+    opts.prefill_chunk = Some(1);
+    let e = Generator::new(&cfg, w.tensors.clone(), opts, DeviceChoice::Cpu).err().unwrap().to_string();
+    assert!(e.contains("a prefill chunk of 1 position(s); it takes at least 2"), "{e}");
 }

@@ -43,7 +43,16 @@ pub struct GenConfig {
     pub sampling: Sampling,
     /// Return each step's `(B, V)` logits too (tests; costs a download per token).
     pub logits: bool,
+    /// Prefill the prompts this many positions at a time (at least 2), through the decode
+    /// step's attention over the cache, instead of all at once. `None`: all at once on the CPU;
+    /// on CUDA, all at once unless that step's planned arena is over [`ARENA_SHARE`] of the
+    /// parameters and cache, then the longest power-of-two chunk whose arena is within it.
+    pub prefill_chunk: Option<usize>,
 }
+
+/// The most a generator's arena may add to its parameters and KV cache (as a share of them)
+/// before the prefill is done in chunks.
+pub const ARENA_SHARE: f64 = 0.05;
 
 impl GenConfig {
     /// For `prompts`: the prefill bucket is the next power of two of the longest prompt (at
@@ -69,7 +78,7 @@ impl GenConfig {
             )));
         }
         let prompt_rows = longest.next_power_of_two().max(8).min(max_length);
-        Ok(GenConfig { batch: prompts.len(), prompt_rows, max_length, sampling, logits: false })
+        Ok(GenConfig { batch: prompts.len(), prompt_rows, max_length, sampling, logits: false, prefill_chunk: None })
     }
 }
 
@@ -123,12 +132,22 @@ impl Generator {
         device: DeviceChoice,
     ) -> Result<Self> {
         let t0 = Instant::now();
+        let mut opts = opts;
         let shape =
             |prefill: bool, rows: usize| StepShape { batch: opts.batch, rows, max_length: opts.max_length, prefill };
-        let traces = vec![
-            trace::build(cfg, shape(true, opts.prompt_rows), &opts.sampling, opts.logits)?,
-            trace::build(cfg, shape(false, 1), &opts.sampling, opts.logits)?,
-        ];
+        // The first trace: the whole prefill, or one chunk of it (the decode step's shape with
+        // `chunk` rows: positions and attention over the cache, causal within the chunk).
+        let first = |chunk: Option<usize>| match chunk {
+            Some(c) if c < opts.prompt_rows => trace::build(cfg, shape(false, c), &opts.sampling, opts.logits),
+            _ => trace::build(cfg, shape(true, opts.prompt_rows), &opts.sampling, opts.logits),
+        };
+        if let Some(c) = opts.prefill_chunk
+            && c < 2
+        {
+            return Err(ModelError::Usage(format!("generate: a prefill chunk of {c} position(s); it takes at least 2")));
+        }
+        let mut traces =
+            vec![first(opts.prefill_chunk)?, trace::build(cfg, shape(false, 1), &opts.sampling, opts.logits)?];
         let mut given: HashMap<String, HostTensor> = weights.into_iter().collect();
         for inp in traces[0].inputs.iter().filter(|i| i.role == InputRole::State) {
             given.insert(inp.name.clone(), host::zeros(traces[0].ty(inp.value)));
@@ -147,7 +166,22 @@ impl Generator {
         };
         let engine = if use_cuda {
             let dev = rumble_cuda::Device::new(0)?;
-            let progs = traces.iter().map(|t| compile(&dev, t)).collect::<Result<Vec<_>>>()?;
+            let mut progs = traces.iter().map(|t| compile(&dev, t)).collect::<Result<Vec<_>>>()?;
+            // Chunk the prefill where its arena would pass the share (the planner knows it
+            // before anything runs): halve the chunk until the arena fits, 16 rows at least.
+            let over = |p: &Program| p.plan.arena_bytes as f64 > ARENA_SHARE * p.plan.persistent_bytes as f64;
+            if opts.prefill_chunk.is_none() && over(&progs[0]) {
+                let mut c = (opts.prompt_rows / 2).next_power_of_two();
+                while c >= 16 {
+                    let p = compile(&dev, &first(Some(c))?)?;
+                    let fits = !over(&p);
+                    (progs[0], traces[0], opts.prefill_chunk) = (p, first(Some(c))?, Some(c));
+                    if fits {
+                        break;
+                    }
+                    c /= 2;
+                }
+            }
             let values: Vec<HostTensor> = persistent(&progs[0].trace)?.into_iter().map(|(_, v)| v).collect();
             let mut g = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
             g.capture(0)?;
@@ -257,6 +291,7 @@ impl Generator {
             }
         }
         let padded: Vec<&Vec<i64>> = (0..b).map(|i| prompts.get(i).unwrap_or(&prompts[0])).collect();
+        let chunk = self.opts.prefill_chunk.filter(|&c| c < rows);
         let mut out = Generated { tokens: vec![Vec::new(); prompts.len()], ..Default::default() };
         if max_new == 0 {
             return Ok(out);
@@ -268,17 +303,53 @@ impl Generator {
             tokens[i * rows..i * rows + p.len()].copy_from_slice(p);
         }
         let lens: Vec<i64> = padded.iter().map(|p| p.len() as i64).collect();
-        let last: Vec<i64> = (0..b).map(|i| (i * rows) as i64 + lens[i] - 1).collect();
         let t0 = Instant::now();
-        let (mut next, lg) = self.step(
-            0,
-            [
-                HostTensor::from_i64(DType::I64, &[b, rows], &tokens)?,
-                HostTensor::from_i64(DType::I64, &[b], &vec![0; b])?,
-                HostTensor::from_i64(DType::I64, &[b], &last)?,
-                key(0)?,
-            ],
-        )?;
+        let (mut next, lg) = match chunk {
+            None => {
+                let last: Vec<i64> = (0..b).map(|i| (i * rows) as i64 + lens[i] - 1).collect();
+                self.step(
+                    0,
+                    [
+                        HostTensor::from_i64(DType::I64, &[b, rows], &tokens)?,
+                        HostTensor::from_i64(DType::I64, &[b], &vec![0; b])?,
+                        HostTensor::from_i64(DType::I64, &[b], &last)?,
+                        key(0)?,
+                    ],
+                )?
+            }
+            // Chunk by chunk, every sequence at the chunk's positions; a sequence's first token
+            // (and logits row) comes from the chunk that holds its last prompt token.
+            Some(c) => {
+                let (mut next, mut lg) = (vec![0i64; b], None::<Vec<f32>>);
+                // The last chunk ends at the bucket's end (overlapping the one before where `c`
+                // does not divide it: those positions' keys and values are computed again, the
+                // same).
+                for c0 in (0..rows).step_by(c).map(|c0| c0.min(rows - c)) {
+                    let ids: Vec<i64> =
+                        (0..b).flat_map(|i| tokens[i * rows + c0..i * rows + c0 + c].to_vec()).collect();
+                    let at = |i: usize| (lens[i] - 1 - c0 as i64).clamp(0, c as i64 - 1);
+                    let last: Vec<i64> = (0..b).map(|i| (i * c) as i64 + at(i)).collect();
+                    let (n, l) = self.step(
+                        0,
+                        [
+                            HostTensor::from_i64(DType::I64, &[b, c], &ids)?,
+                            HostTensor::from_i64(DType::I64, &[b], &vec![c0 as i64; b])?,
+                            HostTensor::from_i64(DType::I64, &[b], &last)?,
+                            key(0)?,
+                        ],
+                    )?;
+                    let v = self.cfg.vocab_size;
+                    for i in (0..b).filter(|&i| (c0..c0 + c).contains(&((lens[i] - 1) as usize))) {
+                        next[i] = n[i];
+                        if let Some(l) = &l {
+                            lg.get_or_insert_with(|| vec![0.0; b * v])[i * v..(i + 1) * v]
+                                .copy_from_slice(&l[i * v..(i + 1) * v]);
+                        }
+                    }
+                }
+                (next, lg)
+            }
+        };
         out.first_token_s = t0.elapsed().as_secs_f64();
         out.logits.extend(lg);
         let mut done = vec![false; prompts.len()];
