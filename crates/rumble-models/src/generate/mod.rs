@@ -117,9 +117,14 @@ enum Engine {
 /// One trace made a program for the GPU through the one compile entry point
 /// (`rumble_core::compile`: passes, schedule, plan with each node's backend scratch).
 fn compile(dev: &Arc<rumble_cuda::Device>, trace: &Trace) -> Result<Arc<Program>> {
-    let opts = Program::compile_options(dev, &rumble_core::compile::CompileOptions::default())?;
-    let compiled = rumble_core::compile::compile(trace, &opts)?;
+    let compiled = plan(dev, trace)?;
     Ok(Arc::new(Program::new(dev.clone(), compiled.trace, compiled.plan)?))
+}
+
+/// `trace` through the passes and the planner for `dev` (no kernels compiled yet).
+fn plan(dev: &Arc<rumble_cuda::Device>, trace: &Trace) -> Result<rumble_core::compile::Compiled> {
+    let opts = Program::compile_options(dev, &rumble_core::compile::CompileOptions::default())?;
+    Ok(rumble_core::compile::compile(trace, &opts)?)
 }
 
 impl Generator {
@@ -144,7 +149,9 @@ impl Generator {
         if let Some(c) = opts.prefill_chunk
             && c < 2
         {
-            return Err(ModelError::Usage(format!("generate: a prefill chunk of {c} position(s); it takes at least 2")));
+            return Err(ModelError::Usage(format!(
+                "generate: a prefill chunk of {c} position(s); it takes at least 2"
+            )));
         }
         let mut traces =
             vec![first(opts.prefill_chunk)?, trace::build(cfg, shape(false, 1), &opts.sampling, opts.logits)?];
@@ -166,22 +173,24 @@ impl Generator {
         };
         let engine = if use_cuda {
             let dev = rumble_cuda::Device::new(0)?;
-            let mut progs = traces.iter().map(|t| compile(&dev, t)).collect::<Result<Vec<_>>>()?;
             // Chunk the prefill where its arena would pass the share (the planner knows it
-            // before anything runs): halve the chunk until the arena fits, 16 rows at least.
-            let over = |p: &Program| p.plan.arena_bytes as f64 > ARENA_SHARE * p.plan.persistent_bytes as f64;
-            if opts.prefill_chunk.is_none() && over(&progs[0]) {
+            // before any kernel is built): halve the chunk until the arena fits, 16 rows at least.
+            let over = |p: &rumble_core::compile::Compiled| {
+                p.plan.arena_bytes as f64 > ARENA_SHARE * p.plan.persistent_bytes as f64
+            };
+            if opts.prefill_chunk.is_none() && over(&plan(&dev, &traces[0])?) {
                 let mut c = (opts.prompt_rows / 2).next_power_of_two();
                 while c >= 16 {
-                    let p = compile(&dev, &first(Some(c))?)?;
-                    let fits = !over(&p);
-                    (progs[0], traces[0], opts.prefill_chunk) = (p, first(Some(c))?, Some(c));
+                    let t = first(Some(c))?;
+                    let fits = !over(&plan(&dev, &t)?);
+                    (traces[0], opts.prefill_chunk) = (t, Some(c));
                     if fits {
                         break;
                     }
                     c /= 2;
                 }
             }
+            let progs = traces.iter().map(|t| compile(&dev, t)).collect::<Result<Vec<_>>>()?;
             let values: Vec<HostTensor> = persistent(&progs[0].trace)?.into_iter().map(|(_, v)| v).collect();
             let mut g = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
             g.capture(0)?;
