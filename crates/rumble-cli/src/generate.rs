@@ -178,7 +178,7 @@ fn bench(a: &GenerateArgs, device: DeviceChoice, sampling: Sampling) -> Result<(
         "time_to_first_token_ms": r.first_token_s * 1e3, "decode_step_ms": (r.decode_steps > 0).then_some(step_s * 1e3),
         "decode_tokens_per_s": (a.batch * r.decode_steps) as f64 / r.decode_s.max(1e-12),
         "bytes_read_per_step": read, "hbm_fraction_at_4_8_tb_s": hbm_fraction,
-        "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "build_s": g.build_secs(),
+        "weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "build_s": g.build_secs(), "prefill_chunk": g.prefill_chunk(),
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
     });
     if let Some((peak, rise, arena, pers)) = g.memory() {

@@ -217,6 +217,12 @@ impl Generator {
         }
     }
 
+    /// The positions a prefill step takes per sequence when the prompts are prefilled in
+    /// chunks ([`GenConfig::prefill_chunk`], or what the arena share chose); `None`: at once.
+    pub fn prefill_chunk(&self) -> Option<usize> {
+        self.opts.prefill_chunk.filter(|&c| c < self.opts.prompt_rows)
+    }
+
     /// Seconds spent building, planning, compiling and capturing.
     pub fn build_secs(&self) -> f64 {
         self.build_secs
