@@ -373,6 +373,12 @@ fn widening_casts_fold_into_the_matmul_they_read() {
     assert!(err(&after) < err(&before), "one rounding to f32 beats bf16 then f32");
     assert_eq!(cpu::eval(&trace, &inputs).unwrap()[1], cpu::eval(&folded, &inputs).unwrap()[1]);
 
+    // f32 operands widened to f64 stay as they are (no backend's matmul writes that pair).
+    let g = Graph::new("f64");
+    let a = g.param("a", DType::F32, &[2, 2]).unwrap();
+    g.output(&a.matmul(&a).unwrap().cast(DType::F64).unwrap(), "y").unwrap();
+    let t = g.finish().unwrap();
+    assert_eq!(passes::fold_casts(&t).unwrap(), t);
     // A narrowing `out` is refused, naming the op.
     let g = Graph::new("narrow");
     let a = g.param("a", DType::F32, &[2, 2]).unwrap();

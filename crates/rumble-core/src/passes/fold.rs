@@ -1,12 +1,12 @@
-//! Folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=F`, where the
-//! matmul's result has no other use and `F` is a float wider than the operands, becomes one
-//! matmul writing `F` (`Op::Matmul`'s `out`). The products accumulate as before and are
-//! rounded once, to `F`, instead of to the operands' dtype and then widened; the narrow
+//! Folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
+//! matmul's operands are bf16 or f16 and its result has no other use, becomes one matmul
+//! writing f32 (`Op::Matmul`'s `out`; the pair every backend's matmul takes). The products
+//! accumulate as before and are rounded once, to f32, instead of to the operands' dtype and then widened; the narrow
 //! intermediate and the cast's launch are gone. In a bf16-mixed step these are the weight
 //! gradients, which the optimizer reads in f32.
 
 use crate::Result;
-use crate::ir::{Def, Op, Trace};
+use crate::ir::{DType, Def, Op, Trace};
 
 pub fn fold_casts(trace: &Trace) -> Result<Trace> {
     let defs = trace.defs();
@@ -23,8 +23,8 @@ pub fn fold_casts(trace: &Trace) -> Result<Trace> {
             && m.phase == node.phase
             && users[v.index()].len() == 1
             && !trace.outputs.iter().any(|o| o.value == v)
-            && to.is_float()
-            && to.size_in_bytes() > from.size_in_bytes();
+            && matches!(from, DType::BF16 | DType::F16)
+            && to == DType::F32;
         if !folds {
             continue;
         }
