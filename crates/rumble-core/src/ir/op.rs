@@ -139,8 +139,8 @@ pub enum Op {
     /// Batched matmul: `a [.., M, K]` (`[.., K, M]` if `ta`) times `b [.., K, N]`
     /// (`[.., N, K]` if `tb`) gives `[.., M, N]`; batch dims must be equal. `out`: the result's
     /// dtype where it is not the operands' (a wider float: the products accumulate as always
-    /// and are rounded once, to `out`); the fusion passes set it where a matmul's only use is a
-    /// cast to a wider float (`passes::fold_casts`).
+    /// and are rounded once, to `out`); `passes::fold_casts` sets it to f32 where a bf16 or f16
+    /// matmul's only use is a cast to f32 (the pair the CUDA matmul writes).
     Matmul { ta: bool, tb: bool, out: Option<DType> },
     /// `(x [..., D], w [D]) -> x * rsqrt(mean(x^2) + eps) * w`, statistics in f32.
     RmsNorm { eps: f64 },

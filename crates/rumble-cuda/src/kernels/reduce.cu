@@ -99,8 +99,8 @@ __device__ void fold_parts(const typename Acc<T>::t* __restrict__ part, T* __res
 // gradient's sum over the tokens): thread c of block (x, p) folds column c over rows
 // [p * chunk, (p + 1) * chunk) in row order, so a warp reads 32 adjacent elements of a row
 // (coalesced) where one block per output would read one column at a stride of C. Writes
-// part[p * C + c]; reduce_cols_fin folds each column's pieces in piece order (deterministic),
-// its threads again reading adjacent columns.
+// part[p * C + c]; reduce_cols_fin (fold_parts) folds each column's pieces in piece order
+// (deterministic), its threads again reading adjacent columns.
 template <typename T>
 __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* __restrict__ part, i64 rows, i64 cols,
                                  i64 parts, i64 chunk, int mode) {
@@ -122,7 +122,6 @@ __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* _
     part[p * cols + c] = acc;
   }
 }
-
 
 template <typename I>
 __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, Strides kept, Strides red, i64 n_out,

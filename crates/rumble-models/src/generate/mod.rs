@@ -114,14 +114,8 @@ enum Engine {
     Cuda(Box<BucketedGraphs>),
 }
 
-/// One trace made a program for the GPU through the one compile entry point
-/// (`rumble_core::compile`: passes, schedule, plan with each node's backend scratch).
-fn compile(dev: &Arc<rumble_cuda::Device>, trace: &Trace) -> Result<Arc<Program>> {
-    let compiled = plan(dev, trace)?;
-    Ok(Arc::new(Program::new(dev.clone(), compiled.trace, compiled.plan)?))
-}
-
-/// `trace` through the passes and the planner for `dev` (no kernels compiled yet).
+/// `trace` through the one compile entry point (`rumble_core::compile`: passes, schedule, plan
+/// with each node's backend scratch on `dev`); `Program::new` then builds its kernels.
 fn plan(dev: &Arc<rumble_cuda::Device>, trace: &Trace) -> Result<rumble_core::compile::Compiled> {
     let opts = Program::compile_options(dev, &rumble_core::compile::CompileOptions::default())?;
     Ok(rumble_core::compile::compile(trace, &opts)?)
@@ -178,19 +172,25 @@ impl Generator {
             let over = |p: &rumble_core::compile::Compiled| {
                 p.plan.arena_bytes as f64 > ARENA_SHARE * p.plan.persistent_bytes as f64
             };
-            if opts.prefill_chunk.is_none() && over(&plan(&dev, &traces[0])?) {
+            // Each trace is planned once; the plan kept is the one its program is built from.
+            let mut planned = traces.iter().map(|t| plan(&dev, t)).collect::<Result<Vec<_>>>()?;
+            if opts.prefill_chunk.is_none() && over(&planned[0]) {
                 let mut c = (opts.prompt_rows / 2).next_power_of_two();
                 while c >= 16 {
                     let t = first(Some(c))?;
-                    let fits = !over(&plan(&dev, &t)?);
-                    (traces[0], opts.prefill_chunk) = (t, Some(c));
+                    let p = plan(&dev, &t)?;
+                    let fits = !over(&p);
+                    (traces[0], planned[0], opts.prefill_chunk) = (t, p, Some(c));
                     if fits {
                         break;
                     }
                     c /= 2;
                 }
             }
-            let progs = traces.iter().map(|t| compile(&dev, t)).collect::<Result<Vec<_>>>()?;
+            let progs = planned
+                .into_iter()
+                .map(|c| Ok(Arc::new(Program::new(dev.clone(), c.trace, c.plan)?)))
+                .collect::<Result<Vec<_>>>()?;
             let values: Vec<HostTensor> = persistent(&progs[0].trace)?.into_iter().map(|(_, v)| v).collect();
             let mut g = BucketedGraphs::new(progs, &values, GraphMode::Whole)?;
             g.capture(0)?;
