@@ -229,10 +229,14 @@ impl Roofline {
                 0.0
             }
             Op::Full { .. } => self.stream_seconds(bytes(outs), 0.0, 1),
-            Op::Matmul { ta, tb, out } => matmul(&MatmulShape {
-                out: out.unwrap_or(args[0].dtype),
-                ..MatmulShape::of(args[0], args[1], *ta, *tb)
-            }),
+            Op::Matmul { ta, tb, out, acc } => {
+                let t = matmul(&MatmulShape {
+                    out: out.unwrap_or(args[0].dtype),
+                    ..MatmulShape::of(args[0], args[1], *ta, *tb)
+                });
+                // The addend is read once more, by the same kernel.
+                t + if *acc { args[2].size_in_bytes() as f64 / self.rates.memory } else { 0.0 }
+            }
             Op::Attention { .. } | Op::AttentionBackward { .. } => {
                 let rate = self.rates.matmul_rate(args[0].dtype) * self.rates.attention_efficiency;
                 let launches = if matches!(op, Op::AttentionBackward { .. }) { 3 } else { 1 };
@@ -444,9 +448,9 @@ mod tests {
         record(&dir, "Test GPU", &[(matmul_key(&s), 1e-3)]).unwrap();
         let m = Measured::load(&dir, DeviceRates { name: "Test GPU".into(), ..DeviceRates::h200() });
         let (a, b) = (ty(DType::BF16, &[64, 64]), ty(DType::BF16, &[64, 64]));
-        let got = m.node_seconds(&Op::Matmul { ta: false, tb: true, out: None }, &[&a, &b], &[&a]);
+        let got = m.node_seconds(&Op::Matmul { ta: false, tb: true, out: None, acc: false }, &[&a, &b], &[&a]);
         assert!((got - 1e-3).abs() < 1e-12, "{got}");
-        let other = m.node_seconds(&Op::Matmul { ta: false, tb: false, out: None }, &[&a, &b], &[&a]);
+        let other = m.node_seconds(&Op::Matmul { ta: false, tb: false, out: None, acc: false }, &[&a, &b], &[&a]);
         assert!(other < 1e-4, "unmeasured shapes fall back to the roofline: {other}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -389,3 +389,69 @@ fn widening_casts_fold_into_the_matmul_they_read() {
     let e = parse_err(&text.replace(line, &narrow));
     assert!(e.contains("matmul") && e.contains("out=bf16 must be a float at least as wide as f32"), "{e}");
 }
+
+/// `fold_addends`: `r + x w` becomes one matmul reading `r` (`acc=true`), the sum rounded once
+/// (closer to the exact value in bf16); of two matmuls summed, the later folds and reads the
+/// other; a broadcast bias is an addend like any other; a matmul read elsewhere and `m + m`
+/// stay adds. `acc=true` reads back from the text form, and an addend of another type is
+/// refused.
+#[test]
+fn adds_fold_into_the_matmul_they_read() {
+    let g = Graph::new("acc");
+    let x = g.param("x", DType::BF16, &[5, 7]).unwrap();
+    let w = g.param("w", DType::BF16, &[7, 7]).unwrap();
+    let u = g.param("u", DType::BF16, &[7, 7]).unwrap();
+    let r = g.param("r", DType::BF16, &[5, 7]).unwrap();
+    let bias = g.param("bias", DType::BF16, &[7]).unwrap();
+    let y = r.add(&x.matmul(&w).unwrap()).unwrap(); // folds, r the addend
+    let z = x.matmul(&w).unwrap().add(&x.matmul(&u).unwrap()).unwrap(); // x u folds, reads x w
+    let m = x.matmul(&u).unwrap().mul_scalar(0.5).unwrap();
+    let kept = m.add(&m).unwrap(); // the same value twice
+    let shared = x.matmul(&w).unwrap().mul_scalar(0.25).unwrap();
+    let used_twice = shared.add(&x.matmul(&u).unwrap()).unwrap().add(&shared).unwrap(); // x u folds, reading `shared`
+    let biased = x.matmul(&w).unwrap().add(&bias.broadcast_to(&[5, 7]).unwrap()).unwrap(); // folds
+    for (v, name) in [(&y, "y"), (&z, "z"), (&kept, "kept"), (&used_twice, "twice"), (&biased, "biased")] {
+        g.output(v, name).unwrap();
+    }
+    let trace = g.finish().unwrap();
+    let folded = passes::fold_addends(&trace).unwrap();
+    let text = folded.to_string();
+    assert_eq!(text.matches("acc=true").count(), 4, "{text}");
+    let adds = |t: &Trace| t.nodes.iter().filter(|n| n.op.name() == "add").count();
+    assert_eq!(adds(&trace) - adds(&folded), 4, "{text}");
+    assert_eq!(parse(&text).unwrap(), folded);
+
+    let rng = &mut Rng::new(9);
+    let inputs: Vec<HostTensor> =
+        trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    let before = cpu::eval(&trace, &inputs).unwrap();
+    let after = cpu::eval(&folded, &inputs).unwrap();
+    let (xs, ws, rs) = (inputs[0].to_f64(), inputs[1].to_f64(), inputs[3].to_f64());
+    let exact: Vec<f64> =
+        (0..35).map(|e| rs[e] + (0..7).map(|k| xs[(e / 7) * 7 + k] * ws[k * 7 + e % 7]).sum::<f64>()).collect();
+    let err = |v: &[f64]| v.iter().zip(&exact).map(|(a, b)| (a - b).abs()).sum::<f64>();
+    assert!(err(&after[0].to_f64()) < err(&before[0].to_f64()), "one rounding beats two");
+    for (i, name) in [(1, "z"), (3, "twice"), (4, "biased")] {
+        let (a, b) = (after[i].to_f64(), before[i].to_f64());
+        let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        assert!(a.iter().zip(&b).all(|(a, b)| (a - b).abs() <= 2.0 * scale / 128.0), "{name}: {a:?} vs {b:?}");
+    }
+    assert_eq!(after[2], before[2]);
+
+    // In f32 the sum is the unfolded one bit for bit (both round the product, then the sum).
+    let g = Graph::new("f32");
+    let x = g.param("x", DType::F32, &[3, 4]).unwrap();
+    let w = g.param("w", DType::F32, &[4, 4]).unwrap();
+    g.output(&x.add(&x.matmul(&w).unwrap()).unwrap(), "y").unwrap();
+    let t = g.finish().unwrap();
+    let f = passes::fold_addends(&t).unwrap();
+    assert!(f.to_string().contains("acc=true"));
+    let inputs: Vec<HostTensor> = t.inputs.iter().map(|i| HostTensor::randn(t.ty(i.value).clone(), 1.0, rng)).collect();
+    assert_eq!(cpu::eval(&t, &inputs).unwrap(), cpu::eval(&f, &inputs).unwrap());
+    // An addend of another dtype is refused, naming the op.
+    let text = f.to_string();
+    let line = text.lines().find(|l| l.contains("acc=true")).unwrap();
+    let bad = line.replace("f32[3,4] = matmul", "f64[3,4] = matmul").replace("tb=false", "tb=false out=f64");
+    let e = parse_err(&text.replace(line, &bad));
+    assert!(e.contains("matmul") && e.contains("addend f32[3,4] must be the result's type f64[3,4]"), "{e}");
+}

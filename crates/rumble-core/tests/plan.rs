@@ -343,3 +343,25 @@ fn op_scratch_is_planned_live_at_its_node_only() {
     let e = check(&p.trace, &bad).unwrap_err().to_string();
     assert!(e.contains("scratch"), "{e}");
 }
+
+/// A training step whose residual adds and gradient sums were folded into matmuls
+/// (`fold_addends`) plans with some of those matmuls computed over their addends, passes the
+/// checker, and runs in the arena as `cpu::eval` does, bit for bit.
+#[test]
+fn matmuls_with_addends_plan_in_place_and_match_bit_for_bit() {
+    let cfg = TinyLlama { layers: 2, dtype: DType::F32, ..TinyLlama::default() };
+    let trace = rumble_core::passes::fold_addends(&cfg.train_step(Optimizer::adamw(1e-3)).unwrap()).unwrap();
+    let accs = trace.nodes.iter().filter(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: true, .. })).count();
+    assert!(accs >= 4 * cfg.layers, "{accs} folded matmuls");
+    let p = plan(&trace, &CompileOptions::default()).unwrap();
+    check(&p.trace, &p.plan).unwrap();
+    let over = p
+        .trace
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: true, .. }))
+        .filter(|n| p.plan.inplace_of[n.outs[0].index()] == Some(n.args[2]))
+        .count();
+    assert!(over > 0, "no matmul was planned over its addend");
+    assert_arena_matches_eval(&trace, &CompileOptions::default(), cfg.vocab as u64);
+}

@@ -73,13 +73,15 @@ pub enum Step {
         dst: usize,
         bytes: usize,
     },
-    /// `c = op(a) op(b) + beta * c` through cuBLASLt; its workspace is `ws_bytes` of scratch
-    /// at `ws`.
+    /// `c = op(a) op(b) + beta * c` through cuBLASLt, or `c = op(a) op(b) + addend` (read
+    /// where it is, or in place when the planner put `c` over it); its workspace is `ws_bytes`
+    /// of scratch at `ws`.
     Matmul {
         key: MatmulKey,
         a: Arg,
         b: Arg,
         c: Arg,
+        addend: Option<Arg>,
         ws: usize,
         ws_bytes: usize,
         beta: f64,
@@ -259,9 +261,13 @@ impl Recipe {
                             .ctx(|| format!("copying for `{}`", self.op))?;
                     }
                 }
-                Step::Matmul { key, a, b: bm, c, ws, ws_bytes, beta } => unsafe {
+                Step::Matmul { key, a, b: bm, c, addend, ws, ws_bytes, beta } => unsafe {
                     let (pa, pb, pc) = (addr(a, b)?, addr(bm, b)?, addr(c, b)?);
-                    dev.matmul(key, [pa, pb, pc, b.scratch + *ws as u64], *ws_bytes, *beta)?
+                    let (pin, beta) = match addend {
+                        Some(x) => (addr(x, b)?, 1.0),
+                        None => (pc, *beta),
+                    };
+                    dev.matmul_add(key, [pa, pb, pin, pc, b.scratch + *ws as u64], *ws_bytes, beta)?
                 },
                 Step::Host { op, args, outs } => run_on_host(dev, tag, self.op, op, args, outs, b)?,
             }

@@ -23,7 +23,7 @@ use cudarc::driver::sys as dsys;
 use rumble_core::ir::{DType, TensorType};
 
 use crate::device::Device;
-use crate::error::{CudaError, Result};
+use crate::error::{CudaError, DriverContext, Result};
 use crate::knobs::Knobs;
 
 /// Most workspace a matmul may ask for by default (cuBLAS's recommendation for Hopper);
@@ -350,6 +350,22 @@ impl Device {
         ws_bytes: usize,
         beta: f64,
     ) -> Result<()> {
+        unsafe { self.matmul_add(key, [a, b, c, c, ws], ws_bytes, beta) }
+    }
+
+    /// Launches `d = op(a) op(b) + beta * c` on the device's stream, the operands given as
+    /// `[a, b, c, d, ws]`; `c` and `d` are the same buffer or do not overlap. cuBLASLt reads `c`
+    /// where it is; the classic gemm (which has no separate `c`) copies it to `d` first.
+    ///
+    /// # Safety
+    /// As [`Device::matmul`], with `c` and `d` both of the result's shape.
+    pub unsafe fn matmul_add(
+        &self,
+        key: &MatmulKey,
+        [a, b, c, d, ws]: [dsys::CUdeviceptr; 5],
+        ws_bytes: usize,
+        beta: f64,
+    ) -> Result<()> {
         self.matmul_workspace(key)?;
         let cache = self.cache::<Cache>();
         let cache = cache.lock().map_err(|_| CudaError::usage("matmul cache poisoned"))?;
@@ -360,7 +376,7 @@ impl Device {
                 p.workspace
             )));
         }
-        unsafe { self.launch_plan(key, p, a, b, c, ws, beta) }
+        unsafe { self.launch_plan(key, p, [a, b, c, d, ws], beta) }
     }
 
     /// The cuBLASLt algorithm or "classic" of `key`'s cached choice (for reports and tests).
@@ -383,18 +399,21 @@ impl Device {
         &self,
         key: &MatmulKey,
         p: &Plan,
-        a: dsys::CUdeviceptr,
-        b: dsys::CUdeviceptr,
-        c: dsys::CUdeviceptr,
-        ws: dsys::CUdeviceptr,
+        [a, b, c, d, ws]: [dsys::CUdeviceptr; 5],
         beta: f64,
     ) -> Result<()> {
+        let reads_c = beta != 0.0 && c != d;
         let scalars = Scalars::new(beta);
         let (alpha, beta) = scalars.ptrs(p.f64);
         let algo = match p.algo {
             Algo::Lt(algo) => algo,
             Algo::Classic => {
-                return unsafe { self.launch_classic(key, p.workspace, p.tf32, [a, b, c, ws], alpha, beta) };
+                if reads_c {
+                    let bytes = (key.batch.max(1) * key.m * key.n) as usize * key.out.size_in_bytes();
+                    unsafe { cudarc::driver::result::memcpy_dtod_async(d, c, bytes, self.stream()) }
+                        .ctx(|| format!("copying the addend of matmul {key:?}"))?;
+                }
+                return unsafe { self.launch_classic(key, p.workspace, p.tf32, [a, b, d, ws], alpha, beta) };
             }
         };
         unsafe {
@@ -409,7 +428,7 @@ impl Device {
                 p.b,
                 c as *const c_void,
                 p.c,
-                c as *mut c_void,
+                d as *mut c_void,
                 p.c,
                 &algo,
                 ws as *mut c_void,

@@ -143,7 +143,7 @@ fn time_all(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Candidate])
 }
 
 fn time_one(dev: &Device, key: &MatmulKey, plan: &Plan, p: [dsys::CUdeviceptr; 4]) -> Result<f64> {
-    let run = || unsafe { dev.launch_plan(key, plan, p[0], p[1], p[2], p[3], 0.0) };
+    let run = || unsafe { dev.launch_plan(key, plan, [p[0], p[1], p[2], p[2], p[3]], 0.0) };
     run()?;
     let ev = || drv::event::create(dsys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "matmul tuning: cuEventCreate".into());
     let (e0, e1) = (ev()?, ev()?);

@@ -250,10 +250,10 @@ fn matmul_and_composite_ops_match_cpu() {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
                 let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
                 let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
-                cases.push(case(Op::Matmul { ta, tb, out: None }, vec![randn(a, r), randn(b, r)]));
+                cases.push(case(Op::Matmul { ta, tb, out: None, acc: false }, vec![randn(a, r), randn(b, r)]));
             }
             cases.push(case(
-                Op::Matmul { ta: false, tb: true, out: None },
+                Op::Matmul { ta: false, tb: true, out: None, acc: false },
                 vec![randn(t(d, &[96, 128]), r), randn(t(d, &[200, 128]), r)],
             ));
         }
@@ -263,10 +263,22 @@ fn matmul_and_composite_ops_match_cpu() {
             let (d, out) = (DType::BF16, Some(DType::F32));
             let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
             let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
-            cases.push(case(Op::Matmul { ta, tb, out }, vec![randn(a, r), randn(b, r)]));
+            cases.push(case(Op::Matmul { ta, tb, out, acc: false }, vec![randn(a, r), randn(b, r)]));
             let a = if ta { t(d, &[300, 96]) } else { t(d, &[96, 300]) };
             let b = if tb { t(d, &[128, 300]) } else { t(d, &[300, 128]) };
-            cases.push(case(Op::Matmul { ta, tb, out }, vec![randn(a, r), randn(b, r)]));
+            cases.push(case(Op::Matmul { ta, tb, out, acc: false }, vec![randn(a, r), randn(b, r)]));
+        }
+        // With an addend (`fold_addends`: residual connections, gradient sums), read from its own
+        // buffer (cuBLASLt's C beside D); in place over it is the training tests' case.
+        for (d, out) in [(DType::F32, None), (DType::BF16, None), (DType::BF16, Some(DType::F32))] {
+            for (ta, tb, batch) in [(false, true, 1), (true, false, 1), (false, false, 2)] {
+                let (m, k, n) = (33, 70, 45);
+                let dims = |x: usize, y: usize| if batch > 1 { vec![batch, x, y] } else { vec![x, y] };
+                let a = if ta { t(d, &dims(k, m)) } else { t(d, &dims(m, k)) };
+                let b = if tb { t(d, &dims(n, k)) } else { t(d, &dims(k, n)) };
+                let c = t(out.unwrap_or(d), &dims(m, n));
+                cases.push(case(Op::Matmul { ta, tb, out, acc: true }, vec![randn(a, r), randn(b, r), randn(c, r)]));
+            }
         }
         for d in FLOATS {
             let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
@@ -428,7 +440,7 @@ fn classic_cublas_matmul_matches_cpu() {
             let at = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
             let bt = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
             let (a, b) = (randn(at.clone(), r), randn(bt.clone(), r));
-            let op = Op::Matmul { ta, tb, out: None };
+            let op = Op::Matmul { ta, tb, out: None, acc: false };
             let want =
                 cpu::eval(&one_node(op.clone(), &[at.clone(), bt.clone()]), &[a.clone(), b.clone()]).unwrap().remove(0);
             let key = MatmulKey::new(&at, &bt, ta, tb);
@@ -461,6 +473,13 @@ fn classic_cublas_matmul_matches_cpu() {
             let ws2 = DeviceBuffer::new(&dev, n.max(256), "workspace").unwrap();
             unsafe { dev.matmul(&key, [da.ptr, db.ptr, c.ptr, ws2.ptr], n, 0.0) }.unwrap();
             get(dev.matmul_algorithm(&key).unwrap());
+            // An addend in its own buffer: d = a b + c, with c = a b.
+            let dd = DeviceBuffer::new(&dev, want.bytes.len(), "d").unwrap();
+            unsafe { dev.matmul_add(&key, [da.ptr, db.ptr, c.ptr, dd.ptr, ws2.ptr], n, 1.0) }.unwrap();
+            let twice = HostTensor::new(want.ty.clone(), download(&dev, dd.ptr, dd.bytes).unwrap()).unwrap();
+            let half: Vec<f64> = twice.to_f64().iter().map(|v| v / 2.0).collect();
+            let half = HostTensor::from_f64(d, want.ty.dims(), &half).unwrap();
+            compare(&half, &want, tolerance(d)).unwrap_or_else(|e| panic!("addend {d} {ta} {tb}: {e}"));
         }
     }
 }

@@ -178,10 +178,12 @@ pub fn vjp(
         }
         Op::Gather => vec![Some(args[1].scatter_add(&ct, args[0].dims()[0])?), None],
         Op::ScatterAdd { .. } => vec![None, Some(ct.gather(&args[0])?)],
-        Op::Matmul { out: Some(_), .. } => {
-            return Err(Error::Autodiff("matmul with out=: made by fusion, after differentiating; no VJP".into()));
+        Op::Matmul { out: Some(_), .. } | Op::Matmul { acc: true, .. } => {
+            return Err(Error::Autodiff(
+                "matmul with out= or acc=: made by folding, after differentiating; no VJP".into(),
+            ));
         }
-        Op::Matmul { ta, tb, out: None } => {
+        Op::Matmul { ta, tb, out: None, acc: false } => {
             let (a, b) = (&args[0], &args[1]);
             let da = if !need[0] {
                 None

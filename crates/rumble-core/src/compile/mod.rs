@@ -28,13 +28,14 @@ use crate::plan::lifetimes::Lifetimes;
 use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned, plan_order};
 
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
-/// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts folded
-/// into the matmuls they read, elementwise fusion.
+/// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts and adds
+/// folded into the matmuls they read, elementwise fusion.
 pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
     ("cse", passes::cse),
     ("dce", passes::dce),
     ("fold_casts", passes::fold_casts),
+    ("fold_addends", passes::fold_addends),
     ("fuse", passes::fuse),
 ];
 

@@ -148,7 +148,14 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         Op::Concat { axis } => one(layout::concat(at, args, *axis)),
         Op::Gather => one(layout::gather(at[0], args[0], at[1], args[1])?),
         Op::ScatterAdd { rows } => one(layout::scatter_add::<A>(at[0], args[0], at[1], args[1], *rows)?),
-        Op::Matmul { ta, tb, .. } => one(out(&matmul::matmul::<A>(at[0], &f(0), at[1], &f(1), *ta, *tb))),
+        Op::Matmul { ta, tb, acc, .. } => {
+            let mut c = matmul::matmul::<A>(at[0], &f(0), at[1], &f(1), *ta, *tb);
+            if *acc {
+                // The addend joins the products before the one rounding to the result's dtype.
+                c.iter_mut().zip(f(2)).for_each(|(c, x)| *c = *c + x);
+            }
+            one(out(&c))
+        }
         Op::RmsNorm { eps } => one(out(&composite::rms_norm::<A>(&f(0), &f(1), *eps))),
         Op::RmsNormBackward { eps } => {
             let (dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);

@@ -140,8 +140,12 @@ pub enum Op {
     /// (`[.., N, K]` if `tb`) gives `[.., M, N]`; batch dims must be equal. `out`: the result's
     /// dtype where it is not the operands' (a wider float: the products accumulate as always
     /// and are rounded once, to `out`); `passes::fold_casts` sets it to f32 where a bf16 or f16
-    /// matmul's only use is a cast to f32 (the pair the CUDA matmul writes).
-    Matmul { ta: bool, tb: bool, out: Option<DType> },
+    /// matmul's only use is a cast to f32 (the pair the CUDA matmul writes). `acc`: a third
+    /// operand `c` of the result's type is added, `op(a) op(b) + c`, the sum taken with the
+    /// products' accumulation and rounded once (cuBLAS's `beta = 1`); `passes::fold_addends` sets
+    /// it where a matmul's only use is such an add (residual connections, gradient sums). The
+    /// result may be computed over `c`.
+    Matmul { ta: bool, tb: bool, out: Option<DType>, acc: bool },
     /// `(x [..., D], w [D]) -> x * rsqrt(mean(x^2) + eps) * w`, statistics in f32.
     RmsNorm { eps: f64 },
     /// `(x, w, dy) -> (dx, dw)`.
@@ -375,7 +379,7 @@ impl Op {
             | Op::Compare(_)
             | Op::Gather
             | Op::ScatterAdd { .. }
-            | Op::Matmul { .. }
+            | Op::Matmul { acc: false, .. }
             | Op::RmsNorm { .. }
             | Op::SoftmaxBackward
             | Op::LogSoftmaxBackward
@@ -389,6 +393,7 @@ impl Op {
             | Op::SwigluBackward
             | Op::LinearCrossEntropy { .. }
             | Op::CacheWrite
+            | Op::Matmul { acc: true, .. }
             | Op::Attention { .. } => 3,
             Op::AttentionCached { .. } => 4,
             Op::LinearCrossEntropyBackward { .. } => 5,
@@ -405,11 +410,13 @@ impl Op {
     }
 
     /// True if the result may be computed over operand `i` (same buffer): pointwise ops over
-    /// any operand of the result's shape, `cache_write` over its cache (operand 0) only. The
-    /// planner does so when the operand dies at this node; kernels must allow it.
+    /// any operand of the result's shape, `cache_write` over its cache (operand 0) only, a
+    /// matmul with `acc` over its addend (operand 2) where no other operand shares its bytes.
+    /// The planner does so when the operand dies at this node; kernels must allow it.
     pub fn may_overwrite(&self, i: usize) -> bool {
         match self {
             Op::CacheWrite => i == 0,
+            Op::Matmul { acc, .. } => *acc && i == 2,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),
         }
     }
@@ -592,7 +599,7 @@ impl Op {
                 }
                 one(src.with_shape([*rows, src.shape.last()]))
             }
-            Op::Matmul { ta, tb, out } => {
+            Op::Matmul { ta, tb, out, acc } => {
                 let (a, b) = (args[0], args[1]);
                 float(a)?;
                 if let Some(o) = out
@@ -617,7 +624,11 @@ impl Op {
                 }
                 let mut dims = a.dims()[..r - 2].to_vec();
                 dims.extend([m, n]);
-                one(TensorType::new(out.unwrap_or(a.dtype), dims))
+                let res = TensorType::new(out.unwrap_or(a.dtype), dims);
+                if *acc && *args[2] != res {
+                    return Err(format!("the addend {} must be the result's type {res}", args[2]));
+                }
+                one(res)
             }
             Op::RmsNorm { .. } => {
                 let (x, w) = (args[0], args[1]);

@@ -42,9 +42,12 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         }
         Op::Concat { axis } => vec![("axis", axis.to_string())],
         Op::ScatterAdd { rows } => vec![("rows", rows.to_string())],
-        Op::Matmul { ta, tb, out } => {
+        Op::Matmul { ta, tb, out, acc } => {
             let mut a = vec![("ta", ta.to_string()), ("tb", tb.to_string())];
             a.extend(out.map(|o| ("out", o.to_string())));
+            if *acc {
+                a.push(("acc", "true".into()));
+            }
             a
         }
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps } => vec![("eps", f(*eps))],
@@ -192,6 +195,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
             ta: a.bool("ta")?,
             tb: a.bool("tb")?,
             out: a.map.get("out").map(|v| v.parse::<DType>()).transpose()?,
+            acc: a.map.contains_key("acc") && a.bool("acc")?,
         },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
         "rms_norm_backward" => Op::RmsNormBackward { eps: a.f64("eps")? },

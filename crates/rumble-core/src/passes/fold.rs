@@ -1,4 +1,7 @@
-//! Folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
+//! Folds into a matmul what its only reader does to it: a widening cast ([`fold_casts`]) and an
+//! add ([`fold_addends`]).
+//!
+//! [`fold_casts`] folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
 //! matmul's operands are bf16 or f16 and its result has no other use, becomes one matmul
 //! writing f32 (`Op::Matmul`'s `out`; the pair every backend's matmul takes). The products
 //! accumulate as before and are rounded once, to f32, instead of to the operands' dtype and then widened; the narrow
@@ -19,7 +22,7 @@ pub fn fold_casts(trace: &Trace) -> Result<Trace> {
         let Some(Def::Node { node: p, .. }) = defs[v.index()] else { continue };
         let m = &trace.nodes[p];
         let from = trace.ty(v).dtype;
-        let folds = matches!(m.op, Op::Matmul { out: None, .. })
+        let folds = matches!(m.op, Op::Matmul { out: None, acc: false, .. })
             && m.phase == node.phase
             && users[v.index()].len() == 1
             && !trace.outputs.iter().any(|o| o.value == v)
@@ -34,6 +37,64 @@ pub fn fold_casts(trace: &Trace) -> Result<Trace> {
         }
         t.nodes[p].outs[0] = node.outs[0];
         drop[c] = true;
+    }
+    let mut i = 0;
+    t.nodes.retain(|_| {
+        i += 1;
+        !drop[i - 1]
+    });
+    t.compact()?;
+    Ok(t)
+}
+
+/// Folds an add into the matmul it reads: `add(matmul(a, b), c)` (either order), where the
+/// matmul's result has no other use and `c` has the sum's type (read unbroadcast), becomes one
+/// matmul `a b + c` (`Op::Matmul`'s `acc`; cuBLAS's `beta = 1`), at the add's place in the order
+/// (where `c` is defined). The sum is taken before the result is rounded; the matmul's
+/// intermediate and the add's launch are gone. These are residual connections, a projection
+/// added to the stream, and gradient sums, `dq Wq + dk Wk + dv Wv`. Where both operands are such
+/// matmuls, the later one folds and reads the other.
+pub fn fold_addends(trace: &Trace) -> Result<Trace> {
+    let defs = trace.defs();
+    let users = trace.users();
+    let mut t = trace.clone();
+    let mut drop = vec![false; trace.nodes.len()];
+    for (c, node) in trace.nodes.iter().enumerate() {
+        if !matches!(node.op, Op::Binary(crate::ir::BinaryOp::Add)) {
+            continue;
+        }
+        let sum = trace.ty(node.outs[0]);
+        let foldable = |v: crate::ir::ValueId| -> Option<usize> {
+            let Some(Def::Node { node: p, .. }) = defs[v.index()] else { return None };
+            let m = &trace.nodes[p];
+            let ok = matches!(m.op, Op::Matmul { acc: false, .. })
+                && !drop[p]
+                && m.phase == node.phase
+                && users[v.index()].len() == 1
+                && !trace.outputs.iter().any(|o| o.value == v)
+                && trace.ty(v) == sum;
+            ok.then_some(p)
+        };
+        let [x, y] = [node.args[0], node.args[1]];
+        if x == y || trace.ty(x) != sum || trace.ty(y) != sum {
+            continue;
+        }
+        let pick = match (foldable(x), foldable(y)) {
+            (Some(px), Some(py)) => Some(if px > py { (px, y) } else { (py, x) }),
+            (Some(px), None) => Some((px, y)),
+            (None, Some(py)) => Some((py, x)),
+            (None, None) => None,
+        };
+        let Some((p, addend)) = pick else { continue };
+        let m = &trace.nodes[p];
+        let Op::Matmul { ta, tb, out, .. } = m.op else { unreachable!() };
+        t.nodes[c] = crate::ir::Node {
+            op: Op::Matmul { ta, tb, out, acc: true },
+            args: vec![m.args[0], m.args[1], addend],
+            outs: node.outs.clone(),
+            phase: node.phase,
+        };
+        drop[p] = true;
     }
     let mut i = 0;
     t.nodes.retain(|_| {

@@ -3,7 +3,7 @@
 //! took and what it changed.
 //!
 //! - [`dce`], [`cse`]: dead code and common subexpressions;
-//! - [`fold_casts`]: a widening cast folded into the matmul it reads;
+//! - [`fold_casts`], [`fold_addends`]: a widening cast or an add folded into the matmul it reads;
 //! - [`fuse`]: elementwise fusion;
 //! - [`schedule`]: a memory-aware topological reorder that lowers LOAD;
 //! - [`remat`]: recompute cheap forward values in the backward instead of saving them;
@@ -21,7 +21,7 @@ use std::time::Instant;
 
 pub use cse::cse;
 pub use dce::dce;
-pub use fold::fold_casts;
+pub use fold::{fold_addends, fold_casts};
 pub use fuse::fuse;
 
 use crate::Result;

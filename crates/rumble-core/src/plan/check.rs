@@ -11,9 +11,10 @@
 //!    `slice`, a `permute` of size-1 axes, a `broadcast` adding size-1 axes) of `s`, lies in
 //!    `s`'s region at `s`'s offset plus the view's byte offset, and within `s`'s bytes;
 //! 4. in place: a value with `inplace_of = a` is a result of a pointwise node (elementwise or
-//!    fused; or a `cache_write` over its cache, `Op::may_overwrite`) reading `a` unbroadcast
-//!    (same shape), has `a`'s exact slot and element size, and
-//!    every operand of that node that touches those bytes reads them with the same layout;
+//!    fused; or a `cache_write` over its cache, a matmul over its addend, `Op::may_overwrite`)
+//!    reading `a` unbroadcast (same shape), has `a`'s exact slot and element size, and every
+//!    operand of that node that touches those bytes reads them with the same layout (a
+//!    pointwise node), or is `a` itself (any other node);
 //! 5. the arena: any two storage groups (a value owning bytes plus every view of it, or a
 //!    node's scratch, live at its step) whose byte ranges meet are never live at the same step,
 //!    except an operand and the result computed in place over it, which meet at exactly the
@@ -163,7 +164,8 @@ impl<'a> Checker<'a> {
         for (i, a) in self.plan.inplace_of.iter().enumerate() {
             let Some(a) = *a else { continue };
             let nd = self.node[i].map(|k| &self.trace.nodes[k]);
-            // Pointwise ops over any operand; `cache_write` over its cache (`Op::may_overwrite`).
+            // Pointwise ops over any operand; `cache_write` over its cache, a matmul over its
+            // addend (`Op::may_overwrite`).
             let over = |op: &Op, args: &[ValueId]| args.iter().enumerate().any(|(k, &x)| x == a && op.may_overwrite(k));
             let Some(nd) = nd.filter(|nd| over(&nd.op, &nd.args)) else {
                 return Err(err(format!("%{i} is marked in place over {a}, but is not pointwise on it")));
@@ -176,8 +178,12 @@ impl<'a> Checker<'a> {
             if self.slots[a.index()] != v || esize(a) != self.trace.types[i].dtype.size_in_bytes() {
                 return Err(err(format!("%{i} is computed in place over {a} but their slots or element sizes differ")));
             }
+            // A matmul over its addend reads its other operands while writing: none may share bytes.
+            let pointwise = crate::plan::lifetimes::is_pointwise(&nd.op);
             for &x in &nd.args {
-                if meet(&self.slots[x.index()], &v) && (self.slots[x.index()] != v || esize(x) != esize(a)) {
+                if meet(&self.slots[x.index()], &v)
+                    && (self.slots[x.index()] != v || esize(x) != esize(a) || (!pointwise && x != a))
+                {
                     return Err(err(format!(
                         "%{i} overwrites {a} in place while the same node reads {x} from other bytes"
                     )));

@@ -154,7 +154,7 @@ pub fn is_pointwise(op: &Op) -> bool {
 
 /// True if the op may compute a result over some operand (`Op::may_overwrite`).
 fn may_overwrite_any(op: &Op) -> bool {
-    is_pointwise(op) || matches!(op, Op::CacheWrite)
+    is_pointwise(op) || matches!(op, Op::CacheWrite | Op::Matmul { acc: true, .. })
 }
 
 /// Byte offset into its operand at which a view op's result starts, or `None` if the op
@@ -356,12 +356,18 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
     /// True if `a` may be overwritten in place by `o`, a result of pointwise node `node` whose
     /// last read of `a`'s root `r` is this node: `a` has `o`'s shape and element size (it is
     /// read unbroadcast) and covers all of `r` at offset 0, and every other operand of the node
-    /// that reads `r` does so with the same layout.
+    /// that reads `r` does so with the same layout (pointwise nodes; any other node, a matmul
+    /// over its addend, must read `r` through `a` alone).
     fn overwritable(&self, node: usize, a: ValueId, o: ValueId, r: ValueId) -> bool {
         let (ta, to) = (self.trace.ty(a), self.trace.ty(o));
+        let pointwise = is_pointwise(&self.trace.nodes[node].op);
         let same = |x: ValueId| {
             let (xr, off) = self.resolve(x);
-            xr != r || (off == 0 && self.bytes(x) == self.bytes(r) && self.trace.ty(x).dtype == ta.dtype)
+            xr != r
+                || (x == a || pointwise)
+                    && off == 0
+                    && self.bytes(x) == self.bytes(r)
+                    && self.trace.ty(x).dtype == ta.dtype
         };
         ta.shape == to.shape
             && ta.dtype.size_in_bytes() == to.dtype.size_in_bytes()

@@ -75,7 +75,7 @@ impl Builder<'_> {
     }
     /// A cuBLASLt matmul `c = a op b (+ beta c)` with `ws_bytes` of workspace at scratch 0.
     fn matmul(&mut self, key: MatmulKey, a: Arg, b: Arg, c: Arg, ws_bytes: usize, beta: f64) {
-        self.steps.push(Step::Matmul { key, a, b, c, ws: 0, ws_bytes, beta });
+        self.steps.push(Step::Matmul { key, a, b, c, addend: None, ws: 0, ws_bytes, beta });
     }
     /// Reserves `bytes` of the node's own scratch range and returns its offset.
     fn node(&mut self, bytes: usize) -> usize {
@@ -151,14 +151,19 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         | Op::Gather
         | Op::ScatterAdd { .. } => layout::prepare(&mut b, op, at, ot)?,
         Op::Reduce { op: r, axes, .. } => reduce::reduce(&mut b, *r, axes, at[0], out_n)?,
-        Op::Matmul { ta, tb, .. } => {
+        Op::Matmul { ta, tb, acc, .. } => {
             let key = MatmulKey { out: ot[0].dtype, ..MatmulKey::new(at[0], at[1], *ta, *tb) };
+            let bytes = ot[0].size_in_bytes();
             if key.k == 0 {
-                b.steps.push(Step::ZeroOut { out: 0, bytes: ot[0].size_in_bytes() });
+                // No products: the addend alone (skipped where the result sits over it).
+                b.steps.push(if *acc { Step::Copy { src: 2, dst: 0, bytes } } else { Step::ZeroOut { out: 0, bytes } });
             } else if out_n > 0 {
                 let ws = dev.matmul_workspace(&key)?;
                 b.scratch = ws;
                 b.matmul(key, Arg::In(0), Arg::In(1), Arg::Out(0), ws, 0.0);
+                if *acc && let Some(Step::Matmul { addend, .. }) = b.steps.last_mut() {
+                    *addend = Some(Arg::In(2));
+                }
             }
         }
         Op::RmsNorm { .. }
