@@ -242,9 +242,9 @@ impl Roofline {
                 let launches = if matches!(op, Op::AttentionBackward { .. }) { 3 } else { 1 };
                 (f / rate).max(moved / self.rates.memory) + launches as f64 * self.rates.launch
             }
-            Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyBackward { chunk, .. } => {
-                self.linear_ce_seconds(args, *chunk, matches!(op, Op::LinearCrossEntropyBackward { .. }), matmul)
-            }
+            Op::LinearCrossEntropy { chunk, .. } => self.linear_ce_seconds(args, *chunk, (true, false), matmul),
+            Op::LinearCrossEntropyBackward { chunk, .. } => self.linear_ce_seconds(args, *chunk, (false, true), matmul),
+            Op::LinearCrossEntropyGrad { chunk, .. } => self.linear_ce_seconds(args, *chunk, (true, true), matmul),
             Op::Reduce { .. } => self.stream_seconds(moved, f, 2),
             _ => self.stream_seconds(moved, f, 1),
         }
@@ -256,7 +256,7 @@ impl Roofline {
         &self,
         args: &[&TensorType],
         chunk: usize,
-        backward: bool,
+        (forward, backward): (bool, bool),
         matmul: &dyn Fn(&MatmulShape) -> f64,
     ) -> f64 {
         let (x, w) = (args[0], args[1]);
@@ -277,15 +277,16 @@ impl Roofline {
             let rows = chunk.min(n - r0);
             let logits = (rows * v) as f64;
             total += mm(t, s, false, true, rows, v, c);
+            if forward {
+                // Split log-sum-exp statistics (one read of the logits), then each row's loss.
+                total += self.stream_seconds(logits * ssz, 3.0 * logits, 2);
+            }
             if backward {
                 // The logit gradient in the operand dtype from the logits and the forward's
                 // log-sum-exp (no statistics pass), then dx = dl w and dw += dl^T x.
                 total += self.stream_seconds(logits * (ssz + tsz) + rows as f64 * ssz, 4.0 * logits, 1);
                 total += mm(t, t, false, false, rows, c, v);
                 total += mm(t, t, true, false, v, c, rows);
-            } else {
-                // Split log-sum-exp statistics (one read of the logits), then each row's loss.
-                total += self.stream_seconds(logits * ssz, 3.0 * logits, 2);
             }
             r0 += rows;
         }

@@ -455,3 +455,44 @@ fn adds_fold_into_the_matmul_they_read() {
     let e = parse_err(&text.replace(line, &bad));
     assert!(e.contains("matmul") && e.contains("addend f32[3,4] must be the result's type f64[3,4]"), "{e}");
 }
+
+/// `fold_loss_grad`: the fused loss and its backward become one `linear_cross_entropy_grad`
+/// computing the same bits (the objective's cotangent is a constant); it reads back from the
+/// text form. Where the cotangent depends on the loss (`loss * loss`), or the log-sum-exp is
+/// read elsewhere, the pair stays.
+#[test]
+fn the_fused_loss_and_its_backward_fold_into_one_node() {
+    let build = |square: bool, lse_out: bool| {
+        let g = Graph::new("lce");
+        let x = g.param("x", DType::BF16, &[13, 8]).unwrap();
+        let w = g.param("w", DType::BF16, &[37, 8]).unwrap();
+        let t = g.data("t", DType::I64, &[13]).unwrap();
+        let (loss, lse) = x.mul_scalar(1.5).unwrap().linear_cross_entropy_lse(&w, &t, -100, 4).unwrap();
+        let obj = if square { loss.mul(&loss).unwrap() } else { loss };
+        g.output(&obj, "loss").unwrap();
+        if lse_out {
+            g.output(&lse, "lse").unwrap();
+        }
+        autodiff::grad(&g.finish().unwrap(), "loss", &["x", "w"]).unwrap()
+    };
+    let count = |t: &Trace, name: &str| t.nodes.iter().filter(|n| n.op.name() == name).count();
+    let joint = build(false, false);
+    let folded = passes::fold_loss_grad(&joint).unwrap();
+    let text = folded.to_string();
+    assert_eq!(count(&folded, "linear_cross_entropy_grad"), 1, "{text}");
+    assert_eq!(count(&folded, "linear_cross_entropy") + count(&folded, "linear_cross_entropy_backward"), 0, "{text}");
+    assert_eq!(parse(&text).unwrap(), folded);
+    let rng = &mut Rng::new(3);
+    let mut inputs: Vec<HostTensor> =
+        joint.inputs.iter().map(|i| HostTensor::randn(joint.ty(i.value).clone(), 1.0, rng)).collect();
+    let tv: Vec<i64> = (0..13).map(|i| if i % 5 == 2 { -100 } else { (i * 7) % 37 }).collect();
+    inputs[2] = HostTensor::from_i64(DType::I64, &[13], &tv).unwrap();
+    let (a, b) = (cpu::eval(&joint, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b, "the folded node computes the same bits");
+    assert!(a[1].to_f64().iter().any(|v| *v != 0.0) && a[2].to_f64().iter().any(|v| *v != 0.0));
+    for (square, lse_out) in [(true, false), (false, true)] {
+        let j = build(square, lse_out);
+        assert_eq!(passes::fold_loss_grad(&j).unwrap(), j, "square {square}, lse read {lse_out}");
+    }
+}

@@ -331,15 +331,18 @@ fn matmul_and_composite_ops_match_cpu() {
                     &tg.to_i64().iter().map(|&v| if v < 0 { v } else { v % 300 }).collect::<Vec<_>>(),
                 )
                 .unwrap();
-                // The forward (loss and each row's log-sum-exp), and the backward given the
-                // CPU forward's log-sum-exp.
+                // The forward (loss and each row's log-sum-exp), the backward given the CPU
+                // forward's log-sum-exp, and both in one node.
                 let lce = |cases: &mut Vec<Case>, x: HostTensor, w: HostTensor, tg: HostTensor| {
                     let fwd = case(Op::LinearCrossEntropy { ignore_index: -100, chunk: 16 }, vec![x, w, tg]);
                     let lse = cpu::eval(&trace_of(&fwd).unwrap(), &fwd.inputs).unwrap().remove(1);
                     let mut ins = fwd.inputs.clone();
                     ins.extend([lse, dloss.clone()]);
+                    let mut both = fwd.inputs.clone();
+                    both.push(dloss.clone());
                     cases.push(fwd);
                     cases.push(case(Op::LinearCrossEntropyBackward { ignore_index: -100, chunk: 16 }, ins));
+                    cases.push(case(Op::LinearCrossEntropyGrad { ignore_index: -100, chunk: 16 }, both));
                 };
                 lce(cases, x, w, tg.clone());
                 // A long vocabulary (each row's log-sum-exp split over several blocks), a head

@@ -255,6 +255,7 @@ pub fn vjp(
         | Op::LogSoftmaxBackward
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropyBackward { .. }
+        | Op::LinearCrossEntropyGrad { .. }
         | Op::SwigluBackward
         | Op::SwigluPackedBackward
         | Op::AttentionBackward { .. } => {

@@ -1,7 +1,7 @@
 //! Choices made against the cost model under a memory objective.
 //!
 //! A **variant** is the trace with its choices made: today the rows of each fused linear
-//! cross-entropy chunk (`Op::LinearCrossEntropy{,Backward}`'s `chunk`), from the whole batch
+//! cross-entropy chunk (`Op::LinearCrossEntropy{,Backward,Grad}`'s `chunk`), from the whole batch
 //! (all the logits at once: the widest, fastest matmuls, the most scratch) halving down to a
 //! few rows. Each variant is planned (schedule, place) and, where a budget asks for it,
 //! rematerialised with the cost model (`passes::remat::remat_costed`: matmuls included,
@@ -125,7 +125,10 @@ pub fn chunk_candidates(trace: &Trace) -> Vec<usize> {
     let mut rows = 0;
     let mut own = Vec::new();
     for n in &trace.nodes {
-        if let Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyBackward { chunk, .. } = n.op {
+        if let Op::LinearCrossEntropy { chunk, .. }
+        | Op::LinearCrossEntropyBackward { chunk, .. }
+        | Op::LinearCrossEntropyGrad { chunk, .. } = n.op
+        {
             rows = rows.max(trace.ty(n.args[0]).dims()[0]);
             own.push(chunk.min(trace.ty(n.args[0]).dims()[0]).max(1));
         }
@@ -152,7 +155,10 @@ pub fn chunk_candidates(trace: &Trace) -> Vec<usize> {
 pub fn with_chunk(trace: &Trace, chunk: usize) -> Trace {
     let mut t = trace.clone();
     for n in &mut t.nodes {
-        if let Op::LinearCrossEntropy { chunk: c, .. } | Op::LinearCrossEntropyBackward { chunk: c, .. } = &mut n.op {
+        if let Op::LinearCrossEntropy { chunk: c, .. }
+        | Op::LinearCrossEntropyBackward { chunk: c, .. }
+        | Op::LinearCrossEntropyGrad { chunk: c, .. } = &mut n.op
+        {
             *c = chunk;
         }
     }
@@ -166,7 +172,7 @@ fn variants(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel, remat: R
     let rows = trace
         .nodes
         .iter()
-        .find(|n| matches!(n.op, Op::LinearCrossEntropy { .. }))
+        .find(|n| matches!(n.op, Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyGrad { .. }))
         .map_or(0, |n| trace.ty(n.args[0]).dims()[0]);
     let mut out = Vec::new();
     if chunks.is_empty() {
@@ -263,7 +269,7 @@ fn variants_one(
     remat: Remat,
 ) -> Result<Variant> {
     let chunk = v.planned.trace.nodes.iter().find_map(|n| match n.op {
-        Op::LinearCrossEntropy { chunk, .. } => Some(chunk),
+        Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyGrad { chunk, .. } => Some(chunk),
         _ => None,
     });
     let t = match chunk {

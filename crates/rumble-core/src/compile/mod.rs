@@ -29,13 +29,15 @@ use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned,
 
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
 /// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts and adds
-/// folded into the matmuls they read, elementwise fusion.
+/// folded into the matmuls they read, the fused loss and its backward as one node, elementwise
+/// fusion.
 pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
     ("cse", passes::cse),
     ("dce", passes::dce),
     ("fold_casts", passes::fold_casts),
     ("fold_addends", passes::fold_addends),
+    ("fold_loss_grad", passes::fold_loss_grad),
     ("fuse", passes::fuse),
 ];
 

@@ -200,6 +200,26 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             )?;
             Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
         }
+        Op::LinearCrossEntropyGrad { ignore_index, chunk } => {
+            // The forward then the backward, the log-sum-exp rounded to its dtype between them
+            // as the two ops' interface does: the same bits as the pair.
+            let t = read_int(at[2].dtype, args[2]);
+            let (loss, lse) =
+                composite::linear_cross_entropy::<A>(at[0], &f(0), at[1], &f(1), &t, *ignore_index, *chunk)?;
+            let sd = ot[0].dtype;
+            let lse = read_float::<f64>(sd, &write_float::<f64>(sd, &lse));
+            let dloss = read_float::<f64>(at[3].dtype, args[3])[0];
+            let (dx, dw) = composite::linear_cross_entropy_backward::<A>(
+                (at[0], &f(0)),
+                (at[1], &f(1)),
+                &t,
+                &lse,
+                dloss,
+                *ignore_index,
+                *chunk,
+            )?;
+            Ok(vec![write_float::<f64>(sd, &[loss]), write_float(ot[1].dtype, &dx), write_float(ot[2].dtype, &dw)])
+        }
         Op::Swiglu => one(out(&composite::swiglu::<A>(&f(0), &f(1)))),
         Op::SwigluPacked => one(out(&composite::swiglu_packed::<A>(at[0].shape.last(), &f(0)))),
         Op::SwigluPackedBackward => one(out(&composite::swiglu_packed_backward::<A>(at[0].shape.last(), &f(0), &f(1)))),

@@ -179,6 +179,12 @@ pub enum Op {
     LinearCrossEntropy { ignore_index: i64, chunk: usize },
     /// `(x, w, targets, lse, dloss) -> (dx, dw)`, `lse` the forward's second output.
     LinearCrossEntropyBackward { ignore_index: i64, chunk: usize },
+    /// The fused loss and its gradient in one pass over the chunks, each chunk's logits
+    /// computed once: `(x, w, targets, dloss) -> (loss, dx, dw)`, equal to
+    /// `linear_cross_entropy` then `linear_cross_entropy_backward` with `dloss`.
+    /// `passes::fold_loss_grad` makes it where `dloss` does not depend on the loss (the loss is
+    /// the objective): the backward's recomputation of the logits is gone.
+    LinearCrossEntropyGrad { ignore_index: i64, chunk: usize },
     /// `(gate, up) -> silu(gate) * up`.
     Swiglu,
     /// `(gate, up, dy) -> (dgate, dup)`.
@@ -340,6 +346,7 @@ impl Op {
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::LinearCrossEntropy { .. } => "linear_cross_entropy",
             Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
+            Op::LinearCrossEntropyGrad { .. } => "linear_cross_entropy_grad",
             Op::Swiglu => "swiglu",
             Op::SwigluBackward => "swiglu_backward",
             Op::SwigluPacked => "swiglu_packed",
@@ -395,7 +402,7 @@ impl Op {
             | Op::CacheWrite
             | Op::Matmul { acc: true, .. }
             | Op::Attention { .. } => 3,
-            Op::AttentionCached { .. } => 4,
+            Op::AttentionCached { .. } | Op::LinearCrossEntropyGrad { .. } => 4,
             Op::LinearCrossEntropyBackward { .. } => 5,
             Op::AttentionBackward { .. } => 6,
             Op::Concat { .. } | Op::Fused(_) => return None,
@@ -426,16 +433,20 @@ impl Op {
     pub fn scratch_bytes(&self, args: &[&TensorType]) -> usize {
         match self {
             // One chunk of logits in the statistics dtype, per-row losses (8 bytes) and flags
-            // (4 bytes); the backward holds the chunk's logits and their gradient, and a count.
-            // Each piece 256-byte aligned, in this order (the CUDA recipe lays it out so).
-            Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyBackward { chunk, .. } => {
+            // (4 bytes); the backward holds the chunk's logits and their gradient, and a count;
+            // the fused gradient all of these and each row's log-sum-exp. Each piece 256-byte
+            // aligned, in this order (the CUDA recipe lays it out so).
+            Op::LinearCrossEntropy { chunk, .. }
+            | Op::LinearCrossEntropyBackward { chunk, .. }
+            | Op::LinearCrossEntropyGrad { chunk, .. } => {
                 let a = |n: usize| n.div_ceil(256) * 256;
                 let (n, v) = (args[0].dims()[0], args[1].dims()[0]);
-                let logits = a((*chunk).clamp(1, n.max(1)) * v * stat_dtype(args[0].dtype).size_in_bytes());
-                if matches!(self, Op::LinearCrossEntropy { .. }) {
-                    logits + a(n * 8) + a(n * 4)
-                } else {
-                    2 * logits + a(4)
+                let ssz = stat_dtype(args[0].dtype).size_in_bytes();
+                let logits = a((*chunk).clamp(1, n.max(1)) * v * ssz);
+                match self {
+                    Op::LinearCrossEntropy { .. } => logits + a(n * 8) + a(n * 4),
+                    Op::LinearCrossEntropyBackward { .. } => 2 * logits + a(4),
+                    _ => 2 * logits + a(4) + a(n * 8) + a(n * 4) + a(n * ssz),
                 }
             }
             _ => 0,
@@ -706,6 +717,14 @@ impl Op {
                     return Err(format!("dloss must be {want}, got {}", args[4]));
                 }
                 Ok(vec![args[0].clone(), args[1].clone()])
+            }
+            Op::LinearCrossEntropyGrad { chunk, .. } => {
+                let lse = linear_ce_operands(args[0], args[1], args[2], *chunk)?;
+                let want = TensorType::scalar(lse.dtype);
+                if *args[3] != want {
+                    return Err(format!("dloss must be {want}, got {}", args[3]));
+                }
+                Ok(vec![want, args[0].clone(), args[1].clone()])
             }
             Op::Attention { causal, layout, .. } => {
                 let lse = attention_operands(args[0], args[1], args[2], *causal, *layout)?;

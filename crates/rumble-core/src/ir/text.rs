@@ -60,7 +60,9 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::CrossEntropy { ignore_index } | Op::CrossEntropyBackward { ignore_index } => {
             vec![("ignore_index", ignore_index.to_string())]
         }
-        Op::LinearCrossEntropy { ignore_index, chunk } | Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
+        Op::LinearCrossEntropy { ignore_index, chunk }
+        | Op::LinearCrossEntropyBackward { ignore_index, chunk }
+        | Op::LinearCrossEntropyGrad { ignore_index, chunk } => {
             vec![("ignore_index", ignore_index.to_string()), ("chunk", chunk.to_string())]
         }
         Op::Attention { scale, causal, layout } | Op::AttentionBackward { scale, causal, layout } => {
@@ -216,6 +218,9 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         }
         "linear_cross_entropy_backward" => {
             Op::LinearCrossEntropyBackward { ignore_index: a.parse("ignore_index")?, chunk: a.usize("chunk")? }
+        }
+        "linear_cross_entropy_grad" => {
+            Op::LinearCrossEntropyGrad { ignore_index: a.parse("ignore_index")?, chunk: a.usize("chunk")? }
         }
         "swiglu" => Op::Swiglu,
         "swiglu_backward" => Op::SwigluBackward,

@@ -4,6 +4,7 @@
 //!
 //! - [`dce`], [`cse`]: dead code and common subexpressions;
 //! - [`fold_casts`], [`fold_addends`]: a widening cast or an add folded into the matmul it reads;
+//! - [`fold_loss_grad`]: the fused loss and its backward as one node (the logits computed once);
 //! - [`fuse`]: elementwise fusion;
 //! - [`schedule`]: a memory-aware topological reorder that lowers LOAD;
 //! - [`remat`]: recompute cheap forward values in the backward instead of saving them;
@@ -14,6 +15,7 @@ pub mod data_parallel;
 mod dce;
 mod fold;
 mod fuse;
+mod loss;
 pub mod remat;
 pub mod schedule;
 
@@ -23,6 +25,7 @@ pub use cse::cse;
 pub use dce::dce;
 pub use fold::{fold_addends, fold_casts};
 pub use fuse::fuse;
+pub use loss::fold_loss_grad;
 
 use crate::Result;
 use crate::ir::{Trace, verify};

@@ -54,6 +54,7 @@ pub fn is_cheap(op: &Op) -> bool {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::LinearCrossEntropyGrad { .. }
     )
 }
 
@@ -92,9 +93,9 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
         Op::SwigluPacked => 5 * out,
         Op::SwigluPackedBackward => 5 * inp,
         Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => 6 * inp,
-        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyBackward { .. } => {
+        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyBackward { .. } | Op::LinearCrossEntropyGrad { .. } => {
             // x [N, C], w [V, C]: the logits' matmul, and in the backward their recomputation
-            // and the two gradient matmuls.
+            // and the two gradient matmuls (the fused gradient: the logits once, then those two).
             let (x, w) = (args[0].dims(), args[1].dims());
             let f = 2 * (x[0] * x[1] * w[0]) as u64;
             if matches!(op, Op::LinearCrossEntropy { .. }) { f } else { 3 * f }
@@ -136,6 +137,7 @@ fn is_recomputable(op: &Op) -> bool {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::LinearCrossEntropyGrad { .. }
     )
 }
 

@@ -156,6 +156,7 @@ impl Program {
                     node.op,
                     rumble_core::ir::Op::LinearCrossEntropy { .. }
                         | rumble_core::ir::Op::LinearCrossEntropyBackward { .. }
+                        | rumble_core::ir::Op::LinearCrossEntropyGrad { .. }
                 ) {
                     return None;
                 }

@@ -178,7 +178,8 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropy { .. }
-        | Op::LinearCrossEntropyBackward { .. } => rows::prepare(&mut b, op, at, dt)?,
+        | Op::LinearCrossEntropyBackward { .. }
+        | Op::LinearCrossEntropyGrad { .. } => rows::prepare(&mut b, op, at, dt)?,
         Op::Attention { .. } | Op::AttentionBackward { .. } => {
             // The tiled kernels where `flash::choose` takes them; the per-row kernels otherwise.
             if let Some(r) = crate::flash::recipe(dev, op, at) {

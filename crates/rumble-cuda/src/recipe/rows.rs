@@ -13,8 +13,11 @@ use crate::launch::{Arg, Step};
 pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -> Result<()> {
     let dev = b.dev;
     match op {
-        Op::LinearCrossEntropy { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, false)?,
-        Op::LinearCrossEntropyBackward { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, true)?,
+        Op::LinearCrossEntropy { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, Pass::Forward)?,
+        Op::LinearCrossEntropyBackward { ignore_index, chunk } => {
+            linear_ce(b, at, *ignore_index, *chunk, Pass::Backward)?
+        }
+        Op::LinearCrossEntropyGrad { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, Pass::Both)?,
         Op::RmsNorm { eps } => {
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);
@@ -147,7 +150,19 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
 /// dtype from them and that log-sum-exp (no statistics pass) and multiplies it back
 /// (`dx_c = dl @ w`, `dw += dl^T @ x_c`). Workspace: the matmuls', and the forward's pieces'
 /// statistics.
-fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, backward: bool) -> Result<()> {
+/// Which of the fused loss's passes a node runs over each chunk of logits.
+#[derive(Clone, Copy, PartialEq)]
+enum Pass {
+    /// `linear_cross_entropy`: the loss and each row's log-sum-exp.
+    Forward,
+    /// `linear_cross_entropy_backward`: the gradients, from the forward's log-sum-exp.
+    Backward,
+    /// `linear_cross_entropy_grad`: both, each chunk's logits computed once.
+    Both,
+}
+
+fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, pass: Pass) -> Result<()> {
+    let (forward, backward) = (pass != Pass::Backward, pass != Pass::Forward);
     let (x, w, tg) = (at[0], at[1], at[2]);
     let (n, c, v) = (x.dims()[0], x.dims()[1], w.dims()[0]);
     let t = x.dtype;
@@ -200,47 +215,63 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, bac
         let k = key(t, s, false, true, rows, v, c);
         b.matmul(k, Arg::InAt(0, r0 * c * tsz), Arg::In(1), Arg::Node(logits), ws, 0.0);
     };
-    if !backward {
-        let stats = b.scratch(chunk * splits * 2 * ssz);
-        let loss = b.node(n * 8);
-        let valid = b.node(n * 4);
-        for &r0 in &starts {
-            let rows = chunk.min(n - r0);
-            chunk_logits(b, r0, rows);
-            let args = [vec![Arg::Node(logits), Arg::Scratch(stats)], Arg::i64s(&[rows, v, splits, span])].concat();
-            b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, args)?;
-            let ins = vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::Scratch(stats)];
-            let outs = vec![Arg::Node(loss + r0 * 8), Arg::Node(valid + r0 * 4), Arg::OutAt(1, r0 * ssz)];
-            let args = [ins, outs, Arg::i64s(&[rows, v, splits]), checked.clone()].concat();
-            let grid = (rows.div_ceil(128) as u32, 1, 1);
-            b.k(KernelFile::Rows, format!("ce_split_rows_{s_name}_{i_name}"), grid, 128, 0, args)?;
-        }
-        let args = vec![Arg::Node(loss), Arg::Node(valid), Arg::Out(0), Arg::I64(n as i64)];
-        return b.k(KernelFile::Rows, format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args);
+    // Node scratch in Op::scratch_bytes's order: the logits; the backward's logit gradient
+    // (written straight in the operand dtype: its slot is sized for the f32 logits) and count
+    // of targets; the forward's per-row losses and flags; both passes' log-sum-exp.
+    let (mut dl, mut count) = (0, 0);
+    if backward {
+        dl = b.node(chunk * v * ssz);
+        count = b.node(4);
+        let args = vec![Arg::In(2), Arg::Node(count), Arg::I64(n as i64), Arg::I64(ignore)];
+        b.k(KernelFile::Rows, format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
     }
-    // The logit gradient, written straight in the operand dtype (its slot is sized for the
-    // f32 logits, so it also fits them).
-    let dl = b.node(chunk * v * ssz);
-    let count = b.node(4);
-    let args = vec![Arg::In(2), Arg::Node(count), Arg::I64(n as i64), Arg::I64(ignore)];
-    b.k(KernelFile::Rows, format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
-    if n == 0 {
-        b.steps.push(Step::ZeroOut { out: 1, bytes: v * c * tsz });
+    let (mut stats, mut loss, mut valid) = (0, 0, 0);
+    if forward {
+        stats = b.scratch(chunk * splits * 2 * ssz);
+        loss = b.node(n * 8);
+        valid = b.node(n * 4);
+    }
+    // Operand and result indices: (x, w, targets, lse, dloss) -> (dx, dw) for the backward;
+    // (x, w, targets, dloss) -> (loss, dx, dw) for both.
+    let lse_node = if pass == Pass::Both { b.node(n * ssz) } else { 0 };
+    let lse_at = |r0: usize| match pass {
+        Pass::Forward => Arg::OutAt(1, r0 * ssz),
+        Pass::Backward => Arg::InAt(3, r0 * ssz),
+        Pass::Both => Arg::Node(lse_node + r0 * ssz),
+    };
+    let (dloss, dx, dw) = if pass == Pass::Both { (3, 1, 2) } else { (4, 0, 1) };
+    if backward && n == 0 {
+        b.steps.push(Step::ZeroOut { out: dw, bytes: v * c * tsz });
     }
     for &r0 in &starts {
         let rows = chunk.min(n - r0);
         chunk_logits(b, r0, rows);
-        // The logits, the targets and the forward's log-sum-exp (operand 3) of rows r0..
-        let ins = vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::InAt(3, r0 * ssz)];
-        let mid = vec![Arg::In(4), Arg::Node(count), Arg::Node(dl)];
-        let args = [ins, mid, Arg::i64s(&[rows, v, splits, span]), checked.clone()].concat();
-        let name = format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t));
-        b.k(KernelFile::Rows, name, piece_grid(rows), 256, 0, args)?;
-        let kx = key(t, t, false, false, rows, c, v);
-        b.matmul(kx, Arg::Node(dl), Arg::In(1), Arg::OutAt(0, r0 * c * tsz), ws, 0.0);
-        let kw = key(t, t, true, false, v, c, rows);
-        let beta = if r0 == 0 { 0.0 } else { 1.0 };
-        b.matmul(kw, Arg::Node(dl), Arg::InAt(0, r0 * c * tsz), Arg::Out(1), ws, beta);
+        if forward {
+            let args = [vec![Arg::Node(logits), Arg::Scratch(stats)], Arg::i64s(&[rows, v, splits, span])].concat();
+            b.k(KernelFile::Rows, format!("ce_split_stats_{s_name}"), piece_grid(rows), 256, 0, args)?;
+            let ins = vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), Arg::Scratch(stats)];
+            let outs = vec![Arg::Node(loss + r0 * 8), Arg::Node(valid + r0 * 4), lse_at(r0)];
+            let args = [ins, outs, Arg::i64s(&[rows, v, splits]), checked.clone()].concat();
+            let grid = (rows.div_ceil(128) as u32, 1, 1);
+            b.k(KernelFile::Rows, format!("ce_split_rows_{s_name}_{i_name}"), grid, 128, 0, args)?;
+        }
+        if backward {
+            // The logits, the targets and the log-sum-exp of rows r0..
+            let ins = vec![Arg::Node(logits), Arg::InAt(2, r0 * isz), lse_at(r0)];
+            let mid = vec![Arg::In(dloss), Arg::Node(count), Arg::Node(dl)];
+            let args = [ins, mid, Arg::i64s(&[rows, v, splits, span]), checked.clone()].concat();
+            let name = format!("ce_split_backward_{s_name}_{}_{i_name}", sfx(t));
+            b.k(KernelFile::Rows, name, piece_grid(rows), 256, 0, args)?;
+            let kx = key(t, t, false, false, rows, c, v);
+            b.matmul(kx, Arg::Node(dl), Arg::In(1), Arg::OutAt(dx, r0 * c * tsz), ws, 0.0);
+            let kw = key(t, t, true, false, v, c, rows);
+            let beta = if r0 == 0 { 0.0 } else { 1.0 };
+            b.matmul(kw, Arg::Node(dl), Arg::InAt(0, r0 * c * tsz), Arg::Out(dw), ws, beta);
+        }
+    }
+    if forward {
+        let args = vec![Arg::Node(loss), Arg::Node(valid), Arg::Out(0), Arg::I64(n as i64)];
+        b.k(KernelFile::Rows, format!("cross_entropy_mean_{s_name}"), (1, 1, 1), 256, 0, args)?;
     }
     Ok(())
 }
