@@ -154,10 +154,11 @@ fn reductions() {
     let x = randn(&[2, 3, 4], r);
     for axes in [vec![0], vec![1], vec![2], vec![0, 2], vec![0, 1, 2]] {
         for keepdim in [false, true] {
-            let (a1, a2, a3) = (axes.clone(), axes.clone(), axes.clone());
+            let (a1, a2, a3, a4) = (axes.clone(), axes.clone(), axes.clone(), axes.clone());
             gradcheck("sum", vec![diff("x", x.clone())], &move |t| t[0].sum(&a1, keepdim));
             gradcheck("mean", vec![diff("x", x.clone())], &move |t| t[0].mean(&a2, keepdim));
             gradcheck("amax", vec![diff("x", x.clone())], &move |t| t[0].amax(&a3, keepdim));
+            gradcheck("sum_squares", vec![diff("x", x.clone())], &move |t| t[0].sum_squares(&a4, keepdim));
         }
     }
 }

@@ -181,7 +181,7 @@ fn layout_and_reduction_ops_match_cpu() {
     check_cases(2, |r, cases| {
         for d in FLOATS {
             let x = || t(d, &[3, 50, 33]);
-            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+            for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::SumSquares] {
                 for (axes, keepdim) in
                     [(vec![2], false), (vec![0], true), (vec![0, 2], false), (vec![0, 1, 2], false), (vec![1], true)]
                 {
@@ -198,6 +198,9 @@ fn layout_and_reduction_ops_match_cpu() {
                 // Over the leading axes (a bias gradient): columns read by rows, in pieces.
                 (ReduceOp::Sum, vec![4100, 300], vec![0]),
                 (ReduceOp::Mean, vec![7, 999, 130], vec![0, 1]),
+                // A gradient's squared norm (clipping), split; and by columns.
+                (ReduceOp::SumSquares, vec![300, 1000], vec![0, 1]),
+                (ReduceOp::SumSquares, vec![4100, 300], vec![0]),
             ] {
                 cases.push(case(Op::Reduce { op, axes, keepdim: false }, vec![randn(t(d, &dims), r)]));
             }

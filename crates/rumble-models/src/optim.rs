@@ -157,11 +157,13 @@ pub struct Hyper {
     pub derived: Option<[Tensor; 3]>,
 }
 
-/// The global L2 norm of `grads` (f32 `[]`), each squared and summed in f32.
+/// The global L2 norm of `grads` (f32 `[]`), each squared and summed in f32 (one reduction a
+/// gradient: the squares are never written).
 pub fn global_norm(grads: &[Tensor]) -> Result<Tensor> {
     let mut total: Option<Tensor> = None;
     for g in grads {
-        let ss = g.cast(DType::F32)?.square()?.sum_all()?; // f32[]
+        let axes: Vec<usize> = (0..g.rank()).collect();
+        let ss = g.cast(DType::F32)?.sum_squares(&axes, false)?; // f32[]
         total = Some(match total {
             Some(t) => t.add(&ss)?,
             None => ss,

@@ -116,6 +116,7 @@ pub fn vjp(
             let ctb = unreduce(&ct, x, axes, *keepdim)?;
             let g = match op {
                 ReduceOp::Sum => ctb,
+                ReduceOp::SumSquares => ctb.mul(&x.mul_scalar(2.0)?)?,
                 ReduceOp::Mean => {
                     let n: usize = axes.iter().map(|&a| x.dims()[a]).product();
                     ctb.mul_scalar(1.0 / n as f64)?

@@ -41,6 +41,14 @@ pub fn reduce<A: Real>(op: ReduceOp, axes: &[usize], ty: &TensorType, x: &[u8], 
             let div = if op == ReduceOp::Mean { count } else { 1.0 };
             acc.into_iter().map(|s| A::of(s / div)).collect()
         }
+        ReduceOp::SumSquares => {
+            // Each square rounded to the compute dtype, as `square` then `sum` would.
+            let mut acc = vec![0f64; n];
+            for (&o, &v) in map.iter().zip(&x) {
+                acc[o] += (v * v).f64();
+            }
+            acc.into_iter().map(A::of).collect()
+        }
         ReduceOp::Max => {
             let mut acc = vec![A::neg_infinity(); n];
             for (&o, &v) in map.iter().zip(&x) {

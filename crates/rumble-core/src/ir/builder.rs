@@ -257,6 +257,10 @@ impl Tensor {
     pub fn amax(&self, axes: &[usize], keepdim: bool) -> Result<Tensor> {
         self.reduce(ReduceOp::Max, axes, keepdim)
     }
+    /// `square` then `sum` over `axes`, in one reduction (the squares are never written).
+    pub fn sum_squares(&self, axes: &[usize], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::SumSquares, axes, keepdim)
+    }
     /// Sum of every element, as a scalar `[]`.
     pub fn sum_all(&self) -> Result<Tensor> {
         if self.rank() == 0 {

@@ -72,6 +72,9 @@ pub enum ReduceOp {
     Sum,
     Max,
     Mean,
+    /// The sum of the squares (each square taken in the accumulation dtype): a norm's
+    /// `square` and `sum` in one pass, the squares never written.
+    SumSquares,
 }
 
 /// The collective operations of data-parallel training (see `Op::Collective`).
@@ -309,6 +312,7 @@ impl ReduceOp {
             ReduceOp::Sum => "sum",
             ReduceOp::Max => "amax",
             ReduceOp::Mean => "mean",
+            ReduceOp::SumSquares => "sum_squares",
         }
     }
 }
@@ -505,7 +509,7 @@ impl Op {
                     return Err(format!("axis {a} out of range for rank {}", x.rank()));
                 }
                 match op {
-                    ReduceOp::Sum | ReduceOp::Mean => float(x)?,
+                    ReduceOp::Sum | ReduceOp::Mean | ReduceOp::SumSquares => float(x)?,
                     ReduceOp::Max if x.dtype == DType::Bool => return Err("amax of bool".into()),
                     ReduceOp::Max => {}
                 }

@@ -186,6 +186,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         "sum" => reduce(ReduceOp::Sum)?,
         "amax" => reduce(ReduceOp::Max)?,
         "mean" => reduce(ReduceOp::Mean)?,
+        "sum_squares" => reduce(ReduceOp::SumSquares)?,
         "reshape" => Op::Reshape { shape: Shape::new(a.list("shape")?) },
         "broadcast" => Op::Broadcast { shape: Shape::new(a.list("shape")?) },
         "permute" => Op::Permute { perm: a.list("perm")? },

@@ -1,4 +1,4 @@
-// Reductions along any axes (sum, mean, amax), one block per output element, fixed order:
+// Reductions along any axes (sum, mean, amax, sum of squares), one block per output element, fixed order:
 // each thread folds its elements in index order, then a shuffle tree (deterministic).
 // Few outputs over many elements (a loss's sum of all logits) split each output's reduced
 // range into `parts` fixed pieces: reduce_part_* writes one accumulator per (output, piece)
@@ -29,7 +29,7 @@ __device__ __forceinline__ typename Acc<T>::t fold_range(const T* __restrict__ i
     if (mode == 2) {
       if (!nan_(acc) && (nan_(v) || v > acc)) acc = v;
     } else {
-      acc += v;
+      acc += mode == 3 ? v * v : v;
     }
   }
   if (mode != 2) return block_sum(acc, buf);
@@ -47,7 +47,7 @@ __device__ __forceinline__ typename Acc<T>::t fold_range(const T* __restrict__ i
   return r;
 }
 
-// mode 0: sum, 1: mean, 2: max (NaN wins). One block per output.
+// mode 0: sum, 1: mean, 2: max (NaN wins), 3: sum of squares. One block per output.
 template <typename T>
 __device__ void reduce_float(const T* __restrict__ in, T* __restrict__ out, Strides kept, Strides red, i64 n_out,
                              i64 n_red, int mode, int contig) {
@@ -116,7 +116,7 @@ __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* _
       if (mode == 2) {
         if (!nan_(acc) && (nan_(v) || v > acc)) acc = v;
       } else {
-        acc += v;
+        acc += mode == 3 ? v * v : v;
       }
     }
     part[p * cols + c] = acc;

@@ -36,6 +36,7 @@ pub(super) fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorTyp
         ReduceOp::Sum => 0,
         ReduceOp::Mean => 1,
         ReduceOp::Max => 2,
+        ReduceOp::SumSquares => 3,
     };
     // The reduced axes are the trailing ones: element r of an output's range is at base + r.
     let contig = axes.iter().all(|&a| a >= x.rank() - axes.len());

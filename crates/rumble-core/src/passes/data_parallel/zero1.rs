@@ -79,7 +79,7 @@ impl Rewriter<'_> {
         }
         let gi = *owners.iter().next().expect("one owner");
         let is_sum_all = |op: &Op| {
-            matches!(op, Op::Reduce { op: ReduceOp::Sum, axes, keepdim: false }
+            matches!(op, Op::Reduce { op: ReduceOp::Sum | ReduceOp::SumSquares, axes, keepdim: false }
                 if *axes == (0..t.ty(node.args[0]).rank()).collect::<Vec<_>>())
         };
         let piece_len = self.places[gi].piece.as_ref().map(|r| r.len());
@@ -126,8 +126,10 @@ impl Rewriter<'_> {
             for (o, v) in node.outs.iter().zip(outs) {
                 self.sh.insert(*o, Sh::Piece(gi, Some(v)));
             }
-        } else if is_sum_all(&node.op) {
-            let s = self.g.apply(Op::Reduce { op: ReduceOp::Sum, axes: vec![0], keepdim: false }, &argr)?.remove(0);
+        } else if let Op::Reduce { op, .. } = &node.op
+            && is_sum_all(&node.op)
+        {
+            let s = self.g.apply(Op::Reduce { op: *op, axes: vec![0], keepdim: false }, &argr)?.remove(0);
             self.sh.insert(node.outs[0], Sh::Partial(Some(s)));
         } else {
             return Err(self.err(format!(
