@@ -112,7 +112,9 @@ def suite(rows):
             execs.append(e)
 
     def get(c, pred):
-        return next((r for r in rows if r["case"] == c and pred(r.get("executor", ""))), None)
+        # The last line of a case and executor: files keep older sessions above newer ones.
+        hits = [r for r in rows if r["case"] == c and pred(r.get("executor", ""))]
+        return hits[-1] if hits else None
 
     def cell(r):
         if r is None:
