@@ -1,6 +1,7 @@
 //! The trace IR: element types, ops, traces, the builder, the text form and the verifier.
 
 mod builder;
+mod collective;
 mod decode;
 mod dtype;
 mod fused;

@@ -752,30 +752,7 @@ impl Op {
             Op::Sample { temperature, top_k: _, top_p } => {
                 super::decode::sample(args[0], args[1], *temperature, *top_p)
             }
-            Op::Collective { op, world, rank } => collective(*op, *world, *rank, args[0]),
-        }
-    }
-}
-
-/// The type rule of the collectives: `world >= 1`, `rank < world`, a float operand.
-fn collective(op: CollectiveOp, world: usize, rank: usize, x: &TensorType) -> Result<Vec<TensorType>, String> {
-    if world == 0 || rank >= world {
-        return Err(format!("rank {rank} is not one of world {world}'s ranks"));
-    }
-    float(x)?;
-    match op {
-        CollectiveOp::AllReduce => Ok(vec![x.clone()]),
-        CollectiveOp::ReduceScatter => {
-            if !x.numel().is_multiple_of(world) {
-                return Err(format!("{} ({} elements) does not split into {world} equal shards", x.shape, x.numel()));
-            }
-            Ok(vec![x.with_shape([x.numel() / world])])
-        }
-        CollectiveOp::AllGather => {
-            if x.rank() != 1 {
-                return Err(format!("gathers flat shards [n], got {}", x.shape));
-            }
-            Ok(vec![x.with_shape([x.numel() * world])])
+            Op::Collective { op, world, rank } => super::collective::infer(*op, *world, *rank, args[0]),
         }
     }
 }
@@ -891,26 +868,4 @@ fn attention_operands(
         ));
     }
     Ok(TensorType::new(stat_dtype(q.dtype), [b, hq, t]))
-}
-
-#[cfg(test)]
-mod collective_tests {
-    use super::*;
-
-    #[test]
-    fn collective_type_rules() {
-        let x = TensorType::new(DType::F32, [4, 6]);
-        let op = |c, world, rank| Op::Collective { op: c, world, rank };
-        assert_eq!(op(CollectiveOp::AllReduce, 2, 1).infer(&[&x]).unwrap(), vec![x.clone()]);
-        let shard = op(CollectiveOp::ReduceScatter, 3, 0).infer(&[&x]).unwrap();
-        assert_eq!(shard, vec![TensorType::new(DType::F32, [8])]);
-        assert_eq!(
-            op(CollectiveOp::AllGather, 3, 2).infer(&[&shard[0]]).unwrap(),
-            vec![TensorType::new(DType::F32, [24])]
-        );
-        assert!(op(CollectiveOp::ReduceScatter, 5, 0).infer(&[&x]).unwrap_err().contains("5 equal shards"));
-        assert!(op(CollectiveOp::AllGather, 2, 0).infer(&[&x]).unwrap_err().contains("flat shards"));
-        assert!(op(CollectiveOp::AllReduce, 2, 2).infer(&[&x]).unwrap_err().contains("rank 2"));
-        assert!(op(CollectiveOp::AllReduce, 2, 0).infer(&[&x.with_dtype(DType::I64)]).is_err());
-    }
 }
