@@ -126,6 +126,10 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
     let one = |b: Vec<u8>| Ok(vec![b]);
     let f = |i: usize| read_float::<A>(at[i].dtype, args[i]);
     let out = |v: &[A]| write_float(ot[0].dtype, v);
+    // The fused loss's backward on operands 0 (x) and 1 (w), given the targets and lse.
+    let lce_backward = |t: &[i64], lse: &[f64], dloss: f64, ignore: i64, chunk: usize| {
+        composite::linear_cross_entropy_backward::<A>((at[0], &f(0)), (at[1], &f(1)), t, lse, dloss, ignore, chunk)
+    };
     match op {
         Op::Full { value, ty } => one(if ty.dtype.is_float() {
             write_float::<f64>(ty.dtype, &vec![*value; ty.numel()])
@@ -189,15 +193,7 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let t = read_int(at[2].dtype, args[2]);
             let lse = read_float::<f64>(at[3].dtype, args[3]);
             let dloss = read_float::<f64>(at[4].dtype, args[4])[0];
-            let (dx, dw) = composite::linear_cross_entropy_backward::<A>(
-                (at[0], &f(0)),
-                (at[1], &f(1)),
-                &t,
-                &lse,
-                dloss,
-                *ignore_index,
-                *chunk,
-            )?;
+            let (dx, dw) = lce_backward(&t, &lse, dloss, *ignore_index, *chunk)?;
             Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
         }
         Op::LinearCrossEntropyGrad { ignore_index, chunk } => {
@@ -209,15 +205,7 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let sd = ot[0].dtype;
             let lse = read_float::<f64>(sd, &write_float::<f64>(sd, &lse));
             let dloss = read_float::<f64>(at[3].dtype, args[3])[0];
-            let (dx, dw) = composite::linear_cross_entropy_backward::<A>(
-                (at[0], &f(0)),
-                (at[1], &f(1)),
-                &t,
-                &lse,
-                dloss,
-                *ignore_index,
-                *chunk,
-            )?;
+            let (dx, dw) = lce_backward(&t, &lse, dloss, *ignore_index, *chunk)?;
             Ok(vec![write_float::<f64>(sd, &[loss]), write_float(ot[1].dtype, &dx), write_float(ot[2].dtype, &dw)])
         }
         Op::Swiglu => one(out(&composite::swiglu::<A>(&f(0), &f(1)))),

@@ -38,13 +38,7 @@ pub fn fold_casts(trace: &Trace) -> Result<Trace> {
         t.nodes[p].outs[0] = node.outs[0];
         drop[c] = true;
     }
-    let mut i = 0;
-    t.nodes.retain(|_| {
-        i += 1;
-        !drop[i - 1]
-    });
-    t.compact()?;
-    Ok(t)
+    super::without(t, &drop)
 }
 
 /// Folds an add into the matmul it reads: `add(matmul(a, b), c)` (either order), where the
@@ -55,14 +49,11 @@ pub fn fold_casts(trace: &Trace) -> Result<Trace> {
 /// added to the stream, and gradient sums, `dq Wq + dk Wk + dv Wv`. Where both operands are such
 /// matmuls, the later one folds and reads the other.
 pub fn fold_addends(trace: &Trace) -> Result<Trace> {
-    let defs = trace.defs();
-    let users = trace.users();
+    let (defs, users) = (trace.defs(), trace.users());
     let mut t = trace.clone();
     let mut drop = vec![false; trace.nodes.len()];
-    for (c, node) in trace.nodes.iter().enumerate() {
-        if !matches!(node.op, Op::Binary(crate::ir::BinaryOp::Add)) {
-            continue;
-        }
+    let adds = trace.nodes.iter().enumerate().filter(|(_, n)| matches!(n.op, Op::Binary(crate::ir::BinaryOp::Add)));
+    for (c, node) in adds {
         let sum = trace.ty(node.outs[0]);
         let foldable = |v: crate::ir::ValueId| -> Option<usize> {
             let Some(Def::Node { node: p, .. }) = defs[v.index()] else { return None };
@@ -96,11 +87,5 @@ pub fn fold_addends(trace: &Trace) -> Result<Trace> {
         };
         drop[p] = true;
     }
-    let mut i = 0;
-    t.nodes.retain(|_| {
-        i += 1;
-        !drop[i - 1]
-    });
-    t.compact()?;
-    Ok(t)
+    super::without(t, &drop)
 }

@@ -44,13 +44,7 @@ pub fn fold_loss_grad(trace: &Trace) -> Result<Trace> {
         };
         drop[f] = true;
     }
-    let mut i = 0;
-    t.nodes.retain(|_| {
-        i += 1;
-        !drop[i - 1]
-    });
-    t.compact()?;
-    Ok(t)
+    super::without(t, &drop)
 }
 
 /// True if value `v` is computed from any result of node `f`.

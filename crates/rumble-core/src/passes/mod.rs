@@ -30,6 +30,18 @@ pub use loss::fold_loss_grad;
 use crate::Result;
 use crate::ir::{Trace, verify};
 
+/// `t` without the nodes `drop` marks, compacted: what a fold returns once the nodes it
+/// merged away are marked.
+fn without(mut t: Trace, drop: &[bool]) -> Result<Trace> {
+    let mut i = 0;
+    t.nodes.retain(|_| {
+        i += 1;
+        !drop[i - 1]
+    });
+    t.compact()?;
+    Ok(t)
+}
+
 /// A named pass.
 pub type Pass = (&'static str, fn(&Trace) -> Result<Trace>);
 
