@@ -119,6 +119,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                 Arg::I64(hkv as i64),
                 Arg::I64(d as i64),
                 Arg::I64(plan.heads as i64),
+                Arg::I64(plan.rows as i64),
                 Arg::I64(plan.splits as i64),
                 Arg::I64(plan.chunk as i64),
                 Arg::F64(*scale),
@@ -157,12 +158,15 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
 
 /// How `attention_cached` splits its work (flash-decoding): blocks of `heads` query heads of
 /// one kv head (all of a group's heads when they fit, so each K and V row is read once per
-/// block), each block one of `splits` runs of `chunk` keys.
+/// block) for `rows` query rows (a prefill chunk's rows share the keys too), each block one of
+/// `splits` runs of `chunk` keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionSplit {
     /// Query heads a block takes (at most `AC_H` and `AC_Q / d` of the kernel).
     pub heads: usize,
-    /// Blocks before splitting: (sequence, query row, kv head, chunk of its heads).
+    /// Query rows a block takes (`rows * heads` at most `AC_H`, times `d` at most `AC_Q`).
+    pub rows: usize,
+    /// Blocks before splitting: (sequence, run of query rows, kv head, chunk of its heads).
     pub groups: usize,
     pub splits: usize,
     /// Keys of one split; the last split may hold fewer.
@@ -181,11 +185,12 @@ impl AttentionSplit {
     pub fn new([b, t, hq, hkv, s, d]: [usize; 6], sms: usize) -> Self {
         let g = hq / hkv.max(1);
         let heads = g.min(16).min(2048 / d.max(1)).max(1);
-        let groups = b * t * hkv * g.div_ceil(heads);
+        let rows = t.min(16 / heads).min(2048 / (heads * d.max(1))).max(1);
+        let groups = b * t.div_ceil(rows) * hkv * g.div_ceil(heads);
         let want = (2 * sms.max(1)).div_ceil(groups.max(1));
         let splits = want.min(s.div_ceil(MIN_SPLIT_KEYS)).clamp(1, MAX_SPLITS);
         let chunk = s.div_ceil(splits).max(1);
-        AttentionSplit { heads, groups, splits: s.div_ceil(chunk).max(1), chunk }
+        AttentionSplit { heads, rows, groups, splits: s.div_ceil(chunk).max(1), chunk }
     }
 
     /// Scratch bytes for `rows` query rows of `d` (0 with one split), and where the (max,
@@ -218,8 +223,12 @@ mod tests {
         let p = AttentionSplit::new([16, 1, 14, 2, 768, 64], 132);
         assert_eq!((p.heads, p.groups, p.splits), (7, 32, 6));
         // Prefill fills the device on its own; a head size of 256 halves the heads a block takes.
+        // A decode step's block takes one query row; a prefill chunk's rows share a block's
+        // keys, as many as fit the kernel's 16 slots (4 rows of 4 heads).
+        assert_eq!(p.rows, 1);
         let prefill = AttentionSplit::new([1, 512, 32, 8, 768, 64], 132);
-        assert_eq!(prefill.splits, 1);
+        assert_eq!((prefill.rows, prefill.groups, prefill.splits), (4, 1024, 1));
+        assert_eq!(AttentionSplit::new([16, 128, 14, 2, 768, 64], 132).rows, 2);
         assert_eq!(prefill.scratch(512 * 32, 64), (0, 0));
         assert_eq!(AttentionSplit::new([1, 1, 32, 2, 64, 256], 132).heads, 8);
         // Splits never exceed MAX_SPLITS, nor leave a split empty.

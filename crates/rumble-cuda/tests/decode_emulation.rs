@@ -29,7 +29,7 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
         .expect("g++");
     assert!(out.status.success(), "g++:\n{}", String::from_utf8_lossy(&out.stderr));
     // ([b, t, hq, hkv, s, d], SMs, positions)
-    let cases: [([usize; 6], usize, &[i64]); 9] = [
+    let cases: [([usize; 6], usize, &[i64]); 12] = [
         ([1, 1, 32, 8, 300, 64], 132, &[200]),
         ([1, 1, 32, 8, 1000, 64], 132, &[999]),
         ([2, 1, 14, 2, 1000, 64], 132, &[5, 640]),
@@ -39,13 +39,18 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
         ([1, 1, 4, 4, 130, 16], 4, &[129]),
         ([2, 1, 4, 2, 300, 1], 132, &[0, 299]),
         ([1, 1, 4, 2, 200, 64], 132, &[5000]),
+        // Prefill chunks: several query rows a block, each seeing keys up to its own position.
+        ([2, 9, 8, 2, 300, 64], 132, &[0, 100]),
+        ([2, 5, 14, 2, 400, 64], 8, &[64, 390]),
+        ([1, 16, 4, 4, 200, 32], 132, &[150]),
     ];
-    let mut splits = std::collections::BTreeSet::new();
+    let (mut splits, mut rows) = (std::collections::BTreeSet::new(), Vec::new());
     for (dims, sms, pos) in cases {
         let p = AttentionSplit::new(dims, sms);
         splits.insert(p.splits);
+        rows.push(p.rows);
         let mut args: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
-        args.extend([p.heads, p.splits, p.chunk].map(|x| x.to_string()));
+        args.extend([p.heads, p.rows, p.splits, p.chunk].map(|x| x.to_string()));
         args.extend(pos.iter().map(|x| x.to_string()));
         let out = Command::new(&bin).args(&args).output().expect("running the emulator");
         let text = String::from_utf8_lossy(&out.stdout);
@@ -53,5 +58,6 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
         assert!(out.status.success(), "{dims:?} on {sms} SMs ({p:?}): {text}{}", String::from_utf8_lossy(&out.stderr));
     }
     assert!(splits.len() >= 4 && splits.contains(&1), "split counts covered: {splits:?}");
+    assert!(rows.iter().any(|&r| r > 1), "no case put several query rows in a block: {rows:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

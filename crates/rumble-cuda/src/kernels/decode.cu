@@ -41,16 +41,18 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
   }
 }
 
-// Flash-decoding. Block (group, split), group = (b, t, kv head, chunk of `gh` of its query heads):
-// the block's heads share every K and V row it reads. Split `sp` takes the visible keys
-// [sp * chunk, (sp + 1) * chunk), a tile of AC_TK at a time: a warp per key computes the
-// scores of all its heads (lanes over d), a warp per head the online softmax, then a thread
-// per (head, column) accumulates p.v in f32. With one split the output is written normalised;
-// otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part`
-// for attention_cached_combine. A split past the visible keys leaves (-inf, 0) and zeros.
-// Each warp loads its next key row while it scores the current one, and the V rows go
-// through shared memory AC_VT at a time, so no thread waits on one load after another.
-// d <= 256, gh * d <= AC_Q, gh <= AC_H, blockDim.x = 256.
+// Flash-decoding. Block (group, split), group = (b, run of `gt` query rows, kv head, chunk of
+// `gh` of its query heads): the block's slots (row, head) share every K and V row it reads
+// (several rows: a prefill chunk's). Slot (row t, head h) sees keys [0, pos[b] + t]; the block
+// reads up to its last row's. Split `sp` takes the visible keys [sp * chunk, (sp + 1) * chunk),
+// a tile of AC_TK at a time: a warp per key computes the scores of all its slots (lanes over
+// d), a warp per slot the online softmax, then a thread per (slot, column) accumulates p.v in
+// f32. With one split the output is written normalised; otherwise each (row, split) leaves
+// (max, sum) in `ml` and the unnormalised p.v in `part` for attention_cached_combine. A split
+// past a slot's visible keys leaves (-inf, 0) and zeros. Each warp loads its next key row while
+// it scores the current one, and the V rows go through shared memory AC_VT at a time, so no
+// thread waits on one load after another. d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H,
+// blockDim.x = 256.
 #define AC_Q 2048
 #define AC_H 16
 #define AC_TK 64
@@ -59,23 +61,26 @@ template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
                                  float* __restrict__ ml, i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, i64 gh,
-                                 i64 splits, i64 chunk, double scale) {
+                                 i64 gt, i64 splits, i64 chunk, double scale) {
   __shared__ float qs[AC_Q];
   __shared__ float sc[AC_H * AC_TK];
   __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
   __shared__ float vs[AC_VT * 256];
   i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
-  i64 g = hq / hkv, hchunks = (g + gh - 1) / gh;
-  i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, t = (grp / (hchunks * hkv)) % t_len;
-  i64 b = grp / (hchunks * hkv * t_len);
+  i64 g = hq / hkv, hchunks = (g + gh - 1) / gh, tchunks = (t_len + gt - 1) / gt;
+  i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, tc = (grp / (hchunks * hkv)) % tchunks;
+  i64 b = grp / (hchunks * hkv * tchunks);
   i64 h0 = kvh * g + hc * gh, nh = g - hc * gh < gh ? g - hc * gh : gh;
-  i64 n = pos[b] + t + 1;
+  i64 t0 = tc * gt, nt = t_len - t0 < gt ? t_len - t0 : gt, ns = nt * nh;  // rows, slots
+  // Keys the block reads (its last row's), and slot sl's own: row t0 + sl / nh, head sl % nh.
+  i64 n = pos[b] + t0 + nt;
   if (n > s) n = s;
   if (n < 0) n = 0;
   i64 lo = sp * chunk, hi = lo + chunk < n ? lo + chunk : n;
-  i64 row0 = (b * t_len + t) * hq + h0;  // the block's first output row
-  for (i64 e = threadIdx.x; e < nh * d; e += blockDim.x) qs[e] = ld(q[row0 * d + e]);
-  if (threadIdx.x < nh) { mh[threadIdx.x] = -F32_INF; lh[threadIdx.x] = 0.0f; }
+#define AC_ROW(sl) ((b * t_len + t0 + (sl) / nh) * hq + h0 + (sl) % nh)
+#define AC_SEES(sl, j) ((j) < pos[b] + t0 + (sl) / nh + 1)
+  for (i64 e = threadIdx.x; e < ns * d; e += blockDim.x) qs[e] = ld(q[AC_ROW(e / d) * d + e % d]);
+  if (threadIdx.x < ns) { mh[threadIdx.x] = -F32_INF; lh[threadIdx.x] = 0.0f; }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const i64 kstride = hkv * d;
@@ -101,7 +106,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
         i64 e = lane + 32 * r;
         kn[r] = jn < tn && e < d ? ld(kb[(j0 + jn) * kstride + e]) : 0.0f;
       }
-      for (i64 hh = 0; hh < nh; ++hh) {
+      for (i64 hh = 0; hh < ns; ++hh) {
         float dot = 0.0f;
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
@@ -109,19 +114,21 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
           if (e < d) dot += qs[hh * d + e] * kv[r];
         }
         dot = warp_sum(dot);
-        if (lane == 0) sc[hh * AC_TK + jj] = fs * dot;
+        if (lane == 0) sc[hh * AC_TK + jj] = AC_SEES(hh, j0 + jj) ? fs * dot : -F32_INF;
       }
 #pragma unroll
       for (int r = 0; r < 8; ++r) kv[r] = kn[r];
     }
     __syncthreads();
-    for (i64 hh = warp; hh < nh; hh += nw) {
+    for (i64 hh = warp; hh < ns; hh += nw) {
       float mt = -F32_INF;
       for (i64 jj = lane; jj < tn; jj += 32) mt = fmaxf(mt, sc[hh * AC_TK + jj]);
       mt = warp_max(mt);
       float mo = mh[hh], mn = fmaxf(mo, mt), lt = 0.0f;
       for (i64 jj = lane; jj < tn; jj += 32) {
-        float p = expf(sc[hh * AC_TK + jj] - mn);
+        // A key past this slot's row is -inf: weight 0 (also while the slot has seen none).
+        float x = sc[hh * AC_TK + jj];
+        float p = x == -F32_INF ? 0.0f : expf(x - mn);
         sc[hh * AC_TK + jj] = p;
         lt += p;
       }
@@ -137,7 +144,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       i64 e = threadIdx.x + (i64)r * blockDim.x;
-      if (e < nh * d) acc[r] *= ch[e / d];
+      if (e < ns * d) acc[r] *= ch[e / d];
     }
     // p.v over runs of AC_VT keys whose V rows the block first copies to shared memory
     // together (coalesced, all loads in flight at once), in key order as before.
@@ -151,7 +158,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         i64 e = threadIdx.x + (i64)r * blockDim.x;
-        if (e < nh * d) {
+        if (e < ns * d) {
           i64 hh = e / d, c = e % d;
           const float* p = sc + hh * AC_TK + v0;
           float a = acc[r];
@@ -165,8 +172,8 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
     i64 e = threadIdx.x + (i64)r * blockDim.x;
-    if (e < nh * d) {
-      i64 hh = e / d, c = e % d, row = row0 + hh;
+    if (e < ns * d) {
+      i64 hh = e / d, c = e % d, row = AC_ROW(hh);
       if (splits == 1) {
         float l = lh[hh];
         stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? acc[r] / l : 0.0f));
@@ -180,6 +187,9 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     }
   }
 }
+
+#undef AC_ROW
+#undef AC_SEES
 
 // One block per output row: the splits' partials rescaled to their common max and summed in
 // split order; a row that saw no key is zero.
@@ -346,8 +356,9 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
   }                                                                                                             \
   extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
                                                     float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \
-                                                    i64 d, i64 gh, i64 splits, i64 chunk, double scale) {       \
-    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, splits, chunk, scale);             \
+                                                    i64 d, i64 gh, i64 gt, i64 splits, i64 chunk,               \
+                                                    double scale) {                                             \
+    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale);         \
   }                                                                                                             \
   extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \
                                                             i64 splits) {                                       \
