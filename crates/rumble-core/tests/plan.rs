@@ -365,3 +365,28 @@ fn matmuls_with_addends_plan_in_place_and_match_bit_for_bit() {
     assert!(over > 0, "no matmul was planned over its addend");
     assert_arena_matches_eval(&trace, &CompileOptions::default(), cfg.vocab as u64);
 }
+
+/// A matmul whose addend is also its `a` operand (`x w + x`) is never computed over it: cuBLAS
+/// would read `x` while writing. The planner keeps them apart, and the checker refuses a plan
+/// that puts them together.
+#[test]
+fn a_matmul_never_overwrites_an_addend_it_also_multiplies() {
+    let g = rumble_core::ir::Graph::new("xwx");
+    let p = g.param("p", DType::F32, &[6, 6]).unwrap();
+    let w = g.param("w", DType::F32, &[6, 6]).unwrap();
+    let x = p.mul_scalar(2.0).unwrap(); // in the arena, last read by the matmul
+    g.output(&x.add(&x.matmul(&w).unwrap()).unwrap().exp().unwrap(), "y").unwrap();
+    let trace = rumble_core::passes::fold_addends(&g.finish().unwrap()).unwrap();
+    let mm = trace.nodes.iter().find(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: true, .. })).unwrap();
+    assert_eq!((mm.args[0], mm.args[2]), (mm.args[2], mm.args[0]), "x is both a and the addend");
+    let (y, xv) = (mm.outs[0], mm.args[2]);
+    let p = plan(&trace, &CompileOptions::default()).unwrap();
+    check(&p.trace, &p.plan).unwrap();
+    assert_eq!(p.plan.inplace_of[y.index()], None);
+    assert_arena_matches_eval(&trace, &CompileOptions::default(), 2);
+    let mut bad = p.plan.clone();
+    bad.slots[y.index()] = bad.slots[xv.index()];
+    bad.inplace_of[y.index()] = Some(xv);
+    let e = check(&p.trace, &bad).unwrap_err().to_string();
+    assert!(e.contains("in place") && e.contains("reads"), "{e}");
+}

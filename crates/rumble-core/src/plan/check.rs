@@ -178,11 +178,13 @@ impl<'a> Checker<'a> {
             if self.slots[a.index()] != v || esize(a) != self.trace.types[i].dtype.size_in_bytes() {
                 return Err(err(format!("%{i} is computed in place over {a} but their slots or element sizes differ")));
             }
-            // A matmul over its addend reads its other operands while writing: none may share bytes.
+            // A matmul over its addend reads its other operands while writing: none may share
+            // bytes with the result, the addend itself included where it is also `a` or `b`.
             let pointwise = crate::plan::lifetimes::is_pointwise(&nd.op);
+            let readers = nd.args.iter().filter(|&&x| meet(&self.slots[x.index()], &v)).count();
             for &x in &nd.args {
                 if meet(&self.slots[x.index()], &v)
-                    && (self.slots[x.index()] != v || esize(x) != esize(a) || (!pointwise && x != a))
+                    && (self.slots[x.index()] != v || esize(x) != esize(a) || (!pointwise && readers > 1))
                 {
                     return Err(err(format!(
                         "%{i} overwrites {a} in place while the same node reads {x} from other bytes"

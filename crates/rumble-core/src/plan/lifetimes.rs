@@ -357,22 +357,20 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
     /// last read of `a`'s root `r` is this node: `a` has `o`'s shape and element size (it is
     /// read unbroadcast) and covers all of `r` at offset 0, and every other operand of the node
     /// that reads `r` does so with the same layout (pointwise nodes; any other node, a matmul
-    /// over its addend, must read `r` through `a` alone).
+    /// over its addend, must read `r` through that one operand alone, not also as `a` or `b`).
     fn overwritable(&self, node: usize, a: ValueId, o: ValueId, r: ValueId) -> bool {
         let (ta, to) = (self.trace.ty(a), self.trace.ty(o));
-        let pointwise = is_pointwise(&self.trace.nodes[node].op);
+        let args = &self.trace.nodes[node].args;
         let same = |x: ValueId| {
             let (xr, off) = self.resolve(x);
-            xr != r
-                || (x == a || pointwise)
-                    && off == 0
-                    && self.bytes(x) == self.bytes(r)
-                    && self.trace.ty(x).dtype == ta.dtype
+            xr != r || off == 0 && self.bytes(x) == self.bytes(r) && self.trace.ty(x).dtype == ta.dtype
         };
+        let readers = args.iter().filter(|&&x| self.resolve(x).0 == r).count();
         ta.shape == to.shape
             && ta.dtype.size_in_bytes() == to.dtype.size_in_bytes()
             && self.values[r.index()].last == node + 1
-            && self.trace.nodes[node].args.iter().all(|&x| same(x))
+            && (is_pointwise(&self.trace.nodes[node].op) || readers == 1)
+            && args.iter().all(|&x| same(x))
             && same(a)
     }
 
