@@ -222,10 +222,11 @@ mod tests {
         // splits, 768 keys allow 6.
         let p = AttentionSplit::new([16, 1, 14, 2, 768, 64], 132);
         assert_eq!((p.heads, p.groups, p.splits), (7, 32, 6));
-        // Prefill fills the device on its own; a head size of 256 halves the heads a block takes.
-        // A decode step's block takes one query row; a prefill chunk's rows share a block's
-        // keys, as many as fit the kernel's 16 slots (4 rows of 4 heads).
+        // A decode step's block takes one query row.
         assert_eq!(p.rows, 1);
+        // Prefill fills the device on its own, its rows sharing a block's keys, as many as fit
+        // the kernel's 16 slots (4 rows of 4 heads); a head size of 256 halves the heads a
+        // block takes.
         let prefill = AttentionSplit::new([1, 512, 32, 8, 768, 64], 132);
         assert_eq!((prefill.rows, prefill.groups, prefill.splits), (4, 1024, 1));
         assert_eq!(AttentionSplit::new([16, 128, 14, 2, 768, 64], 132).rows, 2);

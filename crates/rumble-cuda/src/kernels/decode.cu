@@ -73,12 +73,13 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   i64 h0 = kvh * g + hc * gh, nh = g - hc * gh < gh ? g - hc * gh : gh;
   i64 t0 = tc * gt, nt = t_len - t0 < gt ? t_len - t0 : gt, ns = nt * nh;  // rows, slots
   // Keys the block reads (its last row's), and slot sl's own: row t0 + sl / nh, head sl % nh.
-  i64 n = pos[b] + t0 + nt;
+  const i64 p0 = pos[b] + t0;  // the position of the block's first row
+  i64 n = p0 + nt;
   if (n > s) n = s;
   if (n < 0) n = 0;
   i64 lo = sp * chunk, hi = lo + chunk < n ? lo + chunk : n;
 #define AC_ROW(sl) ((b * t_len + t0 + (sl) / nh) * hq + h0 + (sl) % nh)
-#define AC_SEES(sl, j) ((j) < pos[b] + t0 + (sl) / nh + 1)
+#define AC_SEES(sl, j) ((j) <= p0 + (sl) / nh)
   for (i64 e = threadIdx.x; e < ns * d; e += blockDim.x) qs[e] = ld(q[AC_ROW(e / d) * d + e % d]);
   if (threadIdx.x < ns) { mh[threadIdx.x] = -F32_INF; lh[threadIdx.x] = 0.0f; }
   __syncthreads();

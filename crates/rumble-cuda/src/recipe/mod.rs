@@ -160,10 +160,8 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
             } else if out_n > 0 {
                 let ws = dev.matmul_workspace(&key)?;
                 b.scratch = ws;
-                b.matmul(key, Arg::In(0), Arg::In(1), Arg::Out(0), ws, 0.0);
-                if *acc && let Some(Step::Matmul { addend, .. }) = b.steps.last_mut() {
-                    *addend = Some(Arg::In(2));
-                }
+                let (a, bm, c, addend) = (Arg::In(0), Arg::In(1), Arg::Out(0), acc.then_some(Arg::In(2)));
+                b.steps.push(Step::Matmul { key, a, b: bm, c, addend, ws: 0, ws_bytes: ws, beta: 0.0 });
             }
         }
         Op::RmsNorm { .. }
