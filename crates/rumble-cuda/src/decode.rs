@@ -10,7 +10,9 @@
 //!   and V are read once) and one run of the visible keys, a tile at a time with an online
 //!   softmax in f32; the run count ([`AttentionSplit`]) brings a decode step's few groups to
 //!   two waves of blocks. With several runs each leaves its (max, sum, p.v) in the recipe's
-//!   scratch and `attention_cached_combine` rescales and sums them, a block per row.
+//!   scratch and `attention_cached_combine` rescales and sums them, a block per row. A prefill
+//!   chunk (at least `FLASH_MIN_ROWS` query rows, bf16 or f16) runs on the flash forward
+//!   instead (`flash::cached_recipe`: causal at each sequence's cache position).
 //! - `sample`: one block of 1024 threads per row; greedy is one argmax pass, top-k and top-p
 //!   each a 32-step search over the logits' float keys, the draw one pass in index order.
 //!
@@ -26,6 +28,10 @@ use crate::kernels::KernelFile;
 use crate::launch::{Arg, Recipe, Step};
 
 const THREADS: u32 = 256;
+/// Query rows from which `attention_cached` runs on the flash forward (one tensor-core m-tile):
+/// fewer rows leave its tiles mostly empty, where the decode kernel shares each K and V row
+/// among a kv head's query heads.
+const FLASH_MIN_ROWS: usize = 16;
 
 /// The kernel file as NVRTC compiles it (prelude included), for compile checks.
 pub fn source() -> String {
@@ -97,6 +103,11 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
         Op::AttentionCached { scale } => {
             let (q, k) = (at[0].dims(), at[1].dims());
             let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
+            if t >= FLASH_MIN_ROWS {
+                if let Some(r) = crate::flash::cached_recipe(dev, at, *scale) {
+                    return r;
+                }
+            }
             if d > THREADS as usize {
                 return unsupported(&format!("head size {d} (at most {THREADS})"));
             }

@@ -408,6 +408,41 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
     let knobs = dev.knobs();
     let variant = choose(dev.capability, at[0].dtype, d, &knobs)?;
     let sh = variant.shape();
+    if let Err(e) = fits(dev, layout, sh, backward, [b, hq, hkv, t, s, d])? {
+        return Some(Err(e));
+    }
+    let mode = if backward { Mode::Backward } else { Mode::Forward };
+    Some(build(dev, &knobs, variant, sh, mode, (scale, causal, layout), [b, hq, hkv, t, s, d]))
+}
+
+/// The flash forward of `attention_cached` (q `[b, t, hq, d]` at the cache positions `pos`
+/// `[b]`, k and v the caches `[b, s, hkv, d]`): a prefill chunk's queries on the tensor cores
+/// (`flash_fwd_cached`), or `None` where no tensor-core tiling takes the head size and dtype.
+/// Its log-sum-exp goes to the recipe's scratch.
+pub fn cached_recipe(dev: &Device, at: &[&TensorType], scale: f64) -> Option<Result<Recipe>> {
+    let (q, k) = (at[0].dims(), at[1].dims());
+    let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
+    let knobs = dev.knobs();
+    let variant = choose(dev.capability, at[0].dtype, d, &knobs)?;
+    if !matches!(variant, Variant::Mma { .. }) {
+        return None;
+    }
+    let sh = variant.shape();
+    if let Err(e) = fits(dev, HeadLayout::Bthd, sh, false, [b, hq, hkv, t, s, d])? {
+        return Some(Err(e));
+    }
+    Some(build(dev, &knobs, variant, sh, Mode::Cached, (scale, true, HeadLayout::Bthd), [b, hq, hkv, t, s, d]))
+}
+
+/// Whether the kernels take these shapes: `None` where they do not (grid rows, 32-bit tile and
+/// position offsets, shared memory), `Some(Err)` where the device could not say.
+fn fits(
+    dev: &Device,
+    layout: HeadLayout,
+    sh: Launch,
+    backward: bool,
+    [b, hq, hkv, t, s, d]: [usize; 6],
+) -> Option<Result<()>> {
     // The kernels' tile loads offset rows within a tile (at most 256 rows) in 32 bits.
     let rs = layout.strides(hq, t, d).1.max(layout.strides(hkv, s, d).1);
     // The wgmma forward indexes positions in 32 bits.
@@ -416,11 +451,18 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType]) -> Option<Result<Recipe
     }
     let need = if backward { sh.smem_dq.max(sh.smem_dkdv) } else { sh.smem_fwd };
     match smem_limit(dev) {
-        Ok(limit) if need > limit => return None,
-        Ok(_) => {}
-        Err(e) => return Some(Err(e)),
+        Ok(limit) if need > limit => None,
+        Ok(_) => Some(Ok(())),
+        Err(e) => Some(Err(e)),
     }
-    Some(build(dev, &knobs, variant, sh, backward, (scale, causal, layout), [b, hq, hkv, t, s, d]))
+}
+
+/// What [`build`] launches: the attention's forward or backward, or the forward over a cache.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Forward,
+    Backward,
+    Cached,
 }
 
 /// The `Dims` blob of every attention kernel (flash and per-row): `b, hq, hkv, t, s, d`, then
@@ -438,7 +480,7 @@ fn build(
     knobs: &Knobs,
     variant: Variant,
     sh: Launch,
-    backward: bool,
+    mode: Mode,
     (scale, causal, layout): (f64, bool, HeadLayout),
     [b, hq, hkv, t, s, d]: [usize; 6],
 ) -> Result<Recipe> {
@@ -455,7 +497,7 @@ fn build(
         }
         let grid = (u32::try_from(grid.0).map_err(|_| CudaError::usage(format!("grid of {kname}")))?, grid.1 as u32, 1);
         let block = match kname {
-            "flash_fwd" => sh.fwd_threads,
+            "flash_fwd" | "flash_fwd_cached" => sh.fwd_threads,
             "flash_bwd_dkdv" => sh.dkdv_threads,
             "flash_bwd_dq" => sh.dq_threads,
             _ => variant.threads(),
@@ -468,7 +510,19 @@ fn build(
     let (sc, ca) = (Arg::F64(scale), Arg::I32(causal as i32));
     let mut steps = Vec::new();
     let rows = b * hq * t;
-    if !backward {
+    if mode == Mode::Cached {
+        if rows > 0 {
+            let args = [Arg::ins(&[0, 1, 2, 3]), vec![Arg::Out(0), Arg::Scratch(0), dims, sc]].concat();
+            steps.push(kernel("flash_fwd_cached", (cols(t.div_ceil(sh.fwd_rows), b * hq), b * hq), sh.smem_fwd, args)?);
+        }
+        return Ok(Recipe {
+            op: "attention_cached",
+            steps,
+            scratch: (rows * 4).next_multiple_of(256),
+            node_scratch: 0,
+        });
+    }
+    if mode == Mode::Forward {
         if rows > 0 {
             let args = [Arg::ins(&[0, 1, 2]), vec![Arg::Out(0), Arg::Out(1), dims, sc, ca]].concat();
             steps.push(kernel("flash_fwd", (cols(t.div_ceil(sh.fwd_rows), b * hq), b * hq), sh.smem_fwd, args)?);

@@ -75,7 +75,7 @@ fn decoding_ops_match_cpu() {
         }
         // Long caches, split several ways (flash-decoding): (batch, query rows, q heads, kv
         // heads, cache, head size, positions). Positions past the cache see all of it.
-        let cases: [([usize; 6], &[i64]); 8] = [
+        let cases: [([usize; 6], &[i64]); 9] = [
             ([1, 1, 32, 8, 4096, 64], &[4000]),
             ([1, 1, 14, 2, 1000, 64], &[999]),
             ([16, 1, 14, 2, 1000, 64], &[0, 1, 63, 64, 127, 128, 129, 500, 998, 999, 5000, 7, 300, 640, 256, 42]),
@@ -84,6 +84,8 @@ fn decoding_ops_match_cpu() {
             ([1, 1, 16, 2, 4096, 256], &[3333]),
             ([2, 4, 6, 2, 1000, 64], &[996, 5]),
             ([2, 160, 6, 2, 1000, 64], &[800, 5]),
+            // Enough row blocks to fill the device unsplit (bf16, f16: the flash forward).
+            ([2, 600, 6, 2, 1000, 64], &[300, 0]),
         ];
         let mut splits = std::collections::BTreeSet::new();
         for (dims, pos) in cases {

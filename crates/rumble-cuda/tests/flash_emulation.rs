@@ -19,7 +19,7 @@ use std::process::Command;
 use rumble_core::ir::DType;
 use rumble_cuda::flash::Variant;
 
-/// One run of the emulator: `B HQ HKV T S D CAUSAL SEED SCALE_MUL LAYOUT SPLIT`.
+/// One run of the emulator: `B HQ HKV T S D CAUSAL SEED SCALE_MUL LAYOUT SPLIT [POS]`.
 struct Case {
     variant: Variant,
     shape: [usize; 6],
@@ -28,6 +28,8 @@ struct Case {
     scale_mul: f64,
     bthd: bool,
     split: usize,
+    /// Cache positions, one a sequence: the forward over a KV cache (`flash_fwd_cached`).
+    pos: &'static [i64],
 }
 
 fn mma(dtype: DType, dp: usize) -> Variant {
@@ -36,7 +38,7 @@ fn mma(dtype: DType, dp: usize) -> Variant {
 
 /// `(variant, [b, hq, hkv, t, s, d], causal, seed)` with the usual scale, bhtd, no split.
 fn case(variant: Variant, shape: [usize; 6], causal: bool, seed: u64) -> Case {
-    Case { variant, shape, causal, seed, scale_mul: 1.0, bthd: false, split: 1 }
+    Case { variant, shape, causal, seed, scale_mul: 1.0, bthd: false, split: 1, pos: &[] }
 }
 
 fn quick() -> Vec<Case> {
@@ -55,6 +57,10 @@ fn quick() -> Vec<Case> {
         case(mma(b16, 144), [1, 2, 1, 40, 40, 136], true, 11),
         case(f32(32), [1, 2, 1, 70, 70, 1], true, 15),
         Case { bthd: true, ..case(f32(128), [1, 2, 1, 70, 45, 100], false, 18) },
+        // Prefill chunks over a KV cache: a chunk at the start, one mid-cache (keys past its
+        // last row unseen), one whose rows run past the cache's end, GQA 3.
+        Case { bthd: true, pos: &[0, 37, 200], ..case(mma(b16, 64), [3, 6, 2, 70, 230, 64], true, 61) },
+        Case { bthd: true, pos: &[150, 5], ..case(mma(b16, 128), [2, 3, 1, 40, 180, 128], true, 62) },
     ]
 }
 
@@ -161,6 +167,7 @@ fn flash_kernels_match_exact_attention_on_the_cpu_emulator() {
             .map(|x| x.to_string())
             .chain([c.seed.to_string(), c.scale_mul.to_string(), if c.bthd { "bthd" } else { "bhtd" }.into()])
             .chain([c.split.to_string()])
+            .chain((!c.pos.is_empty()).then(|| c.pos.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")))
             .collect();
         let out = Command::new(bin).args(&args).output().expect("running the emulator");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

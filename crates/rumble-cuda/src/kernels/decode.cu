@@ -65,6 +65,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   __shared__ float qs[AC_Q];
   __shared__ float sc[AC_H * AC_TK];
   __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
+  __shared__ int srow[AC_H];  // slot sl's row within the block: sl / nh
   __shared__ float vs[AC_VT * 256];
   i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
   i64 g = hq / hkv, hchunks = (g + gh - 1) / gh, tchunks = (t_len + gt - 1) / gt;
@@ -79,9 +80,15 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   if (n < 0) n = 0;
   i64 lo = sp * chunk, hi = lo + chunk < n ? lo + chunk : n;
 #define AC_ROW(sl) ((b * t_len + t0 + (sl) / nh) * hq + h0 + (sl) % nh)
-#define AC_SEES(sl, j) ((j) <= p0 + (sl) / nh)
-  for (i64 e = threadIdx.x; e < ns * d; e += blockDim.x) qs[e] = ld(q[AC_ROW(e / d) * d + e % d]);
-  if (threadIdx.x < ns) { mh[threadIdx.x] = -F32_INF; lh[threadIdx.x] = 0.0f; }
+#define AC_SEES(sl, j) ((j) <= p0 + srow[sl])
+  // In 32 bits inside the block (ns * d <= AC_Q): no 64-bit divisions in the loops.
+  const int di = (int)d, nsd = (int)(ns * d);
+  for (int e = threadIdx.x; e < nsd; e += blockDim.x) qs[e] = ld(q[AC_ROW(e / di) * d + e % di]);
+  if (threadIdx.x < ns) {
+    mh[threadIdx.x] = -F32_INF;
+    lh[threadIdx.x] = 0.0f;
+    srow[threadIdx.x] = (int)threadIdx.x / (int)nh;
+  }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const i64 kstride = hkv * d;
@@ -144,26 +151,26 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      i64 e = threadIdx.x + (i64)r * blockDim.x;
-      if (e < ns * d) acc[r] *= ch[e / d];
+      const int e = threadIdx.x + r * blockDim.x;
+      if (e < nsd) acc[r] *= ch[e / di];
     }
     // p.v over runs of AC_VT keys whose V rows the block first copies to shared memory
     // together (coalesced, all loads in flight at once), in key order as before.
     for (i64 v0 = 0; v0 < tn; v0 += AC_VT) {
       const i64 vn = tn - v0 < AC_VT ? tn - v0 : AC_VT;
-      for (i64 e = threadIdx.x; e < vn * d; e += blockDim.x) {
-        const i64 jj = e / d, c = e - jj * d;
+      for (int e = threadIdx.x; e < (int)vn * di; e += blockDim.x) {
+        const int jj = e / di, c = e - jj * di;
         vs[e] = ld(vb[(j0 + v0 + jj) * kstride + c]);
       }
       __syncthreads();
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
-        i64 e = threadIdx.x + (i64)r * blockDim.x;
-        if (e < ns * d) {
-          i64 hh = e / d, c = e % d;
+        const int e = threadIdx.x + r * blockDim.x;
+        if (e < nsd) {
+          const int hh = e / di, c = e - hh * di;
           const float* p = sc + hh * AC_TK + v0;
           float a = acc[r];
-          for (i64 jj = 0; jj < vn; ++jj) a += p[jj] * vs[jj * d + c];
+          for (int jj = 0; jj < (int)vn; ++jj) a += p[jj] * vs[jj * di + c];
           acc[r] = a;
         }
       }

@@ -277,24 +277,27 @@ __device__ __forceinline__ float quad_sum(float v) {
 // scale), so each probability is one FFMA and one ex2: p = 2^(s * scale * log2 e - m * |...|).
 template <bool NEG>
 __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                    T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal, i64 blk) {
+                                    T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal, i64 blk,
+                                    const i64* __restrict__ pos) {
   constexpr int MT = FMT, BR = FBR, BC = FBC, SUB = FSUB, NTH = FNT;
   FLASH_SMEM(smem);
   T* sq = (T*)smem;
   T* sk = sq + BR * LD;      // 2 stages of BC rows
   T* sv = sk + 2 * BC * LD;  // 2 stages of BC rows
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
-  const i64 d = dm.d, T_ = dm.t, S = dm.s;
+  const i64 d = dm.d, T_ = dm.t;
   const QBlock qb = q_block<BR, BC>(dm, causal, blk);
-  const i64 q0 = qb.q0, bh = qb.bh;
-  const int ntiles = qb.ntiles;
+  const CachedKeys ck = cached_keys<BR, BC>(dm, pos, qb);
+  const i64 q0 = qb.q0, bh = qb.bh, S = ck.s;
+  const int ntiles = ck.ntiles;
   T* const oh = o + q_at(dm, qb.b, qb.h);
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
   const float sl2 = log2_scale(scale);
   const float asl2 = NEG ? -sl2 : sl2;
   const float MASKV = NEG ? F32_INF : NEG_INF;     // a masked raw score: never the row's maximum
   const i64 wrow = q0 + w * 16 * MT;                // the warp's first row
-  const i64 wlast = wrow + 16 * MT - 1;             // and its last
+  const i64 crow = wrow + ck.off;                   // its position (causal comparisons)
+  const i64 clast = crow + 16 * MT - 1;             // and its last row's
 
   load_tile<NTH, BR>(sq, q + q_at(dm, qb.b, qb.h), q0, T_ - q0, d, dm.qrs, vec);
   kv_first<NTH, BC>(sk, sv, k + qb.kv, v + qb.kv, ntiles, S, d, dm.krs, vec);
@@ -316,7 +319,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
 #pragma unroll 1
     for (int sb = 0; sb < BC / SUB; ++sb) {
       const i64 kb0 = j0 + sb * SUB;
-      if (kb0 >= S || (causal && kb0 > wlast)) continue;  // no key of this step is visible to the warp
+      if (kb0 >= S || (causal && kb0 > clast)) continue;  // no key of this step is visible to the warp
       float s[MT][SUB / 8][4];
       zero<MT, SUB / 8>(s);
       mma_abt_m<MT, SUB>(s, sq + w * 16 * MT * LD, ks + sb * SUB * LD, lane);
@@ -324,7 +327,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
       auto softmax = [&](const bool MASK) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const i64 row[2] = {wrow + mt * 16 + g, wrow + mt * 16 + g + 8};
+          const i64 row[2] = {crow + mt * 16 + g, crow + mt * 16 + g + 8};
           float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
           for (int n = 0; n < SUB / 8; ++n)
@@ -375,7 +378,7 @@ __device__ __forceinline__ void fwd(const T* __restrict__ q, const T* __restrict
             }
         }
       };
-      if (kb0 + SUB > S || (causal && kb0 + SUB - 1 > wrow))
+      if (kb0 + SUB > S || (causal && kb0 + SUB - 1 > crow))
         softmax(true);
       else
         softmax(false);
@@ -647,9 +650,22 @@ extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS) flash_fwd(const fa:
                                                                        int causal) {
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1, [&](i64 blk) {
     if (scale < 0)
-      fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk);
+      fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk, nullptr);
     else
-      fa::fwd<false>(q, k, v, o, lse, dm, scale, causal, blk);
+      fa::fwd<false>(q, k, v, o, lse, dm, scale, causal, blk, nullptr);
+  });
+}
+// The forward over a KV cache (attention_cached with a prefill chunk's rows): q [B, T, HQ, D]
+// at positions pos[b] .., k and v the caches [B, S, HKV, D] (dm in the bthd layout), causal at
+// those positions (fa::cached_keys).
+extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS)
+    flash_fwd_cached(const fa::T* q, const fa::T* k, const fa::T* v, const i64* pos, fa::T* o, float* lse, fa::Dims dm,
+                     double scale) {
+  fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1, [&](i64 blk) {
+    if (scale < 0)
+      fa::fwd<true>(q, k, v, o, lse, dm, scale, 1, blk, pos);
+    else
+      fa::fwd<false>(q, k, v, o, lse, dm, scale, 1, blk, pos);
   });
 }
 #endif

@@ -69,6 +69,22 @@ __device__ __forceinline__ QBlock q_block(const Dims& dm, int causal, i64 blk) {
   return x;
 }
 
+// A forward block over a KV cache (flash_fwd_cached, `pos` not null): its queries are cache
+// positions pos[b] .. pos[b] + t - 1 of its sequence, which see the keys up to their own
+// position and below s: `off` = pos[b] shifts every causal comparison, `s` = the keys its
+// sequence has, `ntiles` the tiles of BC keys its queries see. Without `pos`: no shift, all s.
+struct CachedKeys { i64 off, s; int ntiles; };
+template <int ROWS, int BC>
+__device__ __forceinline__ CachedKeys cached_keys(const Dims& dm, const i64* pos, const QBlock& qb) {
+  if (!pos) return {0, dm.s, qb.ntiles};
+  // Past the cache every key is visible, before -t none: clamped there, the same keys (and
+  // 32-bit positions for fwd_wg).
+  const i64 p = pos[qb.b], off = p < -dm.t ? -dm.t : min64(p, dm.s);
+  const i64 s = min64(off + dm.t, dm.s);
+  const i64 kend = qb.q0 + ROWS + off < 0 ? 0 : min64(s, qb.q0 + ROWS + off);
+  return {off, s, (int)((kend + BC - 1) / BC)};
+}
+
 // ---- which blocks a CTA runs. Causal work grows with a block's index (the longest query rows
 // first, the keys seen by the most queries first), so on a paired grid (gridDim.x < n * per:
 // src/flash.rs `grid_columns` asks for one while half the CTAs still fill the device) CTA x runs

@@ -177,7 +177,7 @@ __device__ __forceinline__ void wg_store_row(T* row, const float* acc, int i, fl
 #if FA_FWD_WG
 __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                        T* __restrict__ o, float* __restrict__ lse, Dims dm, double scale, int causal,
-                                       i64 blk) {
+                                       i64 blk, const i64* __restrict__ pos) {
   constexpr int BM = FBR, BN = FBC;
   static_assert(DP == 128 && BM == 128 && BN == 64 && FNT == 256, "fwd_wg: two warpgroups, 128 queries, 64 keys");
   FLASH_SMEM(raw);
@@ -185,19 +185,21 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   unsigned char* sk = sq + BM * DP * 2;  // 2 stages of BN x DP
   unsigned char* sv = sk + 2 * BN * DP * 2;
   const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const i64 d = dm.d, T_ = dm.t, S = dm.s;
+  const i64 d = dm.d, T_ = dm.t;
   const QBlock qb = q_block<BM, BN>(dm, causal, blk);
-  const i64 q0 = qb.q0, bh = qb.bh, qh = q_at(dm, qb.b, qb.h);
+  const CachedKeys ck = cached_keys<BM, BN>(dm, pos, qb);
+  const i64 q0 = qb.q0, bh = qb.bh, qh = q_at(dm, qb.b, qb.h), S = ck.s;
   const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
-  // In 32 bits from here on (src/flash.rs keeps T and S under 2^30).
-  const int Si = (int)S, q0i = (int)q0;
+  // In 32 bits from here on (src/flash.rs keeps T, S and the cache positions under 2^30).
+  const int Si = (int)S, q0i = (int)q0, offi = (int)ck.off;
   const float sl2 = log2_scale(scale);
   // The softmax scales the scores first (any sign of scale; m in log2 units) and rescales the
   // accumulator on every tile: on the H200 faster here than fwd's conditional rescaling (which
   // spilled) and than keeping the maximum on the raw scores (a second path for a negative scale,
   // which spilled too).
   const int wrow = q0i + wg * 64 + w * 16, row0 = wrow + g;  // the warp's first row; the thread's rows row0, row0 + 8
-  const int wglast = q0i + wg * 64 + 63;
+  const int crow = wrow + offi;                                // its position (causal comparisons)
+  const int wglast = q0i + wg * 64 + 63 + offi;               // the warpgroup's last row's position
 
   load_sw<BM, FNT>(sq, q + qh, q0, T_ - q0, (int)d, (int)dm.qrs, vec);
   float acc[DP / 2];
@@ -205,7 +207,7 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.f;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // running maximum of the scaled scores (log2 units)
 
-  wg_kv_tiles<BN, FNT>(sk, sv, k + qb.kv, v + qb.kv, S, (int)d, (int)dm.krs, vec, qb.ntiles,
+  wg_kv_tiles<BN, FNT>(sk, sv, k + qb.kv, v + qb.kv, S, (int)d, (int)dm.krs, vec, ck.ntiles,
                        [&](const int j0, const unsigned char* ks, const unsigned char* vs) {
     if (!causal || j0 <= wglast) {  // some key of the tile is visible to the warpgroup
       float s[BN / 2];
@@ -221,10 +223,10 @@ __device__ __forceinline__ void fwd_wg(const T* __restrict__ q, const T* __restr
       wg_commit();
       wg_wait0();
       wg_hold<BN / 2>(s);
-      const bool mask = j0 + BN > Si || (causal && j0 + BN - 1 > wrow);  // warp-uniform
+      const bool mask = j0 + BN > Si || (causal && j0 + BN - 1 > crow);  // warp-uniform
       // In 32 bits, relative to the tile: keys at or past kmax are out; causal: key k is out of
-      // row r when k - r > wrow - j0 (at least -63 here: the tile is visible to the warpgroup).
-      const int kmax = min(Si - j0, BN), rel = causal ? min(wrow - j0, BN) : BN;
+      // row r when k - r > crow - j0 (at least -63 here: the tile is visible to the warpgroup).
+      const int kmax = min(Si - j0, BN), rel = causal ? min(crow - j0, BN) : BN;
       float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -372,7 +374,14 @@ extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS, 2)
     flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v, fa::T* o, float* lse, fa::Dims dm, double scale,
               int causal) {
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
-                 [&](i64 blk) { fa::fwd_wg(q, k, v, o, lse, dm, scale, causal, blk); });
+                 [&](i64 blk) { fa::fwd_wg(q, k, v, o, lse, dm, scale, causal, blk, nullptr); });
+}
+// The forward over a KV cache, as flash_attn.cu's flash_fwd_cached.
+extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS, 2)
+    flash_fwd_cached(const fa::T* q, const fa::T* k, const fa::T* v, const i64* pos, fa::T* o, float* lse, fa::Dims dm,
+                     double scale) {
+  fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
+                 [&](i64 blk) { fa::fwd_wg(q, k, v, o, lse, dm, scale, 1, blk, pos); });
 }
 #endif
 #if FA_DQ_WG

@@ -3,11 +3,14 @@
 // dq, dk and dv with attention computed exactly in double, as rumble_core's CPU reference does.
 // Built with the module's `#define`s (src/flash.rs `Variant::defines`) in a header given to g++
 // by `-include` (tests/flash_emulation.rs does this), and -DFLASH_FMA=1 for f32.
-//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT [SPLIT]]]   prints one line; exits 1 over tolerance
+//   emu_main B HQ HKV T S D CAUSAL SEED [SCALE_MUL [LAYOUT [SPLIT [POS]]]]   prints one line; exits 1 over tolerance
 // LAYOUT: bhtd (default; q [B, HQ, T, D]) or bthd (q [B, T, HQ, D], k and v [B, S, HKV, D]): the
 // kernels then read and write the sequence-major copies, and their results are compared after
 // permuting back. SPLIT (tensor-core kernels): the group's query heads split over SPLIT dK/dV
 // block rows, whose partial sums flash_bwd_dkdv_sum adds (src/flash.rs dkdv_split); default 1.
+// POS (tensor-core kernels): comma-separated cache positions, one per sequence: the forward over
+// a KV cache (flash_fwd_cached: query i of sequence b sees keys up to pos[b] + i, below S) is run
+// and checked instead of the attention and its backward.
 #include "emu.h"
 #ifndef FLASH_FMA
 #define FLASH_FMA 0
@@ -16,6 +19,7 @@
 #include <string>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "../../src/kernels/flash_common.cuh"
 #if FLASH_FMA
@@ -34,7 +38,8 @@ struct Ref { std::vector<double> o, lse, dq, dk, dv; };
 // forward results the backward is given.
 static Ref reference(int B, int HQ, int HKV, int Tn, int S, int D, bool causal, double scale, const std::vector<float>& q,
                      const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& dout,
-                     const std::vector<float>* oin, const std::vector<float>* lsein) {
+                     const std::vector<float>* oin, const std::vector<float>* lsein,
+                     const std::vector<long long>* pos = nullptr) {
   Ref r;
   r.o.assign((size_t)B * HQ * Tn * D, 0);
   r.lse.assign((size_t)B * HQ * Tn, 0);
@@ -46,7 +51,7 @@ static Ref reference(int B, int HQ, int HKV, int Tn, int S, int D, bool causal, 
     for (int h = 0; h < HQ; ++h) {
       size_t bh = (size_t)b * HQ + h, kv = (size_t)b * HKV + h / group;
       for (int i = 0; i < Tn; ++i) {
-        int n = causal ? i + 1 : S;
+        int n = !causal ? S : pos ? (int)std::min<long long>(S, (*pos)[b] + i + 1) : i + 1;
         std::vector<double> s(n);
         double m = -INFINITY;
         for (int j = 0; j < n; ++j) {
@@ -160,6 +165,23 @@ int main(int argc, char** argv) {
   // Causal grids pair block i with block n - 1 - i in one CTA (src/flash.rs grid_columns, here
   // whatever the size, so both passes run).
   auto cols = [&](int n) { return (unsigned)(causal && n >= 2 ? (n + 1) / 2 : n); };
+#if !FLASH_FMA
+  if (argc > 12) {  // the forward over a cache at positions POS
+    const std::string at = argv[12];
+    std::vector<long long> pos;
+    for (char* t = std::strtok(argv[12], ","); t; t = std::strtok(nullptr, ",")) pos.push_back(atoll(t));
+    if ((int)pos.size() != B || !causal) { fprintf(stderr, "POS wants %d positions and CAUSAL 1\n", B); return 2; }
+    emu::launch({cols((Tn + FA_FWD_ROWS - 1) / FA_FWD_ROWS), (unsigned)(B * HQ), 1}, FA_FWD_THREADS, FA_SMEM_FWD,
+                [&] { flash_fwd_cached(qd.data(), kd.data(), vd.data(), (const i64*)pos.data(), o, lse, dm, scale); });
+    Ref r = reference(B, HQ, HKV, Tn, S, D, true, scale, qf, kf, vf, df, nullptr, nullptr, &pos);
+    double m, e_o = rel_err(host_q(o), r.o, &m);
+    double e_l = rel_err_f(std::vector<float>(lse, lse + rows), r.lse);
+    bool ok = e_o <= 1e-2 && e_l <= 1e-2;
+    printf("%s DP%d %s B%d HQ%d HKV%d T%d S%d D%d cached at %s: o %.2e lse %.2e (tol 1e-02)\n", ok ? "ok  " : "FAIL",
+           fa::DP, layout.c_str(), B, HQ, HKV, Tn, S, D, at.c_str(), e_o, e_l);
+    return ok ? 0 : 1;
+  }
+#endif
   emu::launch({cols((Tn + FA_FWD_ROWS - 1) / FA_FWD_ROWS), (unsigned)(B * HQ), 1}, FA_FWD_THREADS, FA_SMEM_FWD,
               [&] { flash_fwd(qd.data(), kd.data(), vd.data(), o, lse, dm, scale, causal); });
   Ref r0 = reference(B, HQ, HKV, Tn, S, D, causal, scale, qf, kf, vf, df, nullptr, nullptr);
