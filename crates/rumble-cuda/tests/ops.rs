@@ -201,6 +201,10 @@ fn layout_and_reduction_ops_match_cpu() {
                 // A gradient's squared norm (clipping), split; and by columns.
                 (ReduceOp::SumSquares, vec![300, 1000], vec![0, 1]),
                 (ReduceOp::SumSquares, vec![4100, 300], vec![0]),
+                // By columns with 16-byte row loads (every dtype's width divides 1536), and
+                // several column blocks; a max by columns with a ragged last block.
+                (ReduceOp::Sum, vec![3000, 1536], vec![0]),
+                (ReduceOp::Max, vec![2000, 264], vec![0]),
             ] {
                 cases.push(case(Op::Reduce { op, axes, keepdim: false }, vec![randn(t(d, &dims), r)]));
             }

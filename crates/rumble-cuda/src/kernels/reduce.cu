@@ -74,8 +74,7 @@ __device__ void reduce_part(const T* __restrict__ in, typename Acc<T>::t* __rest
 }
 
 // Pass 2: one thread per output folds its `parts` accumulators in order; accumulator p of
-// output o sits at part[o * so + p * sp] (reduce_part: so = parts, sp = 1; reduce_cols_part:
-// so = 1, sp = outputs, so neighbouring threads read neighbouring words).
+// output o sits at part[o * so + p * sp] (reduce_part: so = parts, sp = 1).
 template <typename T>
 __device__ void fold_parts(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 n_out, i64 n_red,
                            i64 parts, i64 so, i64 sp, int mode) {
@@ -95,31 +94,91 @@ __device__ void fold_parts(const typename Acc<T>::t* __restrict__ part, T* __res
   }
 }
 
+// Folding one more element into an accumulator, and two accumulators into one (max: NaN wins).
+template <typename A>
+__device__ __forceinline__ A fold_one(A acc, A v, int mode) {
+  if (mode == 2) return (!nan_(acc) && (nan_(v) || v > acc)) ? v : acc;
+  return acc + (mode == 3 ? v * v : v);
+}
+template <typename A>
+__device__ __forceinline__ A fold_two(A a, A b, int mode) {
+  if (mode == 2) return (nan_(a) || nan_(b)) ? (A)F64_NAN : (b > a ? b : a);
+  return a + b;
+}
+
 // Reductions over the leading axes of a row-major [R, C] (the kept axes trailing: a bias
-// gradient's sum over the tokens): thread c of block (x, p) folds column c over rows
-// [p * chunk, (p + 1) * chunk) in row order, so a warp reads 32 adjacent elements of a row
-// (coalesced) where one block per output would read one column at a stride of C. Writes
-// part[p * C + c]; reduce_cols_fin (fold_parts) folds each column's pieces in piece order
-// (deterministic), its threads again reading adjacent columns.
+// gradient's sum over the tokens), in two passes of blocks of 8 warps. Pass 1, block (x, p):
+// lane l of every warp owns the CV = 16 / sizeof(T) adjacent columns x * 32 CV + l CV (one
+// 16-byte load a row where C % CV == 0 and the input is aligned, else element by element);
+// warp w folds rows p * chunk + w, + w + 8, ... of the piece in order, then the block adds its 8
+// warps' sums in warp order into part[p * C + c]. Pass 2 (reduce_cols_fin), block x: columns x
+// * 32 .. + 32, warp w folds pieces [w * per, (w + 1) * per) in order, then the 8 warps' results
+// in warp order. Every order depends only on the shapes: the same bits on every run.
+#define RC_WARPS 8
 template <typename T>
 __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* __restrict__ part, i64 rows, i64 cols,
                                  i64 parts, i64 chunk, int mode) {
   typedef typename Acc<T>::t A;
-  const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+  constexpr int CV = 16 / sizeof(T);
+  __shared__ A sh[RC_WARPS][32 * CV];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const i64 c0 = ((i64)blockIdx.x * 32 + lane) * CV;
+  const bool vec = cols % CV == 0 && ((unsigned long long)in & 15) == 0;
   for (i64 p = blockIdx.y; p < parts; p += gridDim.y) {
     const i64 r0 = p * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
-    A acc = mode == 2 ? (A)(-F64_INF) : (A)0;
+    A acc[CV];
+#pragma unroll
+    for (int i = 0; i < CV; ++i) acc[i] = mode == 2 ? (A)(-F64_INF) : (A)0;
+    if (c0 < cols) {
 #pragma unroll 4
-    for (i64 r = r0; r < r1; ++r) {
-      const A v = ldf(in[r * cols + c]);
-      if (mode == 2) {
-        if (!nan_(acc) && (nan_(v) || v > acc)) acc = v;
-      } else {
-        acc += mode == 3 ? v * v : v;
+      for (i64 r = r0 + w; r < r1; r += RC_WARPS) {
+        const T* row = in + r * cols + c0;
+        if (vec) {
+          union { uint4 u; T t[CV]; } x;
+          x.u = *(const uint4*)row;
+#pragma unroll
+          for (int i = 0; i < CV; ++i) acc[i] = fold_one(acc[i], ldf(x.t[i]), mode);
+        } else {
+#pragma unroll
+          for (int i = 0; i < CV; ++i)
+            if (c0 + i < cols) acc[i] = fold_one(acc[i], ldf(row[i]), mode);
+        }
       }
     }
-    part[p * cols + c] = acc;
+#pragma unroll
+    for (int i = 0; i < CV; ++i) sh[w][lane * CV + i] = acc[i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 32 * CV; e += blockDim.x) {
+      const i64 c = (i64)blockIdx.x * 32 * CV + e;
+      A a = sh[0][e];
+      for (int k = 1; k < RC_WARPS; ++k) a = fold_two(a, sh[k][e], mode);
+      if (c < cols) part[p * cols + c] = a;
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+__device__ void reduce_cols_fin(const typename Acc<T>::t* __restrict__ part, T* __restrict__ out, i64 cols, i64 n_red,
+                                i64 parts, int mode) {
+  typedef typename Acc<T>::t A;
+  __shared__ A sh[RC_WARPS][32];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const i64 per = (parts + RC_WARPS - 1) / RC_WARPS;
+  for (i64 x = blockIdx.x; x * 32 < cols; x += gridDim.x) {
+    const i64 c = x * 32 + lane, p0 = w * per, p1 = p0 + per < parts ? p0 + per : parts;
+    A a = mode == 2 ? (A)(-F64_INF) : (A)0;
+    if (c < cols)
+      for (i64 p = p0; p < p1; ++p) a = fold_two(a, part[p * cols + c], mode);
+    sh[w][lane] = a;
+    __syncthreads();
+    if (w == 0 && c < cols) {
+      A r = sh[0][lane];
+      for (int k = 1; k < RC_WARPS; ++k) r = fold_two(r, sh[k][lane], mode);
+      if (mode == 1) r = r / (A)n_red;
+      stf(&out[c], r);
+    }
+    __syncthreads();
   }
 }
 
@@ -169,7 +228,7 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
   }                                                                                                       \
   extern "C" __global__ void reduce_cols_fin_##SUF(const Acc<T>::t* part, T* out, i64 cols, i64 n_red, i64 parts, \
                                                    int mode) {                                            \
-    fold_parts<T>(part, out, cols, n_red, parts, 1, cols, mode);                                          \
+    reduce_cols_fin<T>(part, out, cols, n_red, parts, mode);                                              \
   }
 REDUCE_SPLIT(float, f32)
 REDUCE_SPLIT(double, f64)

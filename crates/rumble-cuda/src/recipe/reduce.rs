@@ -41,14 +41,15 @@ pub(super) fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorTyp
     // The reduced axes are the trailing ones: element r of an output's range is at base + r.
     let contig = axes.iter().all(|&a| a >= x.rank() - axes.len());
     // The reduced axes are the leading ones (a [R, C] summed over R, C = n_out > 1): each
-    // thread folds a column over a fixed piece of the rows, reading rows (coalesced), then
-    // reduce_cols_fin folds each column's pieces in order.
+    // lane folds 16 bytes of adjacent columns over its warp's rows of a fixed piece (8 warps a
+    // block, 16-byte loads of rows), then reduce_cols_fin folds each column's pieces in order.
     let leading = axes.iter().all(|&a| a < axes.len());
     if x.dtype.is_float() && leading && n_out > 1 && n_red > 1 {
-        let blocks_x = n_out.div_ceil(256);
-        // About 4 blocks per SM over all, at most 64 pieces (the second pass folds them
-        // serially), each at least 8 rows.
-        let parts = (sms * 4).div_ceil(blocks_x).clamp(1, 64).min(n_red.div_ceil(8)).max(1);
+        let cols_per_block = 32 * (16 / x.dtype.size_in_bytes());
+        let blocks_x = n_out.div_ceil(cols_per_block);
+        // About 4 blocks per SM over all, each warp at least 8 rows of its piece, at most 512
+        // pieces (the second pass's warps fold an eighth of them each, in order).
+        let parts = (sms * 4).div_ceil(blocks_x).clamp(1, 512).min(n_red.div_ceil(64)).max(1);
         let chunk = n_red.div_ceil(parts);
         let parts = n_red.div_ceil(chunk);
         let acc = rumble_core::ir::stat_dtype(x.dtype).size_in_bytes(); // Acc<T> of the kernels
@@ -61,7 +62,7 @@ pub(super) fn reduce(b: &mut Builder, r: ReduceOp, axes: &[usize], x: &TensorTyp
         b.k(KernelFile::Reduce, format!("reduce_cols_part_{sfx}"), grid, 256, 0, args)?;
         let args =
             [vec![Arg::Scratch(part), Arg::Out(0)], Arg::i64s(&[n_out, n_red, parts]), vec![Arg::I32(mode)]].concat();
-        let grid = (n_out.div_ceil(256).min(sms * 8) as u32, 1, 1);
+        let grid = (n_out.div_ceil(32).min(sms * 8) as u32, 1, 1);
         return b.k(KernelFile::Reduce, format!("reduce_cols_fin_{sfx}"), grid, 256, 0, args);
     }
     // Few outputs, each over many elements: split each range into fixed pieces so that the
