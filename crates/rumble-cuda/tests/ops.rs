@@ -291,6 +291,12 @@ fn matmul_and_composite_ops_match_cpu() {
             let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
             cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
             cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+            // Rows wider than one block of dw columns (16-byte loads), and a width they do not divide.
+            for width in [1536, 1030] {
+                let (x, w) = (t(d, &[300, width]), t(d, &[width]));
+                cases
+                    .push(case(Op::RmsNormBackward { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+            }
             let llama3 = RopeScaling::Llama3 {
                 factor: 8.0,
                 low_freq_factor: 1.0,

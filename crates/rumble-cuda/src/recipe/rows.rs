@@ -44,7 +44,8 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 [Arg::ins(&[0, 1, 2]), vec![Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)]]
                     .concat(),
             )?;
-            let cols = d.div_ceil(128) as u32;
+            // A thread of dw_part takes 16 bytes of neighbouring columns.
+            let cols = d.div_ceil(128 * (16 / dt.size_in_bytes())) as u32;
             b.k(
                 KernelFile::Rows,
                 format!("rms_norm_backward_dw_part_{s}"),
