@@ -456,6 +456,41 @@ fn adds_fold_into_the_matmul_they_read() {
     assert!(e.contains("matmul") && e.contains("addend f32[3,4] must be the result's type f64[3,4]"), "{e}");
 }
 
+/// `fold_norm_addends`: in a pre-norm block's backward, `dh + dx` (the residual gradient plus the
+/// norm backward's `dx`) becomes the norm backward reading `dh` (`acc=true`), which reads back
+/// from the text form and gives the unfolded values (f32: bit for bit); a `dx` read twice, or
+/// an addend defined after the norm's backward, stays an add.
+#[test]
+fn adds_fold_into_the_norm_backward_they_read() {
+    let g = Graph::new("norm_acc");
+    let x = g.param("x", DType::F32, &[6, 16]).unwrap();
+    let w = g.param("w", DType::F32, &[16]).unwrap();
+    let dy = g.param("dy", DType::F32, &[6, 16]).unwrap();
+    let dh = g.param("dh", DType::F32, &[6, 16]).unwrap();
+    let nb =
+        |dy: &rumble_core::ir::Tensor| g.apply(Op::RmsNormBackward { eps: 1e-6, acc: false }, &[&x, &w, dy]).unwrap();
+    let first = nb(&dy);
+    let y = dh.add(&first[0]).unwrap(); // folds: dh is a parameter
+    let second = nb(&y);
+    let z = second[0].add(&first[1].broadcast_to(&[6, 16]).unwrap()).unwrap(); // the addend comes later: stays
+    let third = nb(&dh);
+    let twice = third[0].add(&dy).unwrap().add(&third[0]).unwrap(); // dx read twice: stays
+    for (v, name) in [(&y, "y"), (&z, "z"), (&twice, "twice"), (&first[1], "dw1"), (&second[1], "dw2")] {
+        g.output(v, name).unwrap();
+    }
+    let trace = g.finish().unwrap();
+    let folded = passes::fold_norm_addends(&trace).unwrap();
+    let text = folded.to_string();
+    assert_eq!(text.matches("acc=true").count(), 1, "{text}");
+    let adds = |t: &Trace| t.nodes.iter().filter(|n| n.op.name() == "add").count();
+    assert_eq!(adds(&trace) - adds(&folded), 1, "{text}");
+    assert_eq!(parse(&text).unwrap(), folded);
+    let rng = &mut Rng::new(5);
+    let inputs: Vec<HostTensor> =
+        trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
+}
+
 /// `fold_loss_grad`: the fused loss and its backward become one `linear_cross_entropy_grad`
 /// computing the same bits (the objective's cotangent is a constant); it reads back from the
 /// text form. Where the cotangent depends on the loss (`loss * loss`), or the log-sum-exp is

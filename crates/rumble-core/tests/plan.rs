@@ -366,6 +366,27 @@ fn matmuls_with_addends_plan_in_place_and_match_bit_for_bit() {
     assert_arena_matches_eval(&trace, &CompileOptions::default(), cfg.vocab as u64);
 }
 
+/// In a training step every residual gradient sum but the last block's folds into its norm
+/// backward (`fold_norm_addends`); the step plans with some of them computed over their
+/// addends, passes the checker, and runs in the arena as `cpu::eval` does, bit for bit.
+#[test]
+fn norm_backwards_with_addends_plan_in_place_and_match_bit_for_bit() {
+    let cfg = TinyLlama { layers: 2, dtype: DType::F32, ..TinyLlama::default() };
+    let step = rumble_core::passes::fold_addends(&cfg.train_step(Optimizer::adamw(1e-3)).unwrap()).unwrap();
+    let trace = rumble_core::passes::fold_norm_addends(&step).unwrap();
+    let is = |n: &rumble_core::ir::Node, acc| matches!(n.op, rumble_core::ir::Op::RmsNormBackward { acc: a, .. } if a == acc);
+    let accs = trace.nodes.iter().filter(|n| is(n, true)).count();
+    // Per block two norms (attention, MLP) and the final one; the first block's input norm has
+    // no residual gradient to add (the embedding's gradient comes from it alone).
+    assert_eq!(accs, 2 * cfg.layers, "{accs} folded norm backwards");
+    let p = plan(&trace, &CompileOptions::default()).unwrap();
+    check(&p.trace, &p.plan).unwrap();
+    let over =
+        p.trace.nodes.iter().filter(|n| is(n, true) && p.plan.inplace_of[n.outs[0].index()] == Some(n.args[3])).count();
+    assert!(over > 0, "no norm backward was planned over its addend");
+    assert_arena_matches_eval(&trace, &CompileOptions::default(), cfg.vocab as u64);
+}
+
 /// A matmul whose addend is also its `a` operand (`x w + x`) is never computed over it: cuBLAS
 /// would read `x` while writing. The planner keeps them apart, and the checker refuses a plan
 /// that puts them together.

@@ -290,12 +290,15 @@ fn matmul_and_composite_ops_match_cpu() {
         for d in FLOATS {
             let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
             cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
-            cases.push(case(Op::RmsNormBackward { eps: 1e-5 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
-            // Rows wider than one block of dw columns (16-byte loads), and a width they do not divide.
+            let norm_bwd = |eps| Op::RmsNormBackward { eps, acc: false };
+            cases.push(case(norm_bwd(1e-5), vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+            // Rows wider than one block of dw columns (16-byte loads), and a width they do not
+            // divide; with an addend (`fold_norm_addends`), read beside dy.
             for width in [1536, 1030] {
                 let (x, w) = (t(d, &[300, width]), t(d, &[width]));
-                cases
-                    .push(case(Op::RmsNormBackward { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
+                cases.push(case(norm_bwd(1e-6), vec![randn(x.clone(), r), randn(w.clone(), r), randn(x.clone(), r)]));
+                let args = vec![randn(x.clone(), r), randn(w, r), randn(x.clone(), r), randn(x, r)];
+                cases.push(case(Op::RmsNormBackward { eps: 1e-6, acc: true }, args));
             }
             let llama3 = RopeScaling::Llama3 {
                 factor: 8.0,

@@ -203,7 +203,8 @@ pub fn vjp(
             vec![da, db]
         }
         Op::RmsNorm { eps } => {
-            let mut r = args[0].graph().apply(Op::RmsNormBackward { eps: *eps }, &[&args[0], &args[1], &ct])?;
+            let mut r =
+                args[0].graph().apply(Op::RmsNormBackward { eps: *eps, acc: false }, &[&args[0], &args[1], &ct])?;
             let dw = r.pop();
             vec![r.pop(), dw]
         }

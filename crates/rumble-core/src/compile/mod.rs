@@ -29,7 +29,7 @@ use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned,
 
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
 /// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts and adds
-/// folded into the matmuls they read, the fused loss and its backward as one node, elementwise
+/// folded into the matmuls (and norm backwards) they read, the fused loss and its backward as one node, elementwise
 /// fusion.
 pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
@@ -37,6 +37,7 @@ pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
     ("fold_casts", passes::fold_casts),
     ("fold_addends", passes::fold_addends),
+    ("fold_norm_addends", passes::fold_norm_addends),
     ("fold_loss_grad", passes::fold_loss_grad),
     ("fuse", passes::fuse),
 ];

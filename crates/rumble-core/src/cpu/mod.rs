@@ -161,8 +161,12 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             one(out(&c))
         }
         Op::RmsNorm { eps } => one(out(&composite::rms_norm::<A>(&f(0), &f(1), *eps))),
-        Op::RmsNormBackward { eps } => {
-            let (dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);
+        Op::RmsNormBackward { eps, acc } => {
+            let (mut dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);
+            if *acc {
+                // The addend joins dx before its one rounding.
+                dx.iter_mut().zip(f(3)).for_each(|(d, c)| *d = *d + c);
+            }
             Ok(vec![out(&dx), write_float(ot[1].dtype, &dw)])
         }
         Op::Rope { theta, inverse, layout, scaling } => {

@@ -151,8 +151,10 @@ pub enum Op {
     Matmul { ta: bool, tb: bool, out: Option<DType>, acc: bool },
     /// `(x [..., D], w [D]) -> x * rsqrt(mean(x^2) + eps) * w`, statistics in f32.
     RmsNorm { eps: f64 },
-    /// `(x, w, dy) -> (dx, dw)`.
-    RmsNormBackward { eps: f64 },
+    /// `(x, w, dy) -> (dx, dw)`. `acc`: a fourth operand `c` of `x`'s type is added to `dx`
+    /// before its one rounding; `passes::fold_norm_addends` sets it where `dx`'s only use is
+    /// such an add (the residual stream's gradient). `dx` may be computed over `c`.
+    RmsNormBackward { eps: f64, acc: bool },
     /// Rotary position embedding of `x [B, H, T, D]` (`[B, T, H, D]` in layout `bthd`) at
     /// positions `0..T` along the layout's sequence axis, rotate-half form (Hugging Face LLaMA,
     /// litgpt). `inverse` rotates by minus the angle (its VJP). The angle of position `t` and
@@ -399,14 +401,14 @@ impl Op {
             | Op::Sample { .. }
             | Op::Swiglu => 2,
             Op::Where
-            | Op::RmsNormBackward { .. }
+            | Op::RmsNormBackward { acc: false, .. }
             | Op::CrossEntropyBackward { .. }
             | Op::SwigluBackward
             | Op::LinearCrossEntropy { .. }
             | Op::CacheWrite
             | Op::Matmul { acc: true, .. }
             | Op::Attention { .. } => 3,
-            Op::AttentionCached { .. } | Op::LinearCrossEntropyGrad { .. } => 4,
+            Op::AttentionCached { .. } | Op::LinearCrossEntropyGrad { .. } | Op::RmsNormBackward { acc: true, .. } => 4,
             Op::LinearCrossEntropyBackward { .. } => 5,
             Op::AttentionBackward { .. } => 6,
             Op::Concat { .. } | Op::Fused(_) => return None,
@@ -422,12 +424,14 @@ impl Op {
 
     /// True if the result may be computed over operand `i` (same buffer): pointwise ops over
     /// any operand of the result's shape, `cache_write` over its cache (operand 0) only, a
-    /// matmul with `acc` over its addend (operand 2) where no other operand shares its bytes.
+    /// matmul with `acc` over its addend (operand 2) where no other operand shares its bytes, an
+    /// `rms_norm_backward` with `acc` (its `dx`) over its addend (operand 3) likewise.
     /// The planner does so when the operand dies at this node; kernels must allow it.
     pub fn may_overwrite(&self, i: usize) -> bool {
         match self {
             Op::CacheWrite => i == 0,
             Op::Matmul { acc, .. } => *acc && i == 2,
+            Op::RmsNormBackward { acc, .. } => *acc && i == 3,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),
         }
     }
@@ -650,10 +654,13 @@ impl Op {
                 norm_operands(x, w)?;
                 one(x.clone())
             }
-            Op::RmsNormBackward { .. } => {
+            Op::RmsNormBackward { acc, .. } => {
                 let (x, w, dy) = (args[0], args[1], args[2]);
                 norm_operands(x, w)?;
                 same_type(x, dy)?;
+                if *acc {
+                    same_type(x, args[3])?;
+                }
                 Ok(vec![x.clone(), w.clone()])
             }
             Op::Rope { layout, .. } => {

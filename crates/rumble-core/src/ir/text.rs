@@ -50,7 +50,8 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             }
             a
         }
-        Op::RmsNorm { eps } | Op::RmsNormBackward { eps } => vec![("eps", f(*eps))],
+        Op::RmsNorm { eps } | Op::RmsNormBackward { eps, acc: false } => vec![("eps", f(*eps))],
+        Op::RmsNormBackward { eps, acc: true } => vec![("eps", f(*eps)), ("acc", "true".into())],
         Op::Rope { theta, inverse, layout, scaling } => {
             let mut a = vec![("theta", f(*theta)), ("inverse", inverse.to_string())];
             a.extend(layout_attr(*layout));
@@ -201,7 +202,9 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
             acc: a.map.contains_key("acc") && a.bool("acc")?,
         },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
-        "rms_norm_backward" => Op::RmsNormBackward { eps: a.f64("eps")? },
+        "rms_norm_backward" => {
+            Op::RmsNormBackward { eps: a.f64("eps")?, acc: a.map.contains_key("acc") && a.bool("acc")? }
+        }
         "rope" => Op::Rope {
             theta: a.f64("theta")?,
             inverse: a.bool("inverse")?,

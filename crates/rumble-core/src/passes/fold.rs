@@ -1,5 +1,6 @@
 //! Folds into a matmul what its only reader does to it: a widening cast ([`fold_casts`]) and an
-//! add ([`fold_addends`]).
+//! add ([`fold_addends`]); and an add into the `rms_norm_backward` whose `dx` it reads
+//! ([`fold_norm_addends`]).
 //!
 //! [`fold_casts`] folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
 //! matmul's operands are bf16 or f16 and its result has no other use, becomes one matmul
@@ -86,6 +87,58 @@ pub fn fold_addends(trace: &Trace) -> Result<Trace> {
             phase: node.phase,
         };
         drop[p] = true;
+    }
+    super::without(t, &drop)
+}
+
+/// Folds an add into the `rms_norm_backward` whose `dx` it reads: `add(dx, c)` (either order),
+/// where `dx` has no other use and `c` has its type and is defined before the norm's backward,
+/// becomes that node with `c` as its addend (`Op::RmsNormBackward`'s `acc`), at its place in the
+/// order. These are the residual stream's gradient sums of a pre-norm block, `dh + norm'(dy)`:
+/// the add's launch and its pass over both operands are gone (the kernel reads `c` beside `dy`).
+/// Where both operands are such `dx`, the later norm folds, reading the earlier one's.
+pub fn fold_norm_addends(trace: &Trace) -> Result<Trace> {
+    let (defs, users) = (trace.defs(), trace.users());
+    let mut t = trace.clone();
+    let mut drop = vec![false; trace.nodes.len()];
+    // Where each value is defined in the order (inputs and constants before every node).
+    let at = |v: crate::ir::ValueId| match defs[v.index()] {
+        Some(Def::Node { node, .. }) => Some(node),
+        _ => None,
+    };
+    for (c, node) in trace.nodes.iter().enumerate() {
+        if !matches!(node.op, Op::Binary(crate::ir::BinaryOp::Add)) {
+            continue;
+        }
+        let sum = trace.ty(node.outs[0]);
+        let [x, y] = [node.args[0], node.args[1]];
+        if x == y || trace.ty(x) != sum || trace.ty(y) != sum {
+            continue;
+        }
+        // The norm backward defining `v` as its dx, when it may take the other operand.
+        let foldable = |v: crate::ir::ValueId, other: crate::ir::ValueId| -> Option<usize> {
+            let Some(Def::Node { node: p, out: 0 }) = defs[v.index()] else { return None };
+            let m = &trace.nodes[p];
+            let ok = matches!(m.op, Op::RmsNormBackward { acc: false, .. })
+                && !drop[p]
+                && m.phase == node.phase
+                && users[v.index()].len() == 1
+                && !trace.outputs.iter().any(|o| o.value == v)
+                && at(other).is_none_or(|q| q < p);
+            ok.then_some(p)
+        };
+        let Some((p, addend)) = foldable(x, y).map(|p| (p, y)).or_else(|| foldable(y, x).map(|p| (p, x))) else {
+            continue;
+        };
+        let m = &trace.nodes[p];
+        let Op::RmsNormBackward { eps, .. } = m.op else { unreachable!() };
+        t.nodes[p] = crate::ir::Node {
+            op: Op::RmsNormBackward { eps, acc: true },
+            args: vec![m.args[0], m.args[1], m.args[2], addend],
+            outs: vec![node.outs[0], m.outs[1]],
+            phase: m.phase,
+        };
+        drop[c] = true;
     }
     super::without(t, &drop)
 }

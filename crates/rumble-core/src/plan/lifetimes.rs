@@ -154,7 +154,8 @@ pub fn is_pointwise(op: &Op) -> bool {
 
 /// True if the op may compute a result over some operand (`Op::may_overwrite`).
 fn may_overwrite_any(op: &Op) -> bool {
-    is_pointwise(op) || matches!(op, Op::CacheWrite | Op::Matmul { acc: true, .. })
+    is_pointwise(op)
+        || matches!(op, Op::CacheWrite | Op::Matmul { acc: true, .. } | Op::RmsNormBackward { acc: true, .. })
 }
 
 /// Byte offset into its operand at which a view op's result starts, or `None` if the op

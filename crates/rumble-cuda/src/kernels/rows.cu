@@ -74,14 +74,16 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __
   }
 }
 
-// dx = r*w*dy - x*r^3/D*sum(w*dy*x). Writes r of each row to rstd[row] for the dw pass.
-template <typename T>
+// dx = r*w*dy - x*r^3/D*sum(w*dy*x) (+ add, with ACC: the addend joins before the one
+// rounding; dx may be written over add, each element read before it is written by the same
+// thread, so neither is __restrict__). Writes r of each row to rstd[row] for the dw pass.
+template <typename T, bool ACC>
 __device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
-                                T* __restrict__ dx, typename Acc<T>::t* rstd, i64 rows, i64 d, double eps) {
+                                const T* add, T* dx, typename Acc<T>::t* rstd, i64 rows, i64 d, double eps) {
   typedef typename Acc<T>::t A;
   constexpr int N = Vec16<T>::n;
   const int lane = threadIdx.x & 31;
-  const bool vec = vec16<T>(d, x, w, dy, dx);
+  const bool vec = vec16<T>(d, x, w, dy, dx) && (!ACC || ((unsigned long long)add & 15) == 0);
   WARP_ROWS(row, rows) {
     const T* xr = x + row * d;
     const T* gr = dy + row * d;
@@ -117,10 +119,19 @@ __device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w
         ld16(gr + c, g);
 #pragma unroll
         for (int i = 0; i < N; ++i) a[i] = r * q[i] * g[i] - a[i] * k;
+        if (ACC) {
+          ld16(add + row * d + c, g);
+#pragma unroll
+          for (int i = 0; i < N; ++i) a[i] += g[i];
+        }
         st16(dx + row * d + c, a);
       }
     } else {
-      for (i64 c = lane; c < d; c += 32) stf(&dx[row * d + c], r * ldf(w[c]) * ldf(gr[c]) - ldf(xr[c]) * k);
+      for (i64 c = lane; c < d; c += 32) {
+        A v = r * ldf(w[c]) * ldf(gr[c]) - ldf(xr[c]) * k;
+        if (ACC) v += ldf(add[row * d + c]);
+        stf(&dx[row * d + c], v);
+      }
     }
     if (lane == 0) rstd[row] = r;
   }
@@ -523,7 +534,11 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dx_##SUF(const T* x, const T* w, const T* dy, T* dx,             \
                                                         Acc<T>::t* rstd, i64 rows, i64 d, double eps) {         \
-    rms_norm_bwd_dx<T>(x, w, dy, dx, rstd, rows, d, eps);                                                       \
+    rms_norm_bwd_dx<T, false>(x, w, dy, nullptr, dx, rstd, rows, d, eps);                                       \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_backward_dx_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,  \
+                                                            T* dx, Acc<T>::t* rstd, i64 rows, i64 d, double eps) { \
+    rms_norm_bwd_dx<T, true>(x, w, dy, add, dx, rstd, rows, d, eps);                                            \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dw_part_##SUF(const T* x, const T* dy, const Acc<T>::t* rstd,   \
                                                              Acc<T>::t* part, i64 rows, i64 d) {                \

@@ -25,7 +25,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
                 vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
             b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), warp_rows_grid(dev, rows), 256, 0, args)?;
         }
-        Op::RmsNormBackward { eps } => {
+        Op::RmsNormBackward { eps, acc: add } => {
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);
             let acc = if dt == DType::F64 { 8 } else { 4 };
@@ -35,14 +35,19 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             let part = b.scratch(groups * d * acc);
             let s = sfx(dt);
             let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
+            // With an addend (`fold_norm_addends`), dx = the gradient + operand 3.
+            let (name, ins) = if *add {
+                ("rms_norm_backward_dx_acc", &[0, 1, 2, 3][..])
+            } else {
+                ("rms_norm_backward_dx", &[0, 1, 2][..])
+            };
             b.k(
                 KernelFile::Rows,
-                format!("rms_norm_backward_dx_{s}"),
+                format!("{name}_{s}"),
                 warp_rows_grid(dev, rows),
                 256,
                 0,
-                [Arg::ins(&[0, 1, 2]), vec![Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)]]
-                    .concat(),
+                [Arg::ins(ins), vec![Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)]].concat(),
             )?;
             // A thread of dw_part takes 16 bytes of neighbouring columns.
             let cols = d.div_ceil(128 * (16 / dt.size_in_bytes())) as u32;
