@@ -45,18 +45,39 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
 // `gh` of its query heads): the block's slots (row, head) share every K and V row it reads
 // (several rows: a prefill chunk's). Slot (row t, head h) sees keys [0, pos[b] + t]; the block
 // reads up to its last row's. Split `sp` takes the visible keys [sp * chunk, (sp + 1) * chunk),
-// a tile of AC_TK at a time: a warp per key computes the scores of all its slots (lanes over
-// d), a warp per slot the online softmax, then a thread per (slot, column) accumulates p.v in
-// f32. With one split the output is written normalised; otherwise each (row, split) leaves
-// (max, sum) in `ml` and the unnormalised p.v in `part` for attention_cached_combine. A split
-// past a slot's visible keys leaves (-inf, 0) and zeros. Each warp loads its next key row while
-// it scores the current one, and the V rows go through shared memory AC_VT at a time, so no
-// thread waits on one load after another. d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H,
-// blockDim.x = 256.
+// a tile of tk = min(AC_TK, AC_KV / d) keys at a time: the block copies the tile's K rows into
+// shared memory together (16-byte loads where the layout allows: every load in flight at once,
+// one round trip a tile), a warp per key computes the scores of all its slots (lanes over d),
+// a warp per slot the online softmax, then the tile's V rows take the same buffer and a thread
+// per (slot, column) accumulates p.v in f32. With one split the output is written normalised;
+// otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part` for
+// attention_cached_combine. A split past a slot's visible keys leaves (-inf, 0) and zeros.
+// d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H, blockDim.x = 256.
 #define AC_Q 2048
 #define AC_H 16
 #define AC_TK 64
-#define AC_VT 16
+#define AC_KV 4096
+// Rows [j0, j0 + n) of a cache head (rows `stride` apart from `base`), d elements each, into
+// `dst` ([n][d] floats) by the whole block.
+template <typename T>
+__device__ __forceinline__ void ac_stage(float* dst, const T* base, i64 j0, int n, int d, i64 stride, bool vec) {
+  if (vec) {
+    constexpr int V = 16 / sizeof(T);
+    const int per = d / V;  // 16-byte chunks a row
+    for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
+      const int jj = e / per, c = (e - jj * per) * V;
+      union { uint4 u; T t[V]; } x;
+      x.u = *(const uint4*)(base + (j0 + jj) * stride + c);
+#pragma unroll
+      for (int i = 0; i < V; ++i) dst[jj * d + c + i] = ld(x.t[i]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
+      const int jj = e / d, c = e - jj * d;
+      dst[e] = ld(base[(j0 + jj) * stride + c]);
+    }
+  }
+}
 template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
@@ -66,7 +87,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   __shared__ float sc[AC_H * AC_TK];
   __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
   __shared__ int srow[AC_H];  // slot sl's row within the block: sl / nh
-  __shared__ float vs[AC_VT * 256];
+  __shared__ float kvs[AC_KV];  // the tile's K rows, then its V rows
   i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
   i64 g = hq / hkv, hchunks = (g + gh - 1) / gh, tchunks = (t_len + gt - 1) / gt;
   i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, tc = (grp / (hchunks * hkv)) % tchunks;
@@ -82,7 +103,8 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
 #define AC_ROW(sl) ((b * t_len + t0 + (sl) / nh) * hq + h0 + (sl) % nh)
 #define AC_SEES(sl, j) ((j) <= p0 + srow[sl])
   // In 32 bits inside the block (ns * d <= AC_Q): no 64-bit divisions in the loops.
-  const int di = (int)d, nsd = (int)(ns * d);
+  const int di = (int)d, nsd = (int)(ns * d), nsi = (int)ns;
+  const int tk = AC_KV / di < AC_TK ? AC_KV / di : AC_TK;  // keys a tile
   for (int e = threadIdx.x; e < nsd; e += blockDim.x) qs[e] = ld(q[AC_ROW(e / di) * d + e % di]);
   if (threadIdx.x < ns) {
     mh[threadIdx.x] = -F32_INF;
@@ -94,46 +116,35 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   const i64 kstride = hkv * d;
   const T* kb = k + (b * s * hkv + kvh) * d;
   const T* vb = v + (b * s * hkv + kvh) * d;
+  // 16-byte rows: d a multiple of the vector, the row stride and the head's first row aligned.
+  constexpr int VW = 16 / sizeof(T);
+  const bool vec = di % VW == 0 && (kstride * (i64)sizeof(T)) % 16 == 0 && ((unsigned long long)kb & 15) == 0 &&
+                   ((unsigned long long)vb & 15) == 0;
   float acc[8];
 #pragma unroll
   for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
   const float fs = (float)scale;
-  for (i64 j0 = lo; j0 < hi; j0 += AC_TK) {
-    i64 tn = hi - j0 < AC_TK ? hi - j0 : AC_TK;
-    // Each warp's next key row is loaded before the scores of the current one are computed.
-    float kv[8], kn[8];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      i64 e = lane + 32 * r;
-      kv[r] = warp < tn && e < d ? ld(kb[(j0 + warp) * kstride + e]) : 0.0f;
-    }
-    for (i64 jj = warp; jj < tn; jj += nw) {
-      const i64 jn = jj + nw;
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        i64 e = lane + 32 * r;
-        kn[r] = jn < tn && e < d ? ld(kb[(j0 + jn) * kstride + e]) : 0.0f;
-      }
-      for (i64 hh = 0; hh < ns; ++hh) {
+  for (i64 j0 = lo; j0 < hi; j0 += tk) {
+    const int tn = hi - j0 < tk ? (int)(hi - j0) : tk;
+    ac_stage(kvs, kb, j0, tn, di, kstride, vec);
+    __syncthreads();
+    for (int jj = warp; jj < tn; jj += nw) {
+      const float* kr = kvs + jj * di;
+      for (int hh = 0; hh < nsi; ++hh) {
+        const float* qr = qs + hh * di;
         float dot = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          i64 e = lane + 32 * r;
-          if (e < d) dot += qs[hh * d + e] * kv[r];
-        }
+        for (int e = lane; e < di; e += 32) dot += qr[e] * kr[e];
         dot = warp_sum(dot);
         if (lane == 0) sc[hh * AC_TK + jj] = AC_SEES(hh, j0 + jj) ? fs * dot : -F32_INF;
       }
-#pragma unroll
-      for (int r = 0; r < 8; ++r) kv[r] = kn[r];
     }
     __syncthreads();
-    for (i64 hh = warp; hh < ns; hh += nw) {
+    for (int hh = warp; hh < nsi; hh += nw) {
       float mt = -F32_INF;
-      for (i64 jj = lane; jj < tn; jj += 32) mt = fmaxf(mt, sc[hh * AC_TK + jj]);
+      for (int jj = lane; jj < tn; jj += 32) mt = fmaxf(mt, sc[hh * AC_TK + jj]);
       mt = warp_max(mt);
       float mo = mh[hh], mn = fmaxf(mo, mt), lt = 0.0f;
-      for (i64 jj = lane; jj < tn; jj += 32) {
+      for (int jj = lane; jj < tn; jj += 32) {
         // A key past this slot's row is -inf: weight 0 (also while the slot has seen none).
         float x = sc[hh * AC_TK + jj];
         float p = x == -F32_INF ? 0.0f : expf(x - mn);
@@ -148,34 +159,21 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
         mh[hh] = mn;
       }
     }
+    // The V rows take the K rows' place (every score is read: the barrier above).
+    ac_stage(kvs, vb, j0, tn, di, kstride, vec);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       const int e = threadIdx.x + r * blockDim.x;
-      if (e < nsd) acc[r] *= ch[e / di];
-    }
-    // p.v over runs of AC_VT keys whose V rows the block first copies to shared memory
-    // together (coalesced, all loads in flight at once), in key order as before.
-    for (i64 v0 = 0; v0 < tn; v0 += AC_VT) {
-      const i64 vn = tn - v0 < AC_VT ? tn - v0 : AC_VT;
-      for (int e = threadIdx.x; e < (int)vn * di; e += blockDim.x) {
-        const int jj = e / di, c = e - jj * di;
-        vs[e] = ld(vb[(j0 + v0 + jj) * kstride + c]);
+      if (e < nsd) {
+        const int hh = e / di, c = e - hh * di;
+        const float* p = sc + hh * AC_TK;
+        float a = acc[r] * ch[hh];
+        for (int jj = 0; jj < tn; ++jj) a += p[jj] * kvs[jj * di + c];
+        acc[r] = a;
       }
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const int e = threadIdx.x + r * blockDim.x;
-        if (e < nsd) {
-          const int hh = e / di, c = e - hh * di;
-          const float* p = sc + hh * AC_TK + v0;
-          float a = acc[r];
-          for (int jj = 0; jj < (int)vn; ++jj) a += p[jj] * vs[jj * di + c];
-          acc[r] = a;
-        }
-      }
-      __syncthreads();
     }
+    __syncthreads();
   }
 #pragma unroll
   for (int r = 0; r < 8; ++r) {

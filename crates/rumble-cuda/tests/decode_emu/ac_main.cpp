@@ -12,6 +12,7 @@ inline void stf(float* p, float v) { *p = v; }
 // Blocks run one after another, so a function's static is its block's shared memory.
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
+struct alignas(16) uint4 { unsigned x, y, z, w; };  // CUDA's 16-byte vector (tile loads)
 #include "ac.cuh"
 int main(int argc, char** argv) {
   i64 b = atoi(argv[1]), t = atoi(argv[2]), hq = atoi(argv[3]), hkv = atoi(argv[4]), s = atoi(argv[5]), d = atoi(argv[6]);
