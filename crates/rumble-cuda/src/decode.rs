@@ -184,8 +184,10 @@ pub struct AttentionSplit {
     pub chunk: usize,
 }
 
-/// Keys a split holds at least, so a block's fixed costs stay small beside its reads.
-const MIN_SPLIT_KEYS: usize = 128;
+/// Keys a split holds at least: one tile of the kernel (`AC_TK` keys at head sizes up to 64),
+/// so a block's fixed costs (its query rows, the combine's partials) stay small beside its
+/// reads.
+const MIN_SPLIT_KEYS: usize = 64;
 /// Splits at most (the combine kernel reads every split's partial).
 const MAX_SPLITS: usize = 64;
 
@@ -224,15 +226,15 @@ mod tests {
         // Llama-3.2-1B decode, one sequence: 8 kv heads of 4 query heads, 132 SMs.
         let p = AttentionSplit::new([1, 1, 32, 8, 4096, 64], 132);
         assert_eq!((p.heads, p.groups), (4, 8));
-        assert_eq!((p.splits, p.chunk), (32, 128));
+        assert_eq!((p.splits, p.chunk), (33, 125));
         // A short cache: no split under MIN_SPLIT_KEYS keys.
         let p = AttentionSplit::new([1, 1, 32, 8, 300, 64], 132);
-        assert_eq!(p.splits, 3);
-        assert!(p.chunk >= 100);
+        assert_eq!(p.splits, 5);
+        assert!(p.chunk >= 60);
         // Batch 16 of Qwen2.5-0.5B (14 query heads over 2 kv heads): 32 groups want 9
-        // splits, 768 keys allow 6.
+        // splits, 768 keys allow 12.
         let p = AttentionSplit::new([16, 1, 14, 2, 768, 64], 132);
-        assert_eq!((p.heads, p.groups, p.splits), (7, 32, 6));
+        assert_eq!((p.heads, p.groups, p.splits), (7, 32, 9));
         // A decode step's block takes one query row.
         assert_eq!(p.rows, 1);
         // Prefill fills the device on its own, its rows sharing a block's keys, as many as fit

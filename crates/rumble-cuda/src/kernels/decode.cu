@@ -47,7 +47,7 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
 // reads up to its last row's. Split `sp` takes the visible keys [sp * chunk, (sp + 1) * chunk),
 // a tile of tk = min(AC_TK, AC_KV / d) keys at a time: the block copies the tile's K rows into
 // shared memory together (16-byte loads where the layout allows: every load in flight at once,
-// one round trip a tile), a warp per key computes the scores of all its slots (lanes over d),
+// one round trip a tile), a warp per key computes the scores of all its slots (ac_scores),
 // a warp per slot the online softmax, then the tile's V rows take the same buffer and a thread
 // per (slot, column) accumulates p.v in f32. With one split the output is written normalised;
 // otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part` for
@@ -76,6 +76,33 @@ __device__ __forceinline__ void ac_stage(float* dst, const T* base, i64 j0, int 
       const int jj = e / d, c = e - jj * d;
       dst[e] = ld(base[(j0 + jj) * stride + c]);
     }
+  }
+}
+// The scores of a tile's keys (K rows in `kvs`) for the block's ns <= NS slots: a warp per key,
+// lanes over d; the NS slots' dot products first, then their warp sums interleaved (the
+// shuffle chains of different slots overlap). Masked keys (past a slot's row) get -inf.
+template <int NS>
+__device__ __forceinline__ void ac_scores(float* sc, const float* qs, const float* kvs, int tn, int di, int ns, i64 j0,
+                                          i64 p0, const int* srow, float fs, int warp, int nw, int lane) {
+  for (int jj = warp; jj < tn; jj += nw) {
+    const float* kr = kvs + jj * di;
+    float dot[NS];
+#pragma unroll
+    for (int hh = 0; hh < NS; ++hh) dot[hh] = 0.0f;
+    for (int e = lane; e < di; e += 32) {
+      const float x = kr[e];
+#pragma unroll
+      for (int hh = 0; hh < NS; ++hh)
+        if (hh < ns) dot[hh] += qs[hh * di + e] * x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int hh = 0; hh < NS; ++hh) dot[hh] += __shfl_xor_sync(0xffffffffu, dot[hh], o);
+    if (lane == 0)
+#pragma unroll
+      for (int hh = 0; hh < NS; ++hh)
+        if (hh < ns) sc[hh * AC_TK + jj] = j0 + jj <= p0 + srow[hh] ? fs * dot[hh] : -F32_INF;
   }
 }
 template <typename T>
@@ -128,16 +155,12 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     const int tn = hi - j0 < tk ? (int)(hi - j0) : tk;
     ac_stage(kvs, kb, j0, tn, di, kstride, vec);
     __syncthreads();
-    for (int jj = warp; jj < tn; jj += nw) {
-      const float* kr = kvs + jj * di;
-      for (int hh = 0; hh < nsi; ++hh) {
-        const float* qr = qs + hh * di;
-        float dot = 0.0f;
-        for (int e = lane; e < di; e += 32) dot += qr[e] * kr[e];
-        dot = warp_sum(dot);
-        if (lane == 0) sc[hh * AC_TK + jj] = AC_SEES(hh, j0 + jj) ? fs * dot : -F32_INF;
-      }
-    }
+    if (nsi <= 4)
+      ac_scores<4>(sc, qs, kvs, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
+    else if (nsi <= 8)
+      ac_scores<8>(sc, qs, kvs, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
+    else
+      ac_scores<AC_H>(sc, qs, kvs, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
     __syncthreads();
     for (int hh = warp; hh < nsi; hh += nw) {
       float mt = -F32_INF;

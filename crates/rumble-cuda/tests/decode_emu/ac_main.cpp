@@ -10,6 +10,7 @@
 template <typename T> struct Acc { typedef float t; };
 inline void stf(float* p, float v) { *p = v; }
 // Blocks run one after another, so a function's static is its block's shared memory.
+inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl_xor(v, o); }
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
 struct alignas(16) uint4 { unsigned x, y, z, w; };  // CUDA's 16-byte vector (tile loads)
