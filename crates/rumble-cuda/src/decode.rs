@@ -103,10 +103,10 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
         Op::AttentionCached { scale } => {
             let (q, k) = (at[0].dims(), at[1].dims());
             let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
-            if t >= FLASH_MIN_ROWS {
-                if let Some(r) = crate::flash::cached_recipe(dev, at, *scale) {
-                    return r;
-                }
+            if t >= FLASH_MIN_ROWS
+                && let Some(r) = crate::flash::cached_recipe(dev, at, *scale)
+            {
+                return r;
             }
             if d > THREADS as usize {
                 return unsupported(&format!("head size {d} (at most {THREADS})"));

@@ -10,7 +10,8 @@
 //!
 //! A probe is the node as a one-node program (its operands as step inputs, its results as
 //! outputs), prepared and planned like any program, in an arena filled with small numbers
-//! (0x3c bytes: about 0.0115 in every float type) and zero integers (a valid index, position or
+//! whose low bits vary (`fill_small`: one repeated value would time matmuls fast, at the
+//! clocks of tensor cores whose inputs never toggle) and zero integers (a valid index, position or
 //! target for every op that reads one). It runs once to warm up, then [`PROBE_RUNS`] times
 //! timed by CUDA events around each of its launches; before each timed run a buffer larger
 //! than the L2 cache is overwritten, so the node reads its operands from device memory, as it
@@ -149,6 +150,36 @@ impl CostModel for DeviceCost {
     }
 }
 
+/// Bytes of the pattern [`fill_small`] tiles a float operand with.
+const PATTERN_BYTES: usize = 1 << 20;
+
+/// Fills `bytes` at `p` with small floats of `dtype` whose low bits vary (a fixed
+/// pseudo-random pattern, tiled): each element's high byte is 0x3c, so every value is small and
+/// finite (0.008 to 0.03 in bf16 and f32, 1 to 1.25 in f16, about 1e-18 in f64, as the old
+/// constant fill), and the other bytes are random. A tensor of one repeated value would time its matmuls fast: the tensor
+/// cores draw less power on data whose bits do not change, and run at higher clocks than on a
+/// step's real operands.
+fn fill_small(p: sys::CUdeviceptr, dtype: rumble_core::ir::DType, bytes: usize) -> Result<()> {
+    let width = dtype.size_in_bytes().max(1);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut pattern = vec![0u8; PATTERN_BYTES.min(bytes).next_multiple_of(width)];
+    for (i, b) in pattern.iter_mut().enumerate() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        *b = if i % width == width - 1 { 0x3c } else { state as u8 };
+    }
+    pattern.truncate(bytes);
+    unsafe { drv::memcpy_htod_sync(p, &pattern) }.ctx(|| "probe: cuMemcpyHtoD".into())?;
+    let mut off = pattern.len();
+    while off < bytes {
+        let n = pattern.len().min(bytes - off);
+        unsafe { drv::memcpy_dtod_sync(p + off as u64, p, n) }.ctx(|| "probe: cuMemcpyDtoD".into())?;
+        off += n;
+    }
+    Ok(())
+}
+
 /// Seconds one run of `op` on operands of types `args` giving `outs` takes on `dev` (the
 /// median of [`PROBE_RUNS`] runs; see the module doc).
 pub fn probe(
@@ -196,7 +227,7 @@ pub fn probe(
         }
         let p = placed.ptr(*v)?;
         if ty.dtype.is_float() {
-            unsafe { drv::memset_d8_sync(p, 0x3c, bytes) }.ctx(|| "probe: cuMemsetD8".into())?;
+            fill_small(p, ty.dtype, bytes)?;
         } else if ty.dtype.is_int() {
             let n = ty.numel();
             let host: Vec<u8> = match ty.dtype.size_in_bytes() {
