@@ -136,7 +136,9 @@ impl Device {
             err: e.to_string(),
         })?;
         let status = unsafe { drv::malloc_sync(16) }.ctx(|| "allocating the status word".into())?;
-        unsafe { drv::memset_d8_sync(status, 0, 16) }.ctx(|| "clearing the status word".into())?;
+        // On the stream (non-blocking: a legacy-stream memset might land after its kernels).
+        unsafe { drv::memset_d8_async(status, 0, 16, stream) }.ctx(|| "clearing the status word".into())?;
+        unsafe { drv::stream::synchronize(stream) }.ctx(|| "cuStreamSynchronize".into())?;
         Ok(Device {
             ordinal,
             name,
@@ -259,7 +261,7 @@ impl Device {
         if s[0] == 0 {
             return Ok(());
         }
-        unsafe { drv::memset_d8_sync(self.status, 0, 16) }.ctx(|| "clearing the status word".into())?;
+        unsafe { drv::memset_d8_async(self.status, 0, 16, self.stream) }.ctx(|| "clearing the status word".into())?;
         let node = s[0] as usize - 1;
         let value = (s[2] as u32 as i64) | ((s[3] as i64) << 32);
         let msg = match s[1] {

@@ -136,8 +136,7 @@ fn run_on_host(
     let res = rumble_core::cpu::run_op(op, &at, &refs, &ot).map_err(|e| what(e.to_string()))?;
     for (bytes, &p) in res.iter().zip(b.outs) {
         if !bytes.is_empty() {
-            unsafe { drv::memcpy_htod_sync(p, bytes) }
-                .ctx(|| format!("uploading the results of host node `{name}`"))?;
+            crate::memory::upload(dev, p, bytes).map_err(|e| what(format!("uploading its results: {e}")))?;
         }
     }
     Ok(())

@@ -130,7 +130,7 @@ fn time_all(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Candidate])
     let ws = DeviceBuffer::new(dev, ws_bytes, "matmul tuning")?;
     for (buf, len) in [(&a, bytes[0]), (&b, bytes[1]), (&c, bytes[2])] {
         // 0x3c bytes: about 0.0115 in f32, bf16, f16 and f64 alike.
-        unsafe { drv::memset_d8_sync(buf.ptr, 0x3c, len as usize) }.ctx(|| "matmul tuning: cuMemsetD8".into())?;
+        crate::memory::fill(dev, buf.ptr, 0x3c, len as usize)?;
     }
     let mut times = Vec::with_capacity(cands.len());
     for h in cands {

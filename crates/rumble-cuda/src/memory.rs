@@ -39,9 +39,34 @@ impl DeviceBuffer {
                 self.bytes
             )));
         }
-        dev.bind()?;
-        unsafe { drv::memcpy_htod_sync(self.ptr + offset as u64, data) }.ctx(|| "cuMemcpyHtoD".into())
+        upload(dev, self.ptr + offset as u64, data)
     }
+}
+
+// The device's stream is non-blocking: it does not wait for work on the legacy default stream,
+// where cuMemcpyHtoD and cuMemsetD8 (the "synchronous" calls) run. Those return before the
+// device has finished them (a pageable upload once the bytes are staged, a memset at once),
+// so a kernel launched next on the stream could read the old bytes. Every copy to the device
+// and every memset goes through the two functions below, in the stream's order.
+
+/// Copies `data` to device address `ptr` in the device's stream order and waits for it.
+pub fn upload(dev: &Device, ptr: sys::CUdeviceptr, data: &[u8]) -> Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    dev.bind()?;
+    unsafe { drv::memcpy_htod_async(ptr, data, dev.stream()) }.ctx(|| "cuMemcpyHtoDAsync".into())?;
+    dev.synchronize()
+}
+
+/// Sets `bytes` bytes at device address `ptr` to `byte` in the device's stream order (later
+/// work on the stream sees them; the host does not wait).
+pub fn fill(dev: &Device, ptr: sys::CUdeviceptr, byte: u8, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    dev.bind()?;
+    unsafe { drv::memset_d8_async(ptr, byte, bytes, dev.stream()) }.ctx(|| "cuMemsetD8Async".into())
 }
 
 impl Drop for DeviceBuffer {

@@ -191,6 +191,29 @@ fn fused_step_is_bit_identical_to_unfused() {
 
 /// (No GPU.) The executors take persistent inputs in trace order: planning must not reorder
 /// inputs, and the scheduled trace still runs on the CPU reference.
+/// Memsets and uploads run in the device stream's order: a step right after `poison` (a 256 MiB
+/// arena, still being filled if the memset ran on the legacy stream, which the non-blocking
+/// stream does not wait for) sees its input and writes its output, on every one of 20 tries.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_step_after_poisoning_sees_its_input_and_keeps_its_output() {
+    let dev = gpu();
+    let g = rumble_core::ir::Graph::new("after_poison");
+    let x = g.data("x", DType::F32, &[1 << 26]).unwrap(); // 256 MiB
+    g.output(&x.add_scalar(1.0).unwrap(), "y").unwrap();
+    let trace = g.finish().unwrap();
+    let prog = Arc::new(Program::compile(dev.clone(), trace, |t, ws| Ok(plan_naive(t, ws))).unwrap());
+    let mut ex = PlannedExecutor::new(prog, &[]).unwrap();
+    let x = HostTensor::from_f64(DType::F32, &[1 << 26], &vec![2.0; 1 << 26]).unwrap();
+    for i in 0..20 {
+        ex.poison(0xff).unwrap();
+        ex.step(std::slice::from_ref(&x)).unwrap();
+        let y = ex.output("y").unwrap().to_f64();
+        let bad = y.iter().position(|&v| v != 3.0);
+        assert_eq!(bad, None, "try {i}: element {bad:?} is {:?}", bad.map(|b| y[b]));
+    }
+}
+
 #[test]
 fn planned_traces_keep_their_inputs() {
     let (_, trace) = tiny_step(DType::F32);

@@ -45,9 +45,8 @@ impl EagerExecutor {
         for (&i, h) in pers_idx.iter().zip(persistent) {
             let inp = &prog.trace.inputs[i];
             let b = e.alloc.alloc(&dev, h.bytes.len(), &format!("parameter \"{}\"", inp.name))?;
-            if !h.bytes.is_empty() {
-                unsafe { drv::memcpy_htod_sync(b.ptr, &h.bytes) }.ctx(|| format!("uploading \"{}\"", inp.name))?;
-            }
+            crate::memory::upload(&dev, b.ptr, &h.bytes)
+                .map_err(|e| CudaError::usage(format!("uploading \"{}\": {e}", inp.name)))?;
             e.live[inp.value.index()] = Some(b);
         }
         Ok(e)

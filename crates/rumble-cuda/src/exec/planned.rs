@@ -207,8 +207,7 @@ impl PlannedExecutor {
     /// write shows up as NaN or garbage rather than a lucky zero).
     pub fn poison(&self, byte: u8) -> Result<()> {
         let a = &self.placed.arena;
-        self.placed.prog.dev.bind()?;
-        unsafe { drv::memset_d8_sync(a.ptr, byte, a.bytes) }.ctx(|| "poisoning the arena".into())
+        crate::memory::fill(&self.placed.prog.dev, a.ptr, byte, a.bytes)
     }
 }
 

@@ -159,7 +159,7 @@ const PATTERN_BYTES: usize = 1 << 20;
 /// constant fill), and the other bytes are random. A tensor of one repeated value would time its matmuls fast: the tensor
 /// cores draw less power on data whose bits do not change, and run at higher clocks than on a
 /// step's real operands.
-fn fill_small(p: sys::CUdeviceptr, dtype: rumble_core::ir::DType, bytes: usize) -> Result<()> {
+fn fill_small(dev: &Device, p: sys::CUdeviceptr, dtype: rumble_core::ir::DType, bytes: usize) -> Result<()> {
     let width = dtype.size_in_bytes().max(1);
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut pattern = vec![0u8; PATTERN_BYTES.min(bytes).next_multiple_of(width)];
@@ -170,11 +170,12 @@ fn fill_small(p: sys::CUdeviceptr, dtype: rumble_core::ir::DType, bytes: usize) 
         *b = if i % width == width - 1 { 0x3c } else { state as u8 };
     }
     pattern.truncate(bytes);
-    unsafe { drv::memcpy_htod_sync(p, &pattern) }.ctx(|| "probe: cuMemcpyHtoD".into())?;
+    crate::memory::upload(dev, p, &pattern)?;
     let mut off = pattern.len();
     while off < bytes {
         let n = pattern.len().min(bytes - off);
-        unsafe { drv::memcpy_dtod_sync(p + off as u64, p, n) }.ctx(|| "probe: cuMemcpyDtoD".into())?;
+        unsafe { drv::memcpy_dtod_async(p + off as u64, p, n, dev.stream()) }
+            .ctx(|| "probe: cuMemcpyDtoDAsync".into())?;
         off += n;
     }
     Ok(())
@@ -207,8 +208,7 @@ pub fn probe(
     let prog = Arc::new(Program::new(dev.clone(), t.clone(), plan_naive(&t, ws))?);
     let placed = Placed::new(prog.clone(), &[])?;
     dev.bind()?;
-    unsafe { drv::memset_d8_sync(placed.arena.ptr, 0, placed.arena.bytes.max(1)) }
-        .ctx(|| "probe: cuMemsetD8".into())?;
+    crate::memory::fill(dev, placed.arena.ptr, 0, placed.arena.bytes)?;
     // Integers count 0, 1, ... modulo the smallest leading dimension of the node's float
     // tensors: valid indices, positions and targets, spread as real ones are (all zeros would
     // make a scatter one long chain of collisions).
@@ -227,7 +227,7 @@ pub fn probe(
         }
         let p = placed.ptr(*v)?;
         if ty.dtype.is_float() {
-            fill_small(p, ty.dtype, bytes)?;
+            fill_small(dev, p, ty.dtype, bytes)?;
         } else if ty.dtype.is_int() {
             let n = ty.numel();
             let host: Vec<u8> = match ty.dtype.size_in_bytes() {
@@ -235,7 +235,7 @@ pub fn probe(
                 4 => (0..n).flat_map(|i| ((i % modulus) as i32).to_le_bytes()).collect(),
                 _ => continue,
             };
-            unsafe { drv::memcpy_htod_sync(p, &host) }.ctx(|| "probe: cuMemcpyHtoD".into())?;
+            crate::memory::upload(dev, p, &host)?;
         }
     }
     placed.launch_timed(0..1)?;
