@@ -390,6 +390,24 @@ fn widening_casts_fold_into_the_matmul_they_read() {
     assert!(e.contains("matmul") && e.contains("out=bf16 must be a float at least as wide as f32"), "{e}");
 }
 
+/// Runs a fold `pass` on `trace`: `n` adds go, `n` nodes print `acc=true`, the text reads back;
+/// returns the folded trace and random inputs for both.
+fn folds_adds(
+    trace: &Trace,
+    pass: fn(&Trace) -> rumble_core::Result<Trace>,
+    n: usize,
+    rng: &mut Rng,
+) -> (Trace, Vec<HostTensor>) {
+    let folded = pass(trace).unwrap();
+    let text = folded.to_string();
+    assert_eq!(text.matches("acc=true").count(), n, "{text}");
+    let adds = |t: &Trace| t.nodes.iter().filter(|n| n.op.name() == "add").count();
+    assert_eq!(adds(trace) - adds(&folded), n, "{text}");
+    assert_eq!(parse(&text).unwrap(), folded);
+    let inputs = trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    (folded, inputs)
+}
+
 /// `fold_addends`: `r + x w` becomes one matmul reading `r` (`acc=true`), the sum rounded once
 /// (closer to the exact value in bf16); of two matmuls summed, the later folds and reads the
 /// other; a broadcast bias is an addend like any other; a matmul read elsewhere and `m + m`
@@ -414,16 +432,8 @@ fn adds_fold_into_the_matmul_they_read() {
         g.output(v, name).unwrap();
     }
     let trace = g.finish().unwrap();
-    let folded = passes::fold_addends(&trace).unwrap();
-    let text = folded.to_string();
-    assert_eq!(text.matches("acc=true").count(), 4, "{text}");
-    let adds = |t: &Trace| t.nodes.iter().filter(|n| n.op.name() == "add").count();
-    assert_eq!(adds(&trace) - adds(&folded), 4, "{text}");
-    assert_eq!(parse(&text).unwrap(), folded);
-
     let rng = &mut Rng::new(9);
-    let inputs: Vec<HostTensor> =
-        trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    let (folded, inputs) = folds_adds(&trace, passes::fold_addends, 4, rng);
     let before = cpu::eval(&trace, &inputs).unwrap();
     let after = cpu::eval(&folded, &inputs).unwrap();
     let (xs, ws, rs) = (inputs[0].to_f64(), inputs[1].to_f64(), inputs[3].to_f64());
@@ -479,15 +489,7 @@ fn adds_fold_into_the_norm_backward_they_read() {
         g.output(v, name).unwrap();
     }
     let trace = g.finish().unwrap();
-    let folded = passes::fold_norm_addends(&trace).unwrap();
-    let text = folded.to_string();
-    assert_eq!(text.matches("acc=true").count(), 1, "{text}");
-    let adds = |t: &Trace| t.nodes.iter().filter(|n| n.op.name() == "add").count();
-    assert_eq!(adds(&trace) - adds(&folded), 1, "{text}");
-    assert_eq!(parse(&text).unwrap(), folded);
-    let rng = &mut Rng::new(5);
-    let inputs: Vec<HostTensor> =
-        trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    let (folded, inputs) = folds_adds(&trace, passes::fold_norm_addends, 1, &mut Rng::new(5));
     assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
 }
 

@@ -53,24 +53,13 @@ pub fn fold_addends(trace: &Trace) -> Result<Trace> {
     let (defs, users) = (trace.defs(), trace.users());
     let mut t = trace.clone();
     let mut drop = vec![false; trace.nodes.len()];
-    let adds = trace.nodes.iter().enumerate().filter(|(_, n)| matches!(n.op, Op::Binary(crate::ir::BinaryOp::Add)));
-    for (c, node) in adds {
-        let sum = trace.ty(node.outs[0]);
+    for (c, node, [x, y]) in plain_adds(trace) {
         let foldable = |v: crate::ir::ValueId| -> Option<usize> {
             let Some(Def::Node { node: p, .. }) = defs[v.index()] else { return None };
             let m = &trace.nodes[p];
-            let ok = matches!(m.op, Op::Matmul { acc: false, .. })
-                && !drop[p]
-                && m.phase == node.phase
-                && users[v.index()].len() == 1
-                && !trace.outputs.iter().any(|o| o.value == v)
-                && trace.ty(v) == sum;
+            let ok = matches!(m.op, Op::Matmul { acc: false, .. }) && !drop[p] && only_use(trace, &users, v, m, node);
             ok.then_some(p)
         };
-        let [x, y] = [node.args[0], node.args[1]];
-        if x == y || trace.ty(x) != sum || trace.ty(y) != sum {
-            continue;
-        }
         let pick = match (foldable(x), foldable(y)) {
             (Some(px), Some(py)) => Some(if px > py { (px, y) } else { (py, x) }),
             (Some(px), None) => Some((px, y)),
@@ -106,24 +95,14 @@ pub fn fold_norm_addends(trace: &Trace) -> Result<Trace> {
         Some(Def::Node { node, .. }) => Some(node),
         _ => None,
     };
-    for (c, node) in trace.nodes.iter().enumerate() {
-        if !matches!(node.op, Op::Binary(crate::ir::BinaryOp::Add)) {
-            continue;
-        }
-        let sum = trace.ty(node.outs[0]);
-        let [x, y] = [node.args[0], node.args[1]];
-        if x == y || trace.ty(x) != sum || trace.ty(y) != sum {
-            continue;
-        }
+    for (c, node, [x, y]) in plain_adds(trace) {
         // The norm backward defining `v` as its dx, when it may take the other operand.
         let foldable = |v: crate::ir::ValueId, other: crate::ir::ValueId| -> Option<usize> {
             let Some(Def::Node { node: p, out: 0 }) = defs[v.index()] else { return None };
             let m = &trace.nodes[p];
             let ok = matches!(m.op, Op::RmsNormBackward { acc: false, .. })
                 && !drop[p]
-                && m.phase == node.phase
-                && users[v.index()].len() == 1
-                && !trace.outputs.iter().any(|o| o.value == v)
+                && only_use(trace, &users, v, m, node)
                 && at(other).is_none_or(|q| q < p);
             ok.then_some(p)
         };
@@ -141,4 +120,30 @@ pub fn fold_norm_addends(trace: &Trace) -> Result<Trace> {
         drop[c] = true;
     }
     super::without(t, &drop)
+}
+
+/// Whether `v` (a result of `producer`) is read by `reader` alone, in the same phase, and is no
+/// output of the trace: what a fold into its producer needs.
+fn only_use(
+    trace: &Trace,
+    users: &[Vec<usize>],
+    v: crate::ir::ValueId,
+    producer: &crate::ir::Node,
+    reader: &crate::ir::Node,
+) -> bool {
+    producer.phase == reader.phase && users[v.index()].len() == 1 && !trace.outputs.iter().any(|o| o.value == v)
+}
+
+/// The adds a fold may take: `(index, node, [x, y])` where `x` and `y` are two values of the
+/// sum's type (read unbroadcast).
+fn plain_adds(trace: &Trace) -> impl Iterator<Item = (usize, &crate::ir::Node, [crate::ir::ValueId; 2])> {
+    trace.nodes.iter().enumerate().filter_map(move |(c, node)| {
+        let sum = trace.ty(node.outs[0]);
+        let [x, y] = [*node.args.first()?, *node.args.get(1)?];
+        let plain = matches!(node.op, Op::Binary(crate::ir::BinaryOp::Add))
+            && x != y
+            && trace.ty(x) == sum
+            && trace.ty(y) == sum;
+        plain.then_some((c, node, [x, y]))
+    })
 }
