@@ -8,8 +8,10 @@
 //! (`rumble_core::passes::data_parallel`) but the NCCL backend that runs their collectives does
 //! not. What it will do with a `Launch`: `--gpus N` starts N copies of this command with the
 //! torchrun variables set (a free local port as `MASTER_PORT`), each rank binds device
-//! `LOCAL_RANK`, rank 0 makes the NCCL unique id and sends it over TCP to `MASTER_ADDR:MASTER_PORT`
-//! where the others fetch it, and each builds its rank trace for `world` and `rank`.
+//! `LOCAL_RANK`, rank 0 makes the NCCL unique id and serves it over TCP at
+//! `MASTER_ADDR:MASTER_PORT` where the others fetch it (`rumble_models::rendezvous`), each
+//! builds its rank trace for `world` and `rank` and takes its share of every global batch
+//! (`Loader::next_rank_batch`).
 
 /// Where a [`Launch`] came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

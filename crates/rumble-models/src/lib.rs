@@ -9,7 +9,8 @@
 //! CUDA one), [`buckets`] (one step per shape bucket, batches padded to it), [`paired`] (a step and its validation program over one GPU arena) ->
 //! [`trainer`] (steps, learning-rate schedule; [`checkpoint`]: the state a run resumes from), fed by [`data`] (byte-level corpus windows;
 //! text and JSONL documents through a [`tokenizer`]); [`guard`] holds the checks on user input;
-//! [`generate`] samples text with a KV cache (prefill and decode traces).
+//! [`generate`] samples text with a KV cache (prefill and decode traces); [`rendezvous`] shares
+//! rank 0's NCCL unique id with the other ranks of a data-parallel run over TCP.
 
 pub mod buckets;
 pub mod checkpoint;
@@ -26,6 +27,7 @@ pub mod model;
 pub mod optim;
 pub mod paired;
 pub mod presets;
+pub mod rendezvous;
 pub mod step;
 pub mod tokenizer;
 pub mod trainer;

@@ -193,6 +193,18 @@ impl Loader {
         Batch { batch, seq: self.seq, tokens, targets }
     }
 
+    /// Rank `rank`'s share of the next global batch of a data-parallel run of `world` ranks:
+    /// the global batch is the next `world * batch` windows, exactly as one process would take
+    /// them with `next_batch(world * batch)`, and rank `r` keeps rows `r * batch ..` of it. So
+    /// the ranks together see what one GPU would at the same global batch, and the state (a
+    /// global cursor) resumes on any number of ranks.
+    pub fn next_rank_batch(&mut self, batch: usize, rank: usize, world: usize) -> Batch {
+        assert!(rank < world, "rank {rank} of {world}");
+        let global = self.next_batch(batch * world);
+        let rows = |v: &[i64]| v[rank * batch * self.seq..(rank + 1) * batch * self.seq].to_vec();
+        Batch { batch, seq: self.seq, tokens: rows(&global.tokens), targets: rows(&global.targets) }
+    }
+
     /// The position, to save.
     pub fn state(&self) -> LoaderState {
         self.state
@@ -372,6 +384,33 @@ mod tests {
         let mut want: Vec<i64> = (0..10).map(s_first).collect();
         want.sort();
         assert_eq!(seen, want);
+    }
+
+    /// The ranks of a data-parallel run together take what one loader takes at the same global
+    /// batch, across an epoch's end, and leave the same position behind; a run saved on 2 ranks
+    /// resumes on 3 with the windows one process would take next.
+    #[test]
+    fn ranks_split_the_global_batch_and_resume_on_any_count() {
+        let tok = Tokenizer::bytes();
+        let mut s = TokenStream::default();
+        s.push(&tok, &Document::Text("the quick brown fox jumps over the lazy dog".into())).unwrap();
+        let mut one = Loader::new(s.clone(), 4, 7, "d").unwrap();
+        let mut ranks: Vec<Loader> = (0..2).map(|_| Loader::new(s.clone(), 4, 7, "d").unwrap()).collect();
+        for _ in 0..4 {
+            let want = one.next_batch(2 * 3);
+            let parts: Vec<Batch> = ranks.iter_mut().enumerate().map(|(r, l)| l.next_rank_batch(3, r, 2)).collect();
+            assert!(parts.iter().all(|b| b.batch == 3 && b.tokens.len() == 12));
+            assert_eq!(parts.iter().flat_map(|b| b.tokens.clone()).collect::<Vec<_>>(), want.tokens);
+            assert_eq!(parts.iter().flat_map(|b| b.targets.clone()).collect::<Vec<_>>(), want.targets);
+            assert!(ranks.iter().all(|l| l.state() == one.state()));
+        }
+        assert_eq!(one.state().epoch, 2, "the test crosses epochs");
+        let saved = one.state();
+        let want = one.next_batch(3 * 2);
+        let mut three: Vec<Loader> = (0..3).map(|_| Loader::new(s.clone(), 4, 7, "d").unwrap()).collect();
+        three.iter_mut().for_each(|l| l.restore(saved).unwrap());
+        let got: Vec<i64> = three.iter_mut().enumerate().flat_map(|(r, l)| l.next_rank_batch(2, r, 3).tokens).collect();
+        assert_eq!(got, want.tokens);
     }
 
     /// The first byte of window `w` of the test sentence.
