@@ -14,7 +14,8 @@ per case: each executor's median step and peak, rumble's ratios to torch.compile
 mode="reduce-overhead" (RO), and the model FLOPs utilisation (MFU) of each, from the line's
 `flops_per_step` (the formula is in BENCHMARKS.md) against the H200's dense bf16 peak.
 A reference's peak is the larger of its first-step and later peaks (RO allocates its graph pool
-on the steps after the first).
+on the steps after the first). Each case takes its last rumble line and, where that line names
+its `gpu`, the last reference lines of the same GPU only (older rumble lines name none).
 """
 import json
 import statistics
@@ -111,9 +112,12 @@ def suite(rows):
         if e not in execs:
             execs.append(e)
 
-    def get(c, pred):
+    def get(c, pred, gpu=None):
         # The last line of a case and executor: files keep older sessions above newer ones.
-        hits = [r for r in rows if r["case"] == c and pred(r.get("executor", ""))]
+        # With `gpu` (rumble's line names its GPU), only lines of that GPU: a ratio is between
+        # runs on one kind of card.
+        hits = [r for r in rows if r["case"] == c and pred(r.get("executor", ""))
+                and (gpu is None or r.get("gpu") == gpu)]
         return hits[-1] if hits else None
 
     def cell(r):
@@ -133,14 +137,15 @@ def suite(rows):
     ratios, peaks, mfus, mfus_ro = [], [], [], []
     for c in cases:
         mine = get(c, lambda e: e.startswith("rumble"))
-        ro = get(c, lambda e: e == "torch-compile-ro")
+        gpu = mine.get("gpu") if mine else None
+        ro = get(c, lambda e: e == "torch-compile-ro", gpu)
         ok = [r for r in (mine, ro) if r and not r.get("failed") and not r.get("error")]
         shape = next((r for r in ok), None) or next((r for r in rows if r["case"] == c and "batch" in r), {})
         flops = shape.get("flops_per_step")
         line = (f"| {c} | {shape.get('batch', '')} x {shape.get('seq', '')} | {shape.get('layers', '')} "
                 f"| {fmt(flops, 1e9, 0)} | {cell(mine)} |")
         for e in execs:
-            line += f" {cell(get(c, lambda x, e=e: x == e))} |"
+            line += f" {cell(get(c, lambda x, e=e: x == e, gpu))} |"
         good = mine in ok and ro in ok
         if good:
             r_step = mine["median_step_ms"] / ro["median_step_ms"]

@@ -174,6 +174,10 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
         });
         // The executor's byte counts (peak_allocated_bytes, load_bytes, arena_bytes, ...), and
         // what compile chose under the memory budget, if priced.
+        // The GPU's name, so bench/compare.py sets rumble beside references of the same GPU.
+        if mode.is_some() {
+            line["gpu"] = json!(rumble_cuda::Device::new(0)?.name.clone());
+        }
         if let Some(s) = stats() {
             if let (Some(obj), Ok(Value::Object(m))) = (line.as_object_mut(), serde_json::to_value(&s)) {
                 obj.extend(m);

@@ -182,6 +182,8 @@ fn bench(a: &GenerateArgs, device: DeviceChoice, sampling: Sampling) -> Result<(
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
     });
     if let Some((peak, rise, arena, pers)) = g.memory() {
+        // On a GPU: its name, as `rumble bench` gives it.
+        line["gpu"] = json!(rumble_cuda::Device::new(0)?.name.clone());
         line["peak_bytes"] = json!(peak);
         line["device_rise_bytes"] = json!(rise);
         line["arena_bytes"] = json!(arena);
