@@ -8,7 +8,9 @@
 //! them stands cuBLAS's classic `cublasGemmStridedBatchedEx` (its own heuristic: what PyTorch
 //! runs for a plain matmul; on the H200 it was 12% faster than every cuBLASLt candidate on
 //! seed-llama's 3200x3200x2048 weight gradient), once with no workspace and once with the
-//! capped workspace. Each candidate is timed on scratch buffers and the fastest kept if it beats
+//! capped workspace; and, for a few rows against a transposed `b` (decoding's `x w^T`, M at most
+//! 16), rumble's own kernel (`kernels/gemv.cu`, [`gemv_rows`]), which reads each weight row once
+//! for every row of `x`. Each candidate is timed on scratch buffers and the fastest kept if it beats
 //! the heuristic's first choice by more than 2% (`RUMBLE_MATMUL_TUNE=0`: the first choice,
 //! untimed; `RUMBLE_MATMUL_CLASSIC=0`: cuBLASLt only). The choice is written to the disk cache
 //! (beside the compiled kernels, per GPU and cuBLASLt version), so later runs use the same
@@ -80,6 +82,24 @@ pub(crate) enum Algo {
     /// cuBLAS's classic `cublasGemmStridedBatchedEx` with its own heuristic, given the plan's
     /// workspace (which steers that heuristic: 0 rules out split-K).
     Classic,
+    /// rumble's own kernel for a few rows against a transposed `b` (`kernels/gemv.cu`,
+    /// `gemv_tn_<dtype>_<out>_<mm>`, `mm` the smallest bucket of rows that holds M): decoding's
+    /// matmuls. A candidate where [`gemv_rows`] allows.
+    Gemv,
+}
+
+/// The row bucket of `gemv.cu`'s kernel for `key`, where it applies: one batch, M at most 16,
+/// `a` as stored and `b` transposed (a linear layer's `x w^T`), f32 / bf16 / f16 operands
+/// giving their own dtype or f32.
+pub fn gemv_rows(key: &MatmulKey) -> Option<usize> {
+    let types = matches!(
+        (key.dtype, key.out),
+        (DType::F32, DType::F32) | (DType::BF16, DType::BF16 | DType::F32) | (DType::F16, DType::F16 | DType::F32)
+    );
+    if key.batch > 1 || key.ta || !key.tb || !types || key.n == 0 || key.k == 0 {
+        return None;
+    }
+    [1, 4, 8, 16].into_iter().find(|&b| key.m <= b as u64)
 }
 
 /// One algorithm to time: how it runs and the workspace bytes it needs.
@@ -278,6 +298,8 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     };
     let mut cands: Vec<Candidate> =
         heur.iter().map(|h| Candidate { algo: Algo::Lt(h.algo), workspace: h.workspaceSize }).collect();
+    // rumble's kernel for a few rows (last: remembered choices keep their indices).
+    let gemv = gemv_rows(key).is_some().then_some(Candidate { algo: Algo::Gemv, workspace: 0 });
     // Classic cuBLAS too, unless `RUMBLE_MATMUL_CLASSIC=0`.
     if knobs.matmul_classic && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
         cands.push(Candidate { algo: Algo::Classic, workspace: 0 });
@@ -285,6 +307,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             cands.push(Candidate { algo: Algo::Classic, workspace: ws as usize });
         }
     }
+    cands.extend(gemv);
     let mut plan = Plan {
         desc,
         a: x,
@@ -387,6 +410,7 @@ impl Device {
         Ok(match cache.plans[key].algo {
             Algo::Lt(_) => "cublasLt",
             Algo::Classic => "cublas",
+            Algo::Gemv => "gemv",
         })
     }
 
@@ -402,11 +426,15 @@ impl Device {
         [a, b, c, d, ws]: [dsys::CUdeviceptr; 5],
         beta: f64,
     ) -> Result<()> {
+        if let Algo::Gemv = p.algo {
+            return unsafe { self.launch_gemv(key, [a, b, c, d], beta) };
+        }
         let reads_c = beta != 0.0 && c != d;
         let scalars = Scalars::new(beta);
         let (alpha, beta) = scalars.ptrs(p.f64);
         let algo = match p.algo {
             Algo::Lt(algo) => algo,
+            Algo::Gemv => unreachable!("launched above"),
             Algo::Classic => {
                 if reads_c {
                     let bytes = (key.batch.max(1) * key.m * key.n) as usize * key.out.size_in_bytes();
@@ -440,6 +468,39 @@ impl Device {
             op: "matmul".into(),
             what: format!("cublasLtMatmul {key:?}"),
             err: e.to_string(),
+        })
+    }
+
+    /// `d = a b^T + beta * c` through `kernels/gemv.cu` (see [`gemv_rows`]): what the matmul
+    /// of `key` runs where the tuner picked it; public for the GPU tests, which compare it with
+    /// the CPU whatever the tuner picks.
+    ///
+    /// # Safety
+    /// As [`Device::matmul`].
+    pub unsafe fn launch_gemv(&self, key: &MatmulKey, [a, b, c, d]: [dsys::CUdeviceptr; 4], beta: f64) -> Result<()> {
+        use crate::kernels::KernelFile;
+        let mm = gemv_rows(key).ok_or_else(|| CudaError::usage(format!("no gemv kernel for matmul {key:?}")))?;
+        let sfx = |t: DType| match t {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            _ => "f32",
+        };
+        let name = format!("gemv_tn_{}_{}_{mm}", sfx(key.dtype), sfx(key.out));
+        let file = KernelFile::Gemv;
+        let func = self.module(file.name(), &file.source(), crate::compile::Options { fmad: true })?.function(&name)?;
+        // Rows of the block (GEMV_ROWS in the kernel) and its threads (GEMV_WARPS warps).
+        let (rows, threads) = (4u64, 256u32);
+        let grid =
+            u32::try_from(key.n.div_ceil(rows)).map_err(|_| CudaError::usage(format!("gemv grid of {key:?}")))?;
+        let mut words: [u64; 8] = [a, b, c, d, key.m, key.n, key.k, (beta as f32).to_bits() as u64];
+        let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w as *mut u64 as *mut c_void).collect();
+        unsafe {
+            cudarc::driver::result::launch_kernel(func.0, (grid, 1, 1), (threads, 1, 1), 0, self.stream(), &mut ptrs)
+        }
+        .map_err(|e| CudaError::Launch {
+            op: "matmul".into(),
+            kernel: name.clone(),
+            err: crate::error::describe(&e),
         })
     }
 

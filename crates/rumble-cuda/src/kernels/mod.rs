@@ -26,11 +26,20 @@ pub enum KernelFile {
     /// Decoding: RoPE at a position, KV-cache writes, attention over the cache, sampling
     /// (`decode.cu`).
     Decode,
+    /// Matrix times a few vectors (`gemv.cu`): decoding's matmuls, where the matmul tuner finds
+    /// it faster than cuBLASLt.
+    Gemv,
 }
 
 impl KernelFile {
-    pub const ALL: [KernelFile; 5] =
-        [KernelFile::Layout, KernelFile::Reduce, KernelFile::Rows, KernelFile::Attention, KernelFile::Decode];
+    pub const ALL: [KernelFile; 6] = [
+        KernelFile::Layout,
+        KernelFile::Reduce,
+        KernelFile::Rows,
+        KernelFile::Attention,
+        KernelFile::Decode,
+        KernelFile::Gemv,
+    ];
 
     /// The module name (the file's stem).
     pub fn name(self) -> &'static str {
@@ -40,6 +49,7 @@ impl KernelFile {
             KernelFile::Rows => "rows",
             KernelFile::Attention => "attention",
             KernelFile::Decode => "decode",
+            KernelFile::Gemv => "gemv",
         }
     }
 
@@ -50,6 +60,7 @@ impl KernelFile {
             KernelFile::Rows => include_str!("rows.cu"),
             KernelFile::Attention => include_str!("attention.cu"),
             KernelFile::Decode => include_str!("decode.cu"),
+            KernelFile::Gemv => include_str!("gemv.cu"),
         }
     }
 

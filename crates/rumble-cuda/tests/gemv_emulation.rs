@@ -1,0 +1,49 @@
+//! `gemv_tn` (src/kernels/gemv.cu, decoding's matmuls) on the CPU emulator of tests/flash_emu/
+//! against the product in double precision: each row bucket (M of 1 to 16), bf16 operands
+//! giving bf16 or f32 and f32 operands, ragged N (a block's last rows absent) and K (a warp with
+//! no chunk), an addend read beside the result or in place, and a misaligned operand (the
+//! element-by-element path). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
+
+mod common;
+
+use std::process::Command;
+
+use rumble_cuda::kernels::KernelFile;
+
+#[test]
+fn gemv_matches_the_exact_product_on_the_cpu_emulator() {
+    let Some((here, dir)) = common::emulator("gemv_emu", "gemv_main.cpp") else { return };
+    let src = KernelFile::Gemv.source();
+    let (from, to) =
+        (src.find("// Matrix times a few vectors").expect("marker"), src.find("#define GEMV(").expect("marker"));
+    std::fs::write(dir.join("gemv.cuh"), &src[from..to]).expect("kernel text");
+    let bin = dir.join("gemv");
+    let out = Command::new("g++")
+        .args(["-std=c++20", "-O1", "-pthread", "-I"])
+        .arg(&dir)
+        .arg("-o")
+        .arg(&bin)
+        .arg(here.join("gemv_main.cpp"))
+        .output()
+        .expect("g++");
+    assert!(out.status.success(), "g++:\n{}", String::from_utf8_lossy(&out.stderr));
+    // dtype, out, m, n, k, beta, in place, misaligned
+    let cases: [[&str; 8]; 9] = [
+        ["bf16", "bf16", "1", "37", "2048", "0", "0", "0"],
+        ["bf16", "bf16", "1", "64", "512", "1", "1", "0"],
+        ["bf16", "f32", "3", "21", "1000", "1", "0", "0"],
+        ["bf16", "bf16", "8", "16", "264", "0", "0", "0"],
+        ["bf16", "bf16", "16", "9", "3000", "1", "0", "0"],
+        ["bf16", "bf16", "5", "13", "100", "0", "0", "1"],
+        ["f32", "f32", "2", "30", "777", "1", "1", "0"],
+        ["f32", "f32", "16", "8", "4096", "0", "0", "0"],
+        ["f32", "f32", "1", "5", "64", "0", "0", "1"],
+    ];
+    for args in cases {
+        let out = Command::new(&bin).args(args).output().expect("running the emulator");
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        assert!(out.status.success(), "{args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
