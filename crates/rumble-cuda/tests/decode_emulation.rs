@@ -15,19 +15,8 @@ use rumble_cuda::decode::{AttentionSplit, source};
 #[test]
 fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
     let Some((here, dir)) = common::emulator("decode_emu", "ac_main.cpp") else { return };
-    let src = source();
-    let (from, to) = (src.find("// Flash-decoding").expect("marker"), src.find("// SplitMix64").expect("marker"));
-    std::fs::write(dir.join("ac.cuh"), &src[from..to]).expect("kernel text");
-    let bin = dir.join("ac");
-    let out = Command::new("g++")
-        .args(["-std=c++20", "-O1", "-pthread", "-I"])
-        .arg(&dir)
-        .arg("-o")
-        .arg(&bin)
-        .arg(here.join("ac_main.cpp"))
-        .output()
-        .expect("g++");
-    assert!(out.status.success(), "g++:\n{}", String::from_utf8_lossy(&out.stderr));
+    let bin =
+        common::build_emulator(&here, &dir, &source(), ["// Flash-decoding", "// SplitMix64"], "ac.cuh", "ac_main.cpp");
     // ([b, t, hq, hkv, s, d], SMs, positions)
     let cases: [([usize; 6], usize, &[i64]); 12] = [
         ([1, 1, 32, 8, 300, 64], 132, &[200]),

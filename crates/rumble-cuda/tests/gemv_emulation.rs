@@ -14,19 +14,8 @@ use rumble_cuda::kernels::KernelFile;
 fn gemv_matches_the_exact_product_on_the_cpu_emulator() {
     let Some((here, dir)) = common::emulator("gemv_emu", "gemv_main.cpp") else { return };
     let src = KernelFile::Gemv.source();
-    let (from, to) =
-        (src.find("// Matrix times a few vectors").expect("marker"), src.find("#define GEMV(").expect("marker"));
-    std::fs::write(dir.join("gemv.cuh"), &src[from..to]).expect("kernel text");
-    let bin = dir.join("gemv");
-    let out = Command::new("g++")
-        .args(["-std=c++20", "-O1", "-pthread", "-I"])
-        .arg(&dir)
-        .arg("-o")
-        .arg(&bin)
-        .arg(here.join("gemv_main.cpp"))
-        .output()
-        .expect("g++");
-    assert!(out.status.success(), "g++:\n{}", String::from_utf8_lossy(&out.stderr));
+    let marks = ["// Matrix times a few vectors", "#define GEMV("];
+    let bin = common::build_emulator(&here, &dir, &src, marks, "gemv.cuh", "gemv_main.cpp");
     // dtype, out, m, n, k, beta, in place, misaligned
     let cases: [[&str; 8]; 9] = [
         ["bf16", "bf16", "1", "37", "2048", "0", "0", "0"],

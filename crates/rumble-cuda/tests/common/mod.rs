@@ -50,6 +50,25 @@ pub fn emulator(emu: &str, main: &str) -> Option<(PathBuf, PathBuf)> {
     Some((here, dir))
 }
 
+/// Cuts `src` from the line starting `from` up to the one starting `to` into `dir/{header}`
+/// (a kernel's text, without its entry points), then builds `here/{main}` with g++ into
+/// `dir/{bin}` (the header found through `-I dir`); panics with g++'s errors.
+pub fn build_emulator(here: &Path, dir: &Path, src: &str, [from, to]: [&str; 2], header: &str, main: &str) -> PathBuf {
+    let (a, b) = (src.find(from).expect("start marker"), src.find(to).expect("end marker"));
+    std::fs::write(dir.join(header), &src[a..b]).expect("kernel text");
+    let bin = dir.join(main.trim_end_matches(".cpp"));
+    let out = Command::new("g++")
+        .args(["-std=c++20", "-O1", "-pthread", "-I"])
+        .arg(dir)
+        .arg("-o")
+        .arg(&bin)
+        .arg(here.join(main))
+        .output()
+        .expect("g++");
+    assert!(out.status.success(), "g++:\n{}", String::from_utf8_lossy(&out.stderr));
+    bin
+}
+
 /// Relative-error tolerance of each dtype: ||gpu - cpu|| / ||cpu||.
 pub fn tolerance(d: DType) -> f64 {
     match d {

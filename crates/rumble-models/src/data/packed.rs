@@ -364,9 +364,7 @@ mod tests {
 
     #[test]
     fn loader_state_resumes_the_same_batches() {
-        let tok = Tokenizer::bytes();
-        let mut s = TokenStream::default();
-        s.push(&tok, &Document::Text("the quick brown fox jumps over the lazy dog".into())).unwrap();
+        let s = sentence();
         let mut a = Loader::new(s.clone(), 4, 7, "d").unwrap();
         assert_eq!(a.windows(), 10);
         let first: Vec<Batch> = (0..4).map(|_| a.next_batch(3)).collect();
@@ -391,9 +389,7 @@ mod tests {
     /// resumes on 3 with the windows one process would take next.
     #[test]
     fn ranks_split_the_global_batch_and_resume_on_any_count() {
-        let tok = Tokenizer::bytes();
-        let mut s = TokenStream::default();
-        s.push(&tok, &Document::Text("the quick brown fox jumps over the lazy dog".into())).unwrap();
+        let s = sentence();
         let mut one = Loader::new(s.clone(), 4, 7, "d").unwrap();
         let mut ranks: Vec<Loader> = (0..2).map(|_| Loader::new(s.clone(), 4, 7, "d").unwrap()).collect();
         for _ in 0..4 {
@@ -411,6 +407,13 @@ mod tests {
         three.iter_mut().for_each(|l| l.restore(saved).unwrap());
         let got: Vec<i64> = three.iter_mut().enumerate().flat_map(|(r, l)| l.next_rank_batch(2, r, 3).tokens).collect();
         assert_eq!(got, want.tokens);
+    }
+
+    /// The test sentence as a byte-level token stream.
+    fn sentence() -> TokenStream {
+        let mut s = TokenStream::default();
+        s.push(&Tokenizer::bytes(), &Document::Text("the quick brown fox jumps over the lazy dog".into())).unwrap();
+        s
     }
 
     /// The first byte of window `w` of the test sentence.
