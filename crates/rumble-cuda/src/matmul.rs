@@ -83,9 +83,9 @@ pub(crate) enum Algo {
     /// workspace (which steers that heuristic: 0 rules out split-K).
     Classic,
     /// rumble's own kernel for a few rows against a transposed `b` (`kernels/gemv.cu`,
-    /// `gemv_tn_<dtype>_<out>_<mm>`, `mm` the smallest bucket of rows that holds M): decoding's
-    /// matmuls. A candidate where [`gemv_rows`] allows.
-    Gemv,
+    /// [`gemv_kernel`]), looked up once with the plan: decoding's matmuls. A candidate where
+    /// [`gemv_rows`] allows.
+    Gemv(crate::compile::Func),
 }
 
 /// The row bucket of `gemv.cu`'s kernel for `key`, where it applies: one batch, M at most 16,
@@ -100,6 +100,14 @@ pub fn gemv_rows(key: &MatmulKey) -> Option<usize> {
         return None;
     }
     [1, 4, 8, 16].into_iter().find(|&b| key.m <= b as u64)
+}
+
+/// `gemv.cu`'s kernel for `key` (`gemv_tn_<dtype>_<out>_<rows>`), compiled as every fixed
+/// kernel file is (so the carried kernel cache holds it).
+pub fn gemv_kernel(dev: &Device, key: &MatmulKey) -> Result<crate::compile::Func> {
+    let mm = gemv_rows(key).ok_or_else(|| CudaError::usage(format!("no gemv kernel for matmul {key:?}")))?;
+    let name = format!("gemv_tn_{}_{}_{mm}", key.dtype.name(), key.out.name());
+    crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name)
 }
 
 /// One algorithm to time: how it runs and the workspace bytes it needs.
@@ -299,7 +307,10 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     let mut cands: Vec<Candidate> =
         heur.iter().map(|h| Candidate { algo: Algo::Lt(h.algo), workspace: h.workspaceSize }).collect();
     // rumble's kernel for a few rows (last: remembered choices keep their indices).
-    let gemv = gemv_rows(key).is_some().then_some(Candidate { algo: Algo::Gemv, workspace: 0 });
+    let gemv = match gemv_rows(key) {
+        Some(_) => Some(Candidate { algo: Algo::Gemv(gemv_kernel(dev, key)?), workspace: 0 }),
+        None => None,
+    };
     // Classic cuBLAS too, unless `RUMBLE_MATMUL_CLASSIC=0`.
     if knobs.matmul_classic && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
         cands.push(Candidate { algo: Algo::Classic, workspace: 0 });
@@ -410,7 +421,7 @@ impl Device {
         Ok(match cache.plans[key].algo {
             Algo::Lt(_) => "cublasLt",
             Algo::Classic => "cublas",
-            Algo::Gemv => "gemv",
+            Algo::Gemv(_) => "gemv",
         })
     }
 
@@ -426,15 +437,15 @@ impl Device {
         [a, b, c, d, ws]: [dsys::CUdeviceptr; 5],
         beta: f64,
     ) -> Result<()> {
-        if let Algo::Gemv = p.algo {
-            return unsafe { self.launch_gemv(key, [a, b, c, d], beta) };
+        if let Algo::Gemv(func) = p.algo {
+            return unsafe { self.launch_gemv(key, func, [a, b, c, d], beta) };
         }
         let reads_c = beta != 0.0 && c != d;
         let scalars = Scalars::new(beta);
         let (alpha, beta) = scalars.ptrs(p.f64);
         let algo = match p.algo {
             Algo::Lt(algo) => algo,
-            Algo::Gemv => unreachable!("launched above"),
+            Algo::Gemv(_) => unreachable!("launched above"),
             Algo::Classic => {
                 if reads_c {
                     let bytes = (key.batch.max(1) * key.m * key.n) as usize * key.out.size_in_bytes();
@@ -471,35 +482,31 @@ impl Device {
         })
     }
 
-    /// `d = a b^T + beta * c` through `kernels/gemv.cu` (see [`gemv_rows`]): what the matmul
-    /// of `key` runs where the tuner picked it; public for the GPU tests, which compare it with
-    /// the CPU whatever the tuner picks.
+    /// `d = a b^T + beta * c` through `func`, `kernels/gemv.cu`'s kernel for `key`
+    /// ([`gemv_kernel`]): what the matmul of `key` runs where the tuner picked it; public for the
+    /// GPU tests, which compare it with the CPU whatever the tuner picks.
     ///
     /// # Safety
     /// As [`Device::matmul`].
-    pub unsafe fn launch_gemv(&self, key: &MatmulKey, [a, b, c, d]: [dsys::CUdeviceptr; 4], beta: f64) -> Result<()> {
-        use crate::kernels::KernelFile;
-        let mm = gemv_rows(key).ok_or_else(|| CudaError::usage(format!("no gemv kernel for matmul {key:?}")))?;
-        let sfx = |t: DType| match t {
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            _ => "f32",
-        };
-        let name = format!("gemv_tn_{}_{}_{mm}", sfx(key.dtype), sfx(key.out));
-        let file = KernelFile::Gemv;
-        let func = self.module(file.name(), &file.source(), crate::compile::Options { fmad: true })?.function(&name)?;
-        // Rows of the block (GEMV_ROWS in the kernel) and its threads (GEMV_WARPS warps).
+    pub unsafe fn launch_gemv(
+        &self,
+        key: &MatmulKey,
+        func: crate::compile::Func,
+        [a, b, c, d]: [dsys::CUdeviceptr; 4],
+        beta: f64,
+    ) -> Result<()> {
+        // GEMV_ROWS weight rows a block of GEMV_WARPS * 32 threads (kernels/gemv.cu).
         let (rows, threads) = (4u64, 256u32);
         let grid =
             u32::try_from(key.n.div_ceil(rows)).map_err(|_| CudaError::usage(format!("gemv grid of {key:?}")))?;
         let mut words: [u64; 8] = [a, b, c, d, key.m, key.n, key.k, (beta as f32).to_bits() as u64];
-        let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w as *mut u64 as *mut c_void).collect();
+        let mut ptrs: [*mut c_void; 8] = std::array::from_fn(|i| &mut words[i] as *mut u64 as *mut c_void);
         unsafe {
             cudarc::driver::result::launch_kernel(func.0, (grid, 1, 1), (threads, 1, 1), 0, self.stream(), &mut ptrs)
         }
         .map_err(|e| CudaError::Launch {
             op: "matmul".into(),
-            kernel: name.clone(),
+            kernel: format!("gemv for {key:?}"),
             err: crate::error::describe(&e),
         })
     }

@@ -62,14 +62,11 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
 template <typename T>
 __device__ __forceinline__ void ac_stage(float* dst, const T* base, i64 j0, int n, int d, i64 stride, bool vec) {
   if (vec) {
-    constexpr int V = 16 / sizeof(T);
+    constexpr int V = Vec16<T>::n;
     const int per = d / V;  // 16-byte chunks a row
     for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
       const int jj = e / per, c = (e - jj * per) * V;
-      union { uint4 u; T t[V]; } x;
-      x.u = *(const uint4*)(base + (j0 + jj) * stride + c);
-#pragma unroll
-      for (int i = 0; i < V; ++i) dst[jj * d + c + i] = ld(x.t[i]);
+      ld16(base + (j0 + jj) * stride + c, dst + jj * d + c);
     }
   } else {
     for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
@@ -144,7 +141,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   const T* kb = k + (b * s * hkv + kvh) * d;
   const T* vb = v + (b * s * hkv + kvh) * d;
   // 16-byte rows: d a multiple of the vector, the row stride and the head's first row aligned.
-  constexpr int VW = 16 / sizeof(T);
+  constexpr int VW = Vec16<T>::n;
   const bool vec = di % VW == 0 && (kstride * (i64)sizeof(T)) % 16 == 0 && ((unsigned long long)kb & 15) == 0 &&
                    ((unsigned long long)vb & 15) == 0;
   float acc[8];

@@ -15,7 +15,7 @@ template <typename T, typename O, int MM>
 __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
                         float beta) {
   __shared__ float part[GEMV_WARPS][GEMV_MAX_M * GEMV_ROWS];
-  constexpr int V = 16 / sizeof(T);
+  constexpr int V = Vec16<T>::n;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const i64 n0 = (i64)blockIdx.x * GEMV_ROWS;
   const bool vec = k % V == 0 && ((unsigned long long)a & 15) == 0 && ((unsigned long long)b & 15) == 0;
@@ -32,10 +32,12 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const 
     for (int r = 0; r < GEMV_ROWS; ++r) {
       const bool in = n0 + r < n;
       if (vec) {
-        union { uint4 u; T t[V]; } x;
-        if (in) x.u = *(const uint4*)(b + (n0 + r) * k + ch * V);
+        if (in) {
+          ld16(b + (n0 + r) * k + ch * V, bv[r]);
+        } else {
 #pragma unroll
-        for (int i = 0; i < V; ++i) bv[r][i] = in ? ld(x.t[i]) : 0.0f;
+          for (int i = 0; i < V; ++i) bv[r][i] = 0.0f;
+        }
       } else {
         bv[r][0] = in ? ld(b[(n0 + r) * k + ch]) : 0.0f;
       }
@@ -45,10 +47,7 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const 
       if (mm >= m) break;
       float av[V];
       if (vec) {
-        union { uint4 u; T t[V]; } x;
-        x.u = *(const uint4*)(a + mm * k + ch * V);
-#pragma unroll
-        for (int i = 0; i < V; ++i) av[i] = ld(x.t[i]);
+        ld16(a + mm * k + ch * V, av);
       } else {
         av[0] = ld(a[mm * k + ch]);
       }

@@ -3,8 +3,9 @@
 //! whole as one module ([`KernelFile`]), and the flash-attention files, which `crate::flash`
 //! compiles per head-size bucket with its tile sizes put in front as `#define`s.
 
-/// Types, conversions and helpers every kernel source starts with.
-pub const PRELUDE: &str = include_str!("prelude.cuh");
+/// Types, conversions and helpers every kernel source starts with (`vec16.cuh`: 16-byte row
+/// access, a file of its own so the CPU emulators can include it too).
+pub const PRELUDE: &str = concat!(include_str!("prelude.cuh"), include_str!("vec16.cuh"));
 pub(crate) const FLASH_COMMON: &str = include_str!("flash_common.cuh");
 pub(crate) const FLASH_ATTN: &str = include_str!("flash_attn.cu");
 pub(crate) const FLASH_WG: &str = include_str!("flash_wg.cuh");

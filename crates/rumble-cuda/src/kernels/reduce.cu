@@ -119,7 +119,7 @@ template <typename T>
 __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* __restrict__ part, i64 rows, i64 cols,
                                  i64 parts, i64 chunk, int mode) {
   typedef typename Acc<T>::t A;
-  constexpr int CV = 16 / sizeof(T);
+  constexpr int CV = Vec16<T>::n;
   __shared__ A sh[RC_WARPS][32 * CV];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const i64 c0 = ((i64)blockIdx.x * 32 + lane) * CV;
@@ -134,10 +134,10 @@ __device__ void reduce_cols_part(const T* __restrict__ in, typename Acc<T>::t* _
       for (i64 r = r0 + w; r < r1; r += RC_WARPS) {
         const T* row = in + r * cols + c0;
         if (vec) {
-          union { uint4 u; T t[CV]; } x;
-          x.u = *(const uint4*)row;
+          A x[CV];
+          ld16(row, x);
 #pragma unroll
-          for (int i = 0; i < CV; ++i) acc[i] = fold_one(acc[i], ldf(x.t[i]), mode);
+          for (int i = 0; i < CV; ++i) acc[i] = fold_one(acc[i], x[i], mode);
         } else {
 #pragma unroll
           for (int i = 0; i < CV; ++i)

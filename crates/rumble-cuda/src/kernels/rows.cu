@@ -4,33 +4,7 @@
 
 // RMSNorm and its backward: one warp per row (rows of a few thousand at most: no block-wide
 // synchronisation), 16-byte loads and stores where the row width and the pointers allow
-// (`vec16`), statistics reduced by the warp's fixed-order shuffles.
-template <typename T> struct Vec16 { static const int n = 16 / sizeof(T); };
-template <typename T> union Pack16 {
-  uint4 u;
-  T e[Vec16<T>::n];
-};
-// Whether rows of d elements at these pointers can be read 16 bytes at a time.
-template <typename T>
-__device__ __forceinline__ bool vec16(i64 d, const void* a, const void* b, const void* c, const void* e) {
-  const unsigned long long m = (unsigned long long)a | (unsigned long long)b | (unsigned long long)c |
-                               (unsigned long long)e;
-  return d % Vec16<T>::n == 0 && (m & 15) == 0;
-}
-template <typename T>
-__device__ __forceinline__ void ld16(const T* p, typename Acc<T>::t* a) {
-  Pack16<T> k;
-  k.u = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < Vec16<T>::n; ++i) a[i] = ldf(k.e[i]);
-}
-template <typename T>
-__device__ __forceinline__ void st16(T* p, const typename Acc<T>::t* a) {
-  Pack16<T> k;
-#pragma unroll
-  for (int i = 0; i < Vec16<T>::n; ++i) stf(&k.e[i], a[i]);
-  *reinterpret_cast<uint4*>(p) = k.u;
-}
+// (`vec16`, vec16.cuh), statistics reduced by the warp's fixed-order shuffles.
 #define WARP_ROWS(row, rows)                                                                            \
   for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;                 \
        row += (i64)gridDim.x * (blockDim.x >> 5))

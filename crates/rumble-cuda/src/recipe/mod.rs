@@ -32,7 +32,7 @@ fn align(n: usize) -> usize {
 }
 
 /// The kernel named `name` of the fixed kernel file `file`.
-fn kernel(dev: &Device, file: KernelFile, name: &str) -> Result<crate::compile::Func> {
+pub(crate) fn kernel(dev: &Device, file: KernelFile, name: &str) -> Result<crate::compile::Func> {
     let m = dev.module(file.name(), &file.source(), Options { fmad: false })?;
     m.function(name)
 }

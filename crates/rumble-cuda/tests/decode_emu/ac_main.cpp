@@ -3,17 +3,10 @@
 // is given by tests/decode_emulation.rs as `ac.cuh`, cut from decode.cu.
 //
 // usage: ac B T HQ HKV S D HEADS ROWS SPLITS CHUNK POS...   (exit 1 past 1e-4 of the reference)
-#include "../flash_emu/emu.h"
+#include "../flash_emu/prelude_emu.h"
 #include <random>
-#define __shared__ static
-#define __syncthreads() emu::tl.blk->bar->arrive_and_wait()
-template <typename T> struct Acc { typedef float t; };
-inline void stf(float* p, float v) { *p = v; }
-// Blocks run one after another, so a function's static is its block's shared memory.
-inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl_xor(v, o); }
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
-struct alignas(16) uint4 { unsigned x, y, z, w; };  // CUDA's 16-byte vector (tile loads)
 #include "ac.cuh"
 int main(int argc, char** argv) {
   i64 b = atoi(argv[1]), t = atoi(argv[2]), hq = atoi(argv[3]), hkv = atoi(argv[4]), s = atoi(argv[5]), d = atoi(argv[6]);

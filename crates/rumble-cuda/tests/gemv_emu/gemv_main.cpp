@@ -5,13 +5,9 @@
 // usage: gemv DTYPE OUT M N K BETA [INPLACE [MISALIGN]]   (DTYPE, OUT: bf16 or f32; exit 1 past
 // the tolerance). INPLACE 1: c and d are one buffer; MISALIGN 1: a starts 2 bytes into its
 // buffer (the element-by-element path).
-#include "../flash_emu/emu.h"
+#include "../flash_emu/prelude_emu.h"
 #include <random>
 #include <string>
-#define __shared__ static
-#define __syncthreads() emu::tl.blk->bar->arrive_and_wait()
-struct alignas(16) uint4 { unsigned x, y, z, w; };  // CUDA's 16-byte vector
-inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl_xor(v, o); }
 #include "gemv.cuh"
 
 template <typename T, typename O, int MM>
