@@ -20,6 +20,10 @@ pub struct PlanArgs {
     pub workload: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Plan this many layers of the model (overrides `num_hidden_layers`, as the benchmark
+    /// suite's `layers` does: a few layers of a model too large to plan whole here).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<usize>,
     /// Plan the forward and backward only (the step bench/reference/torch_ref.py times); same as `--optimizer none`.
     #[arg(long)]
     pub no_optimizer: bool,
@@ -56,7 +60,13 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
         }
         a.model.config = Some(w);
     }
-    let r = a.model.resolve(None)?;
+    let mut r = a.model.resolve(None)?;
+    if let Some(n) = a.layers {
+        if n == 0 {
+            return Err(rumble_models::ModelError::Usage("--layers: at least one layer".into()));
+        }
+        r.config.num_hidden_layers = n;
+    }
     let mut sc = r.step.clone();
     if a.no_optimizer {
         sc.optimizer = None;

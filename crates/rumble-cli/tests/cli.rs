@@ -93,6 +93,14 @@ fn plan_and_bench_print_json() {
     assert!(p["nodes"].as_u64().is_some_and(|n| n > 100), "{p}");
     let (load, arena) = (p["load_bytes"].as_u64().unwrap(), p["arena_bytes"].as_u64().unwrap());
     assert!(load > 0 && arena >= load, "{p}");
+    // --layers plans fewer layers of the same model: fewer nodes, fewer bytes held.
+    let (ok, stdout, stderr) = rumble(&["plan", "--config", "seed-qwen2", "--seq", "64", "--layers", "2", "--json"]);
+    assert!(ok, "{stderr}");
+    let q = &lines(&stdout)[0];
+    assert!(q["nodes"].as_u64() < p["nodes"].as_u64(), "{q}");
+    assert!(q["persistent_bytes"].as_u64() < p["persistent_bytes"].as_u64(), "{q}");
+    let (ok, _, stderr) = rumble(&["plan", "--config", "seed-qwen2", "--layers", "0"]);
+    assert!(!ok && stderr.contains("--layers"), "{stderr}");
     let (ok, stdout, stderr) =
         rumble(&["bench", "tiny", "--steps", "1", "--batch", "1", "--seq", "8", "--json", "--device", "cpu"]);
     assert!(ok, "{stderr}");
