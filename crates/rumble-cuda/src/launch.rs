@@ -86,6 +86,9 @@ pub enum Step {
         ws_bytes: usize,
         beta: f64,
     },
+    /// An NCCL collective from operand 0 into output 0 on the device's communicator
+    /// ([`crate::nccl`]).
+    Collective(crate::nccl::Collective),
     /// The node runs on the host: the stream is synchronised, the operands downloaded, the CPU
     /// reference (`rumble_core::cpu::run_op`) run and the results uploaded into the node's
     /// output buffers. Never inside a graph: the graphed executor splits its graphs around it.
@@ -185,6 +188,7 @@ impl Recipe {
             Step::Kernel { name, .. } => name.clone(),
             Step::ZeroOut { .. } => "memset".into(),
             Step::Copy { .. } => "memcpy".into(),
+            Step::Collective(c) => format!("nccl:{}", c.op.name()),
             Step::Host { .. } => format!("host:{}", self.op),
             Step::Matmul { key, .. } => format!(
                 "matmul {}{}{}x{}x{}",
@@ -268,6 +272,7 @@ impl Recipe {
                     };
                     dev.matmul_add(key, [pa, pb, pin, pc, b.scratch + *ws as u64], *ws_bytes, beta)?
                 },
+                Step::Collective(c) => unsafe { c.launch(dev, b.args[0], b.outs[0])? },
                 Step::Host { op, args, outs } => run_on_host(dev, tag, self.op, op, args, outs, b)?,
             }
             hook(i, false)?;

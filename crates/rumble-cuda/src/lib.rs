@@ -27,6 +27,7 @@ pub mod launch;
 pub mod matmul;
 mod matmul_tune;
 pub mod memory;
+pub mod nccl;
 pub mod recipe;
 
 pub use device::{Device, available};

@@ -6,7 +6,8 @@
 //! written by earlier probes, `--profile` and the matmul tuner); a **probe**, which runs the node
 //! alone and records its time there; and the roofline, where a node cannot be probed (no cache
 //! folder to remember it in, the stream is capturing a graph, its buffers would take more than
-//! [`PROBE_MEMORY_FRACTION`] of the free memory, or it failed to prepare).
+//! [`PROBE_MEMORY_FRACTION`] of the free memory, it failed to prepare, or it is a collective,
+//! which alone would wait for the other ranks).
 //!
 //! A probe is the node as a one-node program (its operands as step inputs, its results as
 //! outputs), prepared and planned like any program, in an arena filled with small numbers
@@ -104,7 +105,9 @@ impl CostModel for DeviceCost {
         }
         // Views cost nothing in a plan (the roofline knows which nodes are views).
         let roofline = st.measured.node_seconds(op, args, outs);
-        if roofline == 0.0 || st.failed.contains(&key) || !self.can_probe(args, outs) {
+        // A collective alone would wait for ranks that are not probing it.
+        let collective = matches!(op, Op::Collective { .. });
+        if roofline == 0.0 || collective || st.failed.contains(&key) || !self.can_probe(args, outs) {
             return roofline;
         }
         let scrub = match st.scrub.take() {

@@ -141,8 +141,11 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         Op::RopeAt { .. } | Op::CacheWrite | Op::AttentionCached { .. } | Op::Sample { .. } => {
             return crate::decode::recipe(dev, op, at, ot);
         }
-        // The NCCL backend (issue 20) will launch these on the step's stream.
-        Op::Collective { .. } => return Err(unsupported("this device: collectives need the NCCL backend".into())),
+        // NCCL on the step's stream (crate::nccl), from the operand into the result.
+        Op::Collective { op: c, world, rank } => {
+            let c = crate::nccl::Collective::new(*c, *world, *rank, dt, at[0].numel())?;
+            b.steps.push(Step::Collective(c));
+        }
         Op::Reshape { .. }
         | Op::Permute { .. }
         | Op::Broadcast { .. }

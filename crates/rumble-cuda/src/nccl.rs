@@ -1,0 +1,249 @@
+//! The NCCL backend of data-parallel training (issue 20): the communicator a rank process
+//! makes once, and the launch of `Op::Collective` nodes (`all_reduce`, `reduce_scatter`,
+//! `all_gather`, each a sum) on the device's stream, so a rank's whole step, collectives
+//! included, is captured into its CUDA graphs like any other node. The collectives' operands
+//! and results are the plan's buffers: NCCL gets no buffer of its own from rumble.
+//!
+//! NCCL is loaded at run time (cudarc's dynamic loading, as the rest of CUDA): [`available`]
+//! says whether it can be, and why not. cudarc looks for `libnccl.so` on the loader's path;
+//! the library is usually installed as `libnccl.so.2` (the system package, or PyTorch's
+//! `nvidia-nccl` wheel), so [`available`] names where it found such a file and what to link.
+//! [`link_dir`] makes that link in a folder of rumble's own, for a launcher to put on its rank
+//! processes' `LD_LIBRARY_PATH`.
+//!
+//! A device has at most one communicator ([`Comm::install`]); a collective whose `world` and
+//! `rank` differ from it, or on a device without one, is an error naming the op.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cudarc::nccl::{result as nr, sys as ns};
+use rumble_core::ir::{CollectiveOp, DType};
+
+use crate::device::{Device, DeviceCache};
+use crate::error::{CudaError, Result};
+
+/// Bytes of an NCCL unique id (what rank 0 makes and every rank needs).
+pub const ID_BYTES: usize = 128;
+
+/// Where a `libnccl.so.2` is looked for when `libnccl.so` cannot be loaded: the loader's path,
+/// the usual system folders, and the `nvidia/nccl/lib` folder of a Python's site-packages.
+fn candidates() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var("LD_LIBRARY_PATH")
+        .unwrap_or_default()
+        .split(':')
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .collect();
+    dirs.extend(
+        ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib", "/usr/local/cuda/lib64", "/usr/lib"]
+            .iter()
+            .map(PathBuf::from),
+    );
+    // Python wheels (PyTorch's nvidia-nccl-cuXX): site-packages/nvidia/nccl/lib.
+    for root in ["/usr/local/lib", "/usr/lib", "/opt/conda/lib"] {
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                if name.starts_with("python3") {
+                    for sub in ["site-packages", "dist-packages"] {
+                        dirs.push(e.path().join(sub).join("nvidia/nccl/lib"));
+                    }
+                }
+            }
+        }
+    }
+    dirs
+}
+
+/// The first `libnccl.so.2` (or `libnccl.so`) among [`candidates`], if any.
+pub fn find_library() -> Option<PathBuf> {
+    candidates().into_iter().flat_map(|d| [d.join("libnccl.so"), d.join("libnccl.so.2")]).find(|p| p.is_file())
+}
+
+/// Whether NCCL can be loaded; the error says what was looked for and, where a
+/// `libnccl.so.2` exists that the loader does not take under cudarc's names, how to link it.
+pub fn available() -> Result<()> {
+    if unsafe { ns::is_culib_present() } {
+        return Ok(());
+    }
+    let why = match find_library() {
+        Some(p) => format!(
+            "`libnccl.so` is not on the loader's path, but {} is: link it as libnccl.so in a \
+             folder on LD_LIBRARY_PATH (`rumble train --gpus N` does this for its ranks)",
+            p.display()
+        ),
+        None => "no libnccl.so or libnccl.so.2 on LD_LIBRARY_PATH, in the system's library folders or in \
+                 a Python's nvidia/nccl/lib (pip install nvidia-nccl-cu13 puts one there)"
+            .into(),
+    };
+    Err(CudaError::Library { lib: "NCCL", why })
+}
+
+/// A folder under `root` holding a `libnccl.so` link to the `libnccl.so.2` that
+/// [`find_library`] finds (made if missing), for a launcher to put first on its rank
+/// processes' `LD_LIBRARY_PATH`; `None` where no NCCL library was found.
+pub fn link_dir(root: &Path) -> Result<Option<PathBuf>> {
+    let Some(lib) = find_library() else { return Ok(None) };
+    if lib.file_name().is_some_and(|n| n == "libnccl.so") {
+        return Ok(lib.parent().map(Path::to_path_buf));
+    }
+    let dir = root.join("nccl-lib");
+    let link = dir.join("libnccl.so");
+    let io = |e: std::io::Error| CudaError::usage(format!("linking {} at {}: {e}", lib.display(), link.display()));
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
+        let tmp = dir.join(format!(".libnccl.so.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&lib, &tmp).map_err(io)?;
+        std::fs::rename(&tmp, &link).map_err(io)?;
+    }
+    Ok(Some(dir))
+}
+
+fn nccl_err(what: &str, e: nr::NcclError) -> CudaError {
+    CudaError::Driver { what: format!("NCCL {what}"), err: format!("{e:?}") }
+}
+
+/// A new NCCL unique id (rank 0 makes it; the launcher hands it to the other ranks).
+pub fn unique_id() -> Result<[u8; ID_BYTES]> {
+    available()?;
+    let id = nr::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// The NCCL version as a number (`22805` for 2.28.5).
+pub fn version() -> Result<i32> {
+    available()?;
+    nr::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))
+}
+
+/// One rank's communicator over `world` ranks.
+pub struct Comm {
+    raw: ns::ncclComm_t,
+    pub world: usize,
+    pub rank: usize,
+}
+
+// The communicator is used from the thread that holds the device, one launch at a time (the
+// device's cache mutex); NCCL communicators may move between threads.
+unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
+
+impl Comm {
+    /// Joins the communicator of `id` as `rank` of `world` on `dev` (every rank calls this; it
+    /// returns once all have).
+    pub fn new(dev: &Device, id: &[u8; ID_BYTES], world: usize, rank: usize) -> Result<Comm> {
+        available()?;
+        if world == 0 || rank >= world {
+            return Err(CudaError::usage(format!("NCCL: rank {rank} is not one of world {world}'s ranks")));
+        }
+        dev.bind()?;
+        let uid = ns::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
+        let mut raw = std::ptr::null_mut();
+        unsafe { nr::comm_init_rank(&mut raw, world as i32, uid, rank as i32) }
+            .map_err(|e| nccl_err(&format!("ncclCommInitRank (rank {rank} of {world})"), e))?;
+        Ok(Comm { raw, world, rank })
+    }
+
+    /// Makes this the communicator of `dev`'s collectives (replacing any earlier one).
+    pub fn install(self, dev: &Device) -> Arc<Comm> {
+        let comm = Arc::new(self);
+        let slot = dev.cache::<CommSlot>();
+        slot.lock().unwrap_or_else(|e| e.into_inner()).0 = Some(comm.clone());
+        comm
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // Errors here cannot be reported; the rank is letting the communicator go.
+        unsafe {
+            let _ = nr::comm_destroy(self.raw);
+        }
+    }
+}
+
+/// The device's communicator, released with the device (before its context goes).
+#[derive(Default)]
+pub(crate) struct CommSlot(Option<Arc<Comm>>);
+
+impl DeviceCache for CommSlot {
+    fn release(&mut self) {
+        self.0 = None;
+    }
+}
+
+/// The communicator installed on `dev`, if any.
+pub fn comm(dev: &Device) -> Option<Arc<Comm>> {
+    dev.cache::<CommSlot>().lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+}
+
+/// NCCL's type for a float dtype.
+fn nccl_type(dtype: DType) -> Option<ns::ncclDataType_t> {
+    Some(match dtype {
+        DType::F32 => ns::ncclDataType_t::ncclFloat32,
+        DType::F64 => ns::ncclDataType_t::ncclFloat64,
+        DType::F16 => ns::ncclDataType_t::ncclFloat16,
+        DType::BF16 => ns::ncclDataType_t::ncclBfloat16,
+        _ => return None,
+    })
+}
+
+/// What one collective node launches: the op over `count` elements of its operand.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Collective {
+    pub op: CollectiveOp,
+    pub world: usize,
+    pub rank: usize,
+    pub dtype: DType,
+    /// Elements of the operand.
+    pub count: usize,
+}
+
+impl Collective {
+    /// Checks what the launch will need (a type NCCL sums): at prepare time, so a trace with
+    /// a collective NCCL cannot run is refused before its first step.
+    pub fn new(op: CollectiveOp, world: usize, rank: usize, dtype: DType, count: usize) -> Result<Collective> {
+        if nccl_type(dtype).is_none() {
+            return Err(CudaError::Unsupported(format!("{} of {} values through NCCL", op.name(), dtype.name())));
+        }
+        Ok(Collective { op, world, rank, dtype, count })
+    }
+
+    /// Enqueues the collective from `src` into `dst` on `dev`'s stream.
+    ///
+    /// # Safety
+    /// `src` and `dst` must be device buffers of the operand's and the result's sizes.
+    pub unsafe fn launch(&self, dev: &Device, src: u64, dst: u64) -> Result<()> {
+        let name = self.op.name();
+        let comm = comm(dev).ok_or_else(|| {
+            CudaError::usage(format!(
+                "op `{name}` (rank {} of {}): this device has no NCCL communicator (a data-parallel step \
+                 runs under rumble's launcher: `rumble train --gpus N`, or torchrun's environment)",
+                self.rank, self.world
+            ))
+        })?;
+        if (comm.world, comm.rank) != (self.world, self.rank) {
+            return Err(CudaError::usage(format!(
+                "op `{name}` was traced for rank {} of {}, but this process is rank {} of {}",
+                self.rank, self.world, comm.rank, comm.world
+            )));
+        }
+        let dt =
+            nccl_type(self.dtype).ok_or_else(|| CudaError::Unsupported(format!("{name} of {}", self.dtype.name())))?;
+        let (send, recv) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
+        let stream = dev.stream() as ns::cudaStream_t;
+        let sum = ns::ncclRedOp_t::ncclSum;
+        let r = unsafe {
+            match self.op {
+                CollectiveOp::AllReduce => nr::all_reduce(send, recv, self.count, dt, sum, comm.raw, stream),
+                CollectiveOp::ReduceScatter => {
+                    nr::reduce_scatter(send, recv, self.count / self.world, dt, sum, comm.raw, stream)
+                }
+                CollectiveOp::AllGather => nr::all_gather(send, recv, self.count, dt, comm.raw, stream),
+            }
+        };
+        r.map(|_| ()).map_err(|e| nccl_err(&format!("{name} of {} {} values", self.count, self.dtype.name()), e))
+    }
+}
