@@ -48,7 +48,7 @@ use crate::launch::{Arg, Recipe, Step};
 /// Threads per block of the tensor-core kernels on mma.sync (4 warps), and of the delta and
 /// partial-sum kernels.
 const THREADS: usize = 128;
-/// Threads per block of the wgmma forward and dQ (two warpgroups; the wgmma dK/dV has one).
+/// Threads per block of the wgmma kernels (two warpgroups).
 const WG_THREADS: usize = 256;
 /// Threads per block of the FMA flash kernels.
 const FMA_THREADS: usize = 256;
@@ -85,8 +85,6 @@ pub struct Tiles {
     pub fwd_wg: bool,
     /// On sm_90, dQ on the warpgroup MMA ([`WG_DQ`]), likewise.
     pub dq_wg: bool,
-    /// On sm_90, dK/dV on the warpgroup MMA ([`WG_DKDV`]), likewise.
-    pub dkdv_wg: bool,
 }
 
 /// Padded head size 16 (head sizes 1..=16).
@@ -99,17 +97,16 @@ pub const D16: Tiles = Tiles {
     dq_keys: 64,
     fwd_wg: false,
     dq_wg: false,
-    dkdv_wg: false,
 };
 /// Padded head sizes 32..=64. On the H200 the wgmma forward was slower here than mma.sync
 /// (0.34 against 0.32 ms at seq 4096); its dQ faster (0.36 against 0.38).
-pub const D64: Tiles = Tiles { dq_rows: 64, dq_wg: true, dkdv_wg: true, ..D16 };
+pub const D64: Tiles = Tiles { dq_rows: 64, dq_wg: true, ..D16 };
 /// Padded head sizes 80, 96 and 128: 64-key forward steps (each Q fragment read feeds 16 mma),
 /// 32 queries a warp in dQ. On the H200 at d128 x seq 4096 the wgmma forward took 0.44 against
-/// 0.52 ms, the wgmma dQ 0.55 against 0.64.
-pub const D128: Tiles = Tiles { fwd_keys: 64, dq_keys: 32, fwd_wg: true, dq_wg: true, dkdv_wg: true, ..D16 };
+/// 0.52 ms, the wgmma dQ 0.55 against 0.64 (a wgmma dK/dV, 1.43 against 0.97, was dropped).
+pub const D128: Tiles = Tiles { fwd_keys: 64, dq_keys: 32, fwd_wg: true, dq_wg: true, ..D16 };
 /// Padded head size 112: D128's tiles but 32-key forward steps (64 spill 84 bytes there).
-pub const D112: Tiles = Tiles { fwd_keys: 32, fwd_step: 32, fwd_wg: false, dq_wg: false, dkdv_wg: false, ..D128 };
+pub const D112: Tiles = Tiles { fwd_keys: 32, fwd_step: 32, fwd_wg: false, dq_wg: false, ..D128 };
 /// Padded head sizes 144..=256: one m-tile a warp, 32-key and 32-query tiles; dK/dV in head-dim
 /// chunks of 128.
 pub const D256: Tiles = Tiles {
@@ -121,16 +118,12 @@ pub const D256: Tiles = Tiles {
     dq_keys: 32,
     fwd_wg: false,
     dq_wg: false,
-    dkdv_wg: false,
 };
 
 /// The wgmma forward's block (`fwd_wg`): 128 queries by two warpgroups, 64-key stages.
 pub const WG_FWD: (usize, usize) = (128, 64);
 /// The wgmma dQ's block (`bwd_dq_wg`): 128 queries by two warpgroups, 64-key stages.
 pub const WG_DQ: (usize, usize) = (128, 64);
-/// The wgmma dK/dV's block (`bwd_dkdv_wg`): 64 keys by one warpgroup, 64-query stages, all
-/// head dims; two blocks a multiprocessor.
-pub const WG_DKDV: (usize, usize) = (64, 64);
 
 impl Tiles {
     /// The bucket of padded head size `dp` (a multiple of 16 up to [`MAX_HEAD`]).
@@ -204,22 +197,13 @@ pub struct Launch {
     pub fwd_threads: usize,
     pub dq_threads: usize,
     pub dkdv_threads: usize,
-    /// The forward, dQ and dK/dV on the warpgroup MMA (`kernels/flash_wg.cuh`, sm_90a).
+    /// The forward and dQ on the warpgroup MMA (`kernels/flash_wg.cuh`, sm_90a).
     pub fwd_wg: bool,
     pub dq_wg: bool,
-    pub dkdv_wg: bool,
     /// The FMA kernels' buffers of streamed tiles (1 or 2) in the forward, dQ and dK/dV.
     pub stages: [usize; 3],
     /// dK/dV blocks that run at once on a multiprocessor (registers and shared memory).
     pub dkdv_per_sm: usize,
-}
-
-impl Launch {
-    /// Whether some kernel runs on the warpgroup MMA (the module then holds `flash_wg.cuh` and
-    /// compiles for sm_90a).
-    pub fn any_wg(&self) -> bool {
-        self.fwd_wg || self.dq_wg || self.dkdv_wg
-    }
 }
 
 impl Variant {
@@ -243,7 +227,7 @@ impl Variant {
         match self {
             Variant::Mma { dtype, dp, .. } => {
                 let s = self.shape();
-                format!("flash_{}_d{dp}{}", dtype.name(), if s.any_wg() { "_wg" } else { "" })
+                format!("flash_{}_d{dp}{}", dtype.name(), if s.fwd_wg || s.dq_wg { "_wg" } else { "" })
             }
             Variant::Fma { dp } => format!("flash_f32_d{dp}"),
         }
@@ -272,7 +256,7 @@ impl Variant {
         d.push(stages("DQ", 1));
         d.extend(launch_defines!(s; smem_dq, dkdv_keys, dkdv_queries, dkdv_dims, nchunk, dkdv_threads));
         d.push(stages("DKDV", 2));
-        d.extend(launch_defines!(s; smem_dkdv, dkdv_wg));
+        d.extend(launch_defines!(s; smem_dkdv));
         d.iter().map(|(k, v)| format!("#define {k} {v}\n")).collect()
     }
 
@@ -282,7 +266,7 @@ impl Variant {
     pub fn source(&self) -> String {
         let s = self.shape();
         let body = match self {
-            Variant::Mma { .. } if s.any_wg() => format!("{FLASH_ATTN}\n{FLASH_WG}"),
+            Variant::Mma { .. } if s.fwd_wg || s.dq_wg => format!("{FLASH_ATTN}\n{FLASH_WG}"),
             Variant::Mma { .. } => FLASH_ATTN.to_string(),
             Variant::Fma { .. } => FLASH_FMA.to_string(),
         };
@@ -295,8 +279,7 @@ impl Variant {
                 let t = Tiles::of(dp);
                 let ld = dp + 8; // shared row stride (elements) of the mma.sync kernels
                 let swizzled = dp % 64 == 0; // the wgmma kernels' 64-column swizzled rows
-                let (fwd_wg, dq_wg, dkdv_wg) =
-                    (wg && swizzled && t.fwd_wg, wg && swizzled && t.dq_wg, wg && swizzled && t.dkdv_wg);
+                let (fwd_wg, dq_wg) = (wg && swizzled && t.fwd_wg, wg && swizzled && t.dq_wg);
                 // Q, then two stages of K and V; the wgmma kernels' tiles unpadded plus 1 KiB to
                 // align them to 1024 bytes.
                 let (fwd_rows, fwd_keys, fwd_step, fwd_threads, smem_fwd) = if fwd_wg {
@@ -312,15 +295,8 @@ impl Variant {
                 } else {
                     (t.dq_rows, t.dq_keys, THREADS, (2 * t.dq_rows + 4 * t.dq_keys) * ld * 2)
                 };
-                // K and V, two stages of Q and dO, and two of lse and delta (f32); on wgmma all
-                // head dims at once, the tiles unpadded and aligned to 1024 bytes.
-                let (bk, bq, dc, smem_dkdv) = if dkdv_wg {
-                    let (k, q) = WG_DKDV;
-                    (k, q, dp, (2 * k + 4 * q) * dp * 2 + 4 * q * 4 + 1024)
-                } else {
-                    let (k, q) = (THREADS / 2, t.dkdv_queries);
-                    (k, q, dp.min(128), (2 * k + 4 * q) * ld * 2 + 4 * q * 4)
-                };
+                // K and V, two stages of Q and dO, and two of lse and delta (f32).
+                let (bk, bq, dc) = (THREADS / 2, t.dkdv_queries, dp.min(128));
                 Launch {
                     fwd_rows,
                     fwd_keys,
@@ -333,13 +309,12 @@ impl Variant {
                     nchunk: dp.div_ceil(dc),
                     smem_fwd,
                     smem_dq,
-                    smem_dkdv,
+                    smem_dkdv: (2 * bk + 4 * bq) * ld * 2 + 4 * bq * 4,
                     fwd_threads,
                     dq_threads,
                     dkdv_threads: THREADS,
                     fwd_wg,
                     dq_wg,
-                    dkdv_wg,
                     stages: [2, 2, 2],
                     dkdv_per_sm: 2,
                 }
@@ -377,7 +352,6 @@ impl Variant {
                     dkdv_threads: FMA_THREADS,
                     fwd_wg: false,
                     dq_wg: false,
-                    dkdv_wg: false,
                     stages,
                     dkdv_per_sm: 1,
                 }
@@ -389,7 +363,7 @@ impl Variant {
     /// (`sm_90`): `sm_90a` where a kernel runs on wgmma.
     pub fn arch(&self, arch: &str) -> String {
         let s = self.shape();
-        if s.any_wg() { format!("{arch}a") } else { arch.to_string() }
+        if s.fwd_wg || s.dq_wg { format!("{arch}a") } else { arch.to_string() }
     }
 
     /// Every variant [`choose`] can make, on sm_90 and before (for the offline compile test,

@@ -80,19 +80,14 @@ fn launch_shapes_follow_the_tiles() {
     // d112: 32-key forward stages.
     assert_eq!((mma(112, false).fwd_keys, mma(112, false).fwd_step), (32, 32));
     // On wgmma at d128: 128 queries by 256 threads, (128 + 4 x 64) x 128 x 2 + 1024 bytes; and
-    // dQ, (2 x 128 + 4 x 64) x 128 x 2 + 1024; dK/dV 64 keys by one warpgroup, all 128 dims,
-    // (2 x 64 + 4 x 64) x 128 x 2 + 4 x 64 x 4 + 1024.
+    // dQ, (2 x 128 + 4 x 64) x 128 x 2 + 1024; dK/dV as on mma.sync.
     let w = mma(128, true);
     assert_eq!((w.fwd_rows, w.fwd_threads, w.smem_fwd, w.fwd_wg), (128, 256, 99328, true));
     assert_eq!((w.dq_rows, w.dq_threads, w.smem_dq, w.dq_wg), (128, 256, 132096, true));
-    assert_eq!((w.dkdv_keys, w.dkdv_queries, w.dkdv_threads, w.smem_dkdv), (64, 64, 128, 100352));
-    assert_eq!((w.dkdv_wg, w.nchunk, w.dkdv_dims, w.dkdv_per_sm), (true, 1, 128, 2));
-    // Two dK/dV blocks fit a multiprocessor's 228 KiB.
-    assert!(2 * w.smem_dkdv <= 228 * 1024);
-    // At d64 dQ and dK/dV; at d112 (not whole 64-column rows) and d16 none.
+    assert_eq!(w.smem_dkdv, p.smem_dkdv);
+    // At d64 only dQ; at d112 (not whole 64-column rows) and d16 neither.
     let w = mma(64, true);
     assert_eq!((w.fwd_wg, w.dq_wg, w.fwd_rows, w.smem_fwd), (false, true, 128, 92160));
-    assert_eq!((w.dkdv_wg, w.smem_dkdv, w.dkdv_dims), (true, 51200, 64));
     assert_eq!(mma(112, true), mma(112, false));
     assert_eq!(mma(16, true), mma(16, false));
     // FMA, d 100 -> 128: 128 queries (fwd, dq), 64 keys (dkdv); the forward and dK/dV buffers

@@ -6,8 +6,7 @@
 // One module per (FT, FDP): src/flash.rs puts the prelude, the module's `#define`s (FT, FDP and
 // the tile sizes and launch shape of the head-size bucket, `Tiles` there: FA_FWD_ROWS ...) and
 // flash_common.cuh before this file, and flash_wg.cuh after it where Hopper's warpgroup MMA
-// takes the forward (FA_FWD_WG), dQ (FA_DQ_WG) or dK/dV (FA_DKDV_WG). This file has no tile
-// decision of its own.
+// takes the forward (FA_FWD_WG) or dQ (FA_DQ_WG). This file has no tile decision of its own.
 // Warp-level building blocks (mma.sync m16n8k16, ldmatrix, cp.async) are wrapped in small
 // functions so that the CPU emulator (tests/flash_emu/) can stand in for them.
 //
@@ -458,7 +457,6 @@ __device__ __forceinline__ void store_dkdv(T* dk, T* dv, float* part, int nsplit
   }
 }
 
-#if !FA_DKDV_WG
 // ---- backward: dK, dV of BK keys of one (batch, kv head), head dims [c0, c0 + DC); each warp
 // 16 keys ----
 __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -564,7 +562,6 @@ __device__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const
     store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[mt][n][e] * sc, gv[mt][n][e]);
   });
 }
-#endif  // !FA_DKDV_WG
 
 #if !FA_DQ_WG
 // ---- backward: dQ of BR queries of one (batch, query head); each warp QMT x 16 queries ----
@@ -676,7 +673,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_delta(const f
                                                                          fa::Dims dm) {
   fa::bwd_delta(o, dout, delta, dm);
 }
-#if !FA_DKDV_WG
 extern "C" __global__ void __launch_bounds__(FA_DKDV_THREADS)
     flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v, const float* lse, const fa::T* dout,
                    const float* delta, fa::T* dk, fa::T* dv, float* part, int nsplit, fa::Dims dm, double scale,
@@ -685,7 +681,6 @@ extern "C" __global__ void __launch_bounds__(FA_DKDV_THREADS)
     fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, blk);
   });
 }
-#endif
 // dK and dV from flash_bwd_dkdv's nsplit partial sums (split order, so deterministic); four
 // elements a thread where d % 4 == 0 (16-byte loads of the partials: the scratch is 256-byte
 // aligned and each plane a multiple of 4 elements).

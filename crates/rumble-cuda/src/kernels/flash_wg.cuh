@@ -1,8 +1,8 @@
 // Flash attention kernels on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a): the forward
-// (fwd_wg, where the bucket sets FA_FWD_WG), dQ (bwd_dq_wg, FA_DQ_WG) and dK/dV (bwd_dkdv_wg,
-// FA_DKDV_WG) at padded head sizes 64 and 128. src/flash.rs appends this file to flash_attn.cu
-// (whose helpers it uses) and compiles the module for sm_90a; it defines the entry points
-// flash_fwd / flash_bwd_dq / flash_bwd_dkdv that flash_attn.cu then leaves out. No CPU emulation (tests/flash_emu/ covers the mma.sync kernels only).
+// (fwd_wg, where the bucket sets FA_FWD_WG) and dQ (bwd_dq_wg, FA_DQ_WG) at padded head sizes 64
+// and 128. src/flash.rs appends this file to flash_attn.cu (whose helpers it uses) and compiles
+// the module for sm_90a; it defines the entry points flash_fwd / flash_bwd_dq that flash_attn.cu
+// then leaves out. No CPU emulation (tests/flash_emu/ covers the mma.sync kernels only).
 //
 // wgmma m64nNk16 with f32 accumulators, operands from shared memory through matrix descriptors
 // (128-byte swizzle) or A from registers (operand types MMA_AB, as flash_attn.cu's mma.sync);
@@ -15,7 +15,6 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 // The compiler sees a wgmma's accumulators written when the asm issues it, not when wg_wait0
 // returns, so it may move plain register arithmetic on them above the wait (stale values). A
 // volatile asm that "rewrites" them after the wait (and before the next issue) pins every use
@@ -31,10 +30,6 @@ __device__ __forceinline__ u64 wg_desc(const void* p, u32 lbo, u32 sbo) {
   const u64 a = smem_u32(p);
   return ((a & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
-// A descriptor's start address advanced by `bytes` (a multiple of 16): added to the address
-// field (shared addresses are under 2^18, so the field never carries into the next); one
-// descriptor a tile and constant offsets, not one 64-bit descriptor held per operand slice.
-__device__ __forceinline__ u64 wg_step(u32 bytes) { return bytes >> 4; }
 __device__ __forceinline__ void wg_ss_n64(float* d, u64 da, u64 db, int acc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -166,22 +161,6 @@ __device__ __forceinline__ void wg_acc_ab(float* acc, const u32 (*a)[4], const u
   wg_commit();
   wg_wait0();
   wg_hold<DP / 2>(acc);
-}
-// acc[DP / 2] += A B as wg_acc_ab, issued and committed but not waited for (the caller waits,
-// and leaves `acc` and `a` alone until then).
-template <int BN>
-__device__ __forceinline__ void wg_issue_ab(float* acc, const u32 (*a)[4], const unsigned char* b) {
-  wg_fence();
-  const u64 d0 = wg_desc(b, BN * 128, 1024);
-#pragma unroll
-  for (int kc = 0; kc < BN / 16; ++kc) {
-    const u64 db = d0 + wg_step(kc * 16 * 128);
-    if constexpr (DP == 128)
-      wg_rs_n128(acc, a[kc], db);
-    else
-      wg_rs_n64(acc, a[kc], db);
-  }
-  wg_commit();
 }
 // The thread's columns 8 j + 2 tq (+ 1) of its row `i` (0: row g, 1: g + 8) of acc[DP / 2],
 // times `mul`, into `row` (columns past d are not written).
@@ -387,168 +366,6 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
   }
 }
 #endif  // FA_DQ_WG
-
-#if FA_DKDV_WG
-// ---- backward: dK, dV of BK = 64 keys of one (batch, kv head) on wgmma (FA_DKDV_WG), one
-// warpgroup (warp w its keys 16 w .. +16), all head dims; the grid, the split of the group's
-// query heads and the epilogue are flash_attn.cu's bwd_dkdv's. Two blocks run on a
-// multiprocessor (__launch_bounds__(128, 2): up to 255 registers a thread), and being
-// independent, one's softmax overlaps the other's products. Per tile of BQ = 64 queries (Q, dO,
-// lse and delta double-buffered; Q and dO swizzled as fwd_wg's K): S^T = K Q^T and
-// dP^T = V dO^T (DP/16 wgmma m64n64k16 each, two commit groups: P^T is computed from S^T while
-// dP^T is still running), P^T = 2^(S^T scale log2 e - lse log2 e), then dV += P^T dO issued
-// (P^T from registers, dO MN-major as fwd_wg's V) and dS^T = P^T (dP^T - delta) computed while
-// it runs, then dK += dS^T Q; both waited for before the tile's stage is released. At d128
-// ptxas spills 64 bytes (255 registers), with or without that overlap. K and V
-// are [halves][64][64] swizzled tiles (K-major A operands). An earlier wgmma dK/dV (two
-// warpgroups over 128 keys, one block a multiprocessor, every product waited for at once) took
-// 1.43 ms against mma.sync's 0.97 on the H200: its warpgroups met at every tile's barrier, so
-// their softmax and their products never overlapped. ----
-__device__ __forceinline__ void bwd_dkdv_wg(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                            const float* __restrict__ lse, const T* __restrict__ dout,
-                                            const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                                            float* __restrict__ part, int nsplit, Dims dm, double scale, int causal,
-                                            i64 blk) {
-  static_assert((DP == 64 || DP == 128) && BK == 64 && BQ == 64 && DKNT == 128 && NCHUNK == 1,
-                "bwd_dkdv_wg: one warpgroup, 64 keys, 64-query tiles, head size 64 or 128");
-  constexpr int TILE = BQ * DP * 2;  // bytes of a Q or dO stage
-  FLASH_SMEM(raw);
-  unsigned char* sk = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
-  unsigned char* sv = sk + BK * DP * 2;
-  unsigned char* sq = sv + BK * DP * 2;  // 2 stages
-  unsigned char* sdo = sq + 2 * TILE;    // 2 stages
-  float* sl = (float*)(sdo + 2 * TILE);  // 2 stages of BQ: lse * log2(e)
-  float* sd = sl + 2 * BQ;               // 2 stages of BQ: delta
-  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-  const i64 d = dm.d, T_ = dm.t, S = dm.s, group = dm.hq / dm.hkv;
-  const i64 k0 = blk * BK;
-  const Split x = split_of(dm, nsplit);
-  const i64 b = x.b, kvh = x.kvh;
-  const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dout);
-  const float sl2 = log2_scale(scale);
-  const i64 qstart = causal ? k0 : 0;  // k0 is a multiple of BQ
-  const int nqt = T_ > qstart ? (int)((T_ - qstart + BQ - 1) / BQ) : 0;
-  const int total = (int)(x.h1 - x.h0) * nqt;
-  const i64 kw = k0 + w * 16;  // the warp's first key
-
-  load_sw<BK, DKNT>(sk, k + k_at(dm, b, kvh), k0, S - k0, (int)d, (int)dm.krs, vec);
-  load_sw<BK, DKNT>(sv, v + k_at(dm, b, kvh), k0, S - k0, (int)d, (int)dm.krs, vec);
-  // Tile (hh, qt): query head b*hq + kvh*group + h0 + hh, queries from qstart + qt * BQ.
-  auto load_q = [&](int hq_, int qt_, int st) {
-    const i64 hh = kvh * group + x.h0 + hq_, bh = b * dm.hq + hh;
-    const i64 i0 = qstart + (i64)qt_ * BQ;
-    load_sw<BQ, DKNT>(sq + st * TILE, q + q_at(dm, b, hh), i0, T_ - i0, (int)d, (int)dm.qrs, vec);
-    load_sw<BQ, DKNT>(sdo + st * TILE, dout + q_at(dm, b, hh), i0, T_ - i0, (int)d, (int)dm.qrs, vec);
-    for (int e = threadIdx.x; e < BQ; e += DKNT) {
-      const bool ok = i0 + e < T_;
-      sl[st * BQ + e] = ok ? lse[bh * T_ + i0 + e] * LOG2E : 0.f;
-      sd[st * BQ + e] = ok ? delta[bh * T_ + i0 + e] : 0.f;
-    }
-  };
-  if (total > 0) load_q(0, 0, 0);
-  cp_commit();
-
-  float gk[DP / 2], gv[DP / 2];
-#pragma unroll
-  for (int i = 0; i < DP / 2; ++i) gk[i] = gv[i] = 0.f;
-  const u64 dk0 = wg_desc(sk, 16, 1024), dv0 = wg_desc(sv, 16, 1024);
-
-  int hc = 0, qc = 0;  // the current tile
-  for (int it = 0; it < total; ++it) {
-    const int nh = qc + 1 < nqt ? hc : hc + 1, nq = qc + 1 < nqt ? qc + 1 : 0;  // the next tile
-    if (it + 1 < total) {
-      load_q(nh, nq, (it + 1) & 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    fence_async_smem();  // this thread's tile writes, visible to the wgmma (async proxy) reads
-    FLASH_SYNC();
-    const int st = it & 1;
-    const unsigned char* qs = sq + st * TILE;
-    const unsigned char* dos = sdo + st * TILE;
-    const float* ls = sl + st * BQ;
-    const float* ds = sd + st * BQ;
-    const i64 i0 = qstart + (i64)qc * BQ;
-    hc = nh;
-    qc = nq;
-    // (Causal: every tile from qstart on has a query at or after some key of the block.)
-    float s[BQ / 2], dp[BQ / 2];
-#pragma unroll
-    for (int i = 0; i < BQ / 2; ++i) s[i] = dp[i] = 0.f;
-    wg_fence();
-    const u64 dq0 = wg_desc(qs, 16, 1024), ddo0 = wg_desc(dos, 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
-      const u32 aoff = (kk >> 2) * (BK * 128) + (kk & 3) * 32, boff = (kk >> 2) * (BQ * 128) + (kk & 3) * 32;
-      wg_ss_n64(s, dk0 + wg_step(aoff), dq0 + wg_step(boff), kk > 0);
-    }
-    wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
-      const u32 aoff = (kk >> 2) * (BK * 128) + (kk & 3) * 32, boff = (kk >> 2) * (BQ * 128) + (kk & 3) * 32;
-      wg_ss_n64(dp, dv0 + wg_step(aoff), ddo0 + wg_step(boff), kk > 0);
-    }
-    wg_commit();
-    wg_wait1();  // S^T is done; dP^T may still run
-    wg_hold<BQ / 2>(s);
-    // Element e of tile j: key kw + g + 8 (e >> 1), query i0 + 8 j + 2 tq + (e & 1). Out: a
-    // query at or past T; causal, a query before its key (tile-relative in 32 bits: column -
-    // row < kw - i0, at most 48 here). Keys at or past S are zero rows, never stored.
-    const bool mask = i0 + BQ > T_ || (causal && i0 < kw + 15);  // warp-uniform
-    const int qmax = (int)min64(T_ - i0, BQ);
-    const int rel = causal ? (int)(kw - i0 < -BQ - 16 ? -BQ - 16 : kw - i0) : -BQ - 16;
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-      const float2 L = *(const float2*)&ls[8 * j + 2 * tq];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = ex2(fmaf(s[4 * j + e], sl2, -((e & 1) ? L.y : L.x)));
-        if (mask) {
-          const int qcol = 8 * j + 2 * tq + (e & 1), kr = g + 8 * (e >> 1);
-          if (qcol >= qmax || qcol - kr < rel) p = 0.f;
-        }
-        s[4 * j + e] = p;
-      }
-    }
-    u32 pa[BQ / 16][4];
-    wg_pack_a<BQ>(pa, s);
-    wg_wait0();  // dP^T
-    wg_hold<BQ / 2>(dp);
-    wg_issue_ab<BQ>(gv, pa, dos);  // dV += P^T dO, running while dS^T is computed
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-      const float2 D = *(const float2*)&ds[8 * j + 2 * tq];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? D.y : D.x));
-    }
-    u32 sa[BQ / 16][4];
-    wg_pack_a<BQ>(sa, dp);
-    wg_issue_ab<BQ>(gk, sa, qs);  // dK += dS^T Q
-    wg_wait0();
-    wg_hold<DP / 2>(gv);
-    wg_hold<DP / 2>(gk);
-    FLASH_SYNC();  // the stage is read before the next iteration's loads overwrite it
-  }
-  cp_wait<0>();
-
-  const float sc = (float)scale;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const i64 r = kw + g + 8 * i;
-    if (r < S) {
-#pragma unroll
-      for (int j = 0; j < DP / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const i64 c = 8 * j + 2 * tq + e;
-          if (c < d) store_dkdv(dk, dv, part, nsplit, dm, x, r, c, gk[4 * j + 2 * i + e] * sc, gv[4 * j + 2 * i + e]);
-        }
-    }
-  }
-}
-#endif  // FA_DKDV_WG
 }  // namespace fa
 
 #if FA_FWD_WG
@@ -573,16 +390,5 @@ extern "C" __global__ void __launch_bounds__(FA_DQ_THREADS)
                  const float* delta, fa::T* dq, fa::Dims dm, double scale, int causal) {
   fa::each_block((dm.t + fa::BR - 1) / fa::BR, 1,
                  [&](i64 blk) { fa::bwd_dq_wg(q, k, v, lse, dout, delta, dq, dm, scale, causal, blk); });
-}
-#endif
-#if FA_DKDV_WG
-// Two blocks of 128 threads a multiprocessor (flash.rs `Launch::dkdv_per_sm`).
-extern "C" __global__ void __launch_bounds__(FA_DKDV_THREADS, 2)
-    flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v, const float* lse, const fa::T* dout,
-                   const float* delta, fa::T* dk, fa::T* dv, float* part, int nsplit, fa::Dims dm, double scale,
-                   int causal) {
-  fa::each_block((dm.s + fa::BK - 1) / fa::BK, 1, [&](i64 blk) {
-    fa::bwd_dkdv_wg(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, blk);
-  });
 }
 #endif
