@@ -103,7 +103,11 @@ pub const D16: Tiles = Tiles {
 pub const D64: Tiles = Tiles { dq_rows: 64, dq_wg: true, ..D16 };
 /// Padded head sizes 80, 96 and 128: 64-key forward steps (each Q fragment read feeds 16 mma),
 /// 32 queries a warp in dQ. On the H200 at d128 x seq 4096 the wgmma forward took 0.44 against
-/// 0.52 ms, the wgmma dQ 0.55 against 0.64 (a wgmma dK/dV, 1.43 against 0.97, was dropped).
+/// 0.52 ms, the wgmma dQ 0.55 against 0.64. dK/dV stays on mma.sync: a wgmma dK/dV of two
+/// warpgroups over 128 keys took 1.43 against 0.97 ms (H200); one of one warpgroup over 64 keys,
+/// two blocks a multiprocessor, P^T computed while dP^T ran and dS^T while dV's product ran
+/// (commit f1bd7c6), took 0.970 against 0.955 ms at d128 x 4096 and 0.298 against 0.279 at
+/// d128 x 2048, 0.188 against 0.172 at d64 x 2048 (H100, bthd): both removed.
 pub const D128: Tiles = Tiles { fwd_keys: 64, dq_keys: 32, fwd_wg: true, dq_wg: true, ..D16 };
 /// Padded head size 112: D128's tiles but 32-key forward steps (64 spill 84 bytes there).
 pub const D112: Tiles = Tiles { fwd_keys: 32, fwd_step: 32, fwd_wg: false, dq_wg: false, ..D128 };
