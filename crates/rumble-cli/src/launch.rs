@@ -5,8 +5,9 @@
 //! variable at fault.
 //!
 //! Data-parallel runs (`world > 1`) are refused for now: the rank traces exist
-//! (`rumble_core::passes::data_parallel`) but the NCCL backend that runs their collectives does
-//! not. What it will do with a `Launch`: `--gpus N` starts N copies of this command with the
+//! (`rumble_core::passes::data_parallel`), and so does the NCCL backend that runs their
+//! collectives (`rumble_cuda::nccl`), but the trainer has no rank path yet. What it will do
+//! with a `Launch`: `--gpus N` starts N copies of this command with the
 //! torchrun variables set (a free local port as `MASTER_PORT`), each rank binds device
 //! `LOCAL_RANK`, rank 0 makes the NCCL unique id and serves it over TCP at
 //! `MASTER_ADDR:MASTER_PORT` where the others fetch it (`rumble_models::rendezvous`), each
@@ -125,8 +126,8 @@ pub fn resolve(gpus: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> Res
 }
 
 /// Refuses a data-parallel launch this build cannot run: too few CUDA devices for `--gpus`
-/// (`devices` says whether device `i` opens, with the reason when not), then the missing NCCL
-/// backend.
+/// (`devices` says whether device `i` opens, with the reason when not), then the missing rank
+/// path of the trainer.
 pub fn refuse_data_parallel(l: &Launch, devices: &dyn Fn(usize) -> Result<(), String>) -> Result<(), String> {
     if l.world == 1 {
         return Ok(());
@@ -136,8 +137,8 @@ pub fn refuse_data_parallel(l: &Launch, devices: &dyn Fn(usize) -> Result<(), St
         devices(l.world - 1).map_err(|why| format!("--gpus {} needs {} CUDA devices: {why}", l.world, l.world))?;
     }
     Err(format!(
-        "data-parallel training over {} ranks needs the NCCL backend, which is not built yet (issue 20); \
-         run one process without --gpus{}",
+        "data-parallel training over {} ranks is not built yet (issue 20: the NCCL backend exists, the \
+         trainer's rank path does not); run one process without --gpus{}",
         l.world,
         if l.source == LaunchSource::Torchrun { " or with WORLD_SIZE=1" } else { "" }
     ))
@@ -227,7 +228,7 @@ mod tests {
         let e = refuse_data_parallel(&two, &|i| Err(format!("device {i} asked for, 1 present"))).unwrap_err();
         assert!(e.contains("--gpus 2 needs 2 CUDA devices: device 1 asked for, 1 present"), "{e}");
         let e = refuse_data_parallel(&two, &|_| Ok(())).unwrap_err();
-        assert!(e.contains("NCCL backend, which is not built yet"), "{e}");
+        assert!(e.contains("is not built yet (issue 20"), "{e}");
         let e = refuse_data_parallel(&resolve(None, &env(&TORCHRUN)).unwrap(), &|_| Ok(())).unwrap_err();
         assert!(e.contains("over 8 ranks") && e.contains("WORLD_SIZE=1"), "{e}");
     }

@@ -69,7 +69,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Data-parallel training on N GPUs of this host, one process each (under torchrun, whose
-    /// RANK, WORLD_SIZE, ... are read instead, leave it out). Needs the NCCL backend, not built
+    /// RANK, WORLD_SIZE, ... are read instead, leave it out). The trainer's rank path is not built
     /// yet: N > 1 is refused.
     #[arg(long, value_name = "N")]
     pub gpus: Option<usize>,
