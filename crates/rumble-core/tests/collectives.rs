@@ -37,13 +37,25 @@ fn collectives_have_no_vjp() {
 }
 
 #[test]
-fn one_trace_alone_cannot_run_a_collective_on_the_cpu() {
+fn one_trace_alone_cannot_run_a_collective_on_the_cpu_but_a_world_of_one() {
     let (g, _x, y) = graph(CollectiveOp::ReduceScatter);
     g.output(&y, "y").unwrap();
     let t = g.finish().unwrap();
     let x = HostTensor::randn(t.ty(t.inputs[0].value).clone(), 1.0, &mut Rng::new(1));
     let err = cpu::eval(&t, &[x]).unwrap_err().to_string();
     assert!(err.contains("reduce_scatter") && err.contains("testing::simulate"), "{err}");
+    // A world of one rank: each collective alone gives its operand back, flattened.
+    for c in CollectiveOp::ALL {
+        let g = Graph::new("one");
+        let x = g.data("x", DType::F32, &[3, 4]).unwrap();
+        let x = if c == CollectiveOp::AllGather { x.reshape(&[12]).unwrap() } else { x };
+        let y = g.apply(Op::Collective { op: c, world: 1, rank: 0 }, &[&x]).unwrap().remove(0);
+        g.output(&y, "y").unwrap();
+        let t = g.finish().unwrap();
+        let x = HostTensor::randn(t.ty(t.inputs[0].value).clone(), 1.0, &mut Rng::new(2));
+        let y = cpu::eval(&t, std::slice::from_ref(&x)).unwrap().remove(0);
+        assert_eq!((y.ty.numel(), &y.bytes), (12, &x.bytes), "{}", c.name());
+    }
 }
 
 /// One rank's trace: `y = collective(x * 2)` then `y + 1`, so ops run on both sides.
