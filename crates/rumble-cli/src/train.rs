@@ -27,6 +27,7 @@ use std::time::Instant;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use rumble_core::cpu::Rng;
+use rumble_core::passes::data_parallel::{DataParallel, Mode};
 use rumble_models::checkpoint::{self, TrainerState};
 use rumble_models::data::Batch;
 use rumble_models::folder::copy_tokenizer_files;
@@ -73,6 +74,11 @@ pub struct TrainArgs {
     /// yet: N > 1 is refused.
     #[arg(long, value_name = "N")]
     pub gpus: Option<usize>,
+    /// Build the step as the one rank of a one-rank data-parallel (DDP) program, as each rank
+    /// of --gpus N will: its collectives are identities on the CPU and run through NCCL on
+    /// CUDA (which must then load). Losses and weights are those of the plain step, bit for bit.
+    #[arg(long)]
+    pub data_parallel: bool,
     /// Start from these weights instead of a random initialisation.
     #[arg(long, value_name = "CHECKPOINT.safetensors")]
     pub init_from: Option<PathBuf>,
@@ -355,7 +361,23 @@ pub fn run(a: TrainArgs) -> Result<()> {
             (w, schedule, 0)
         }
     };
-    let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, ..Default::default() };
+    let data_parallel = a.data_parallel.then_some(DataParallel {
+        world: 1,
+        rank: 0,
+        mode: Mode::Ddp,
+        bucket_bytes: DataParallel::DEFAULT_BUCKET_BYTES,
+    });
+    // On CUDA the collectives need the process's communicator: a world of one. The device made
+    // for it is held while the run lasts (its context is the executor's).
+    let _nccl_device = match data_parallel.map(|_| device.resolve()).transpose()? {
+        Some(DeviceKind::Cuda) => {
+            let dev = rumble_cuda::Device::new(0)?;
+            rumble_cuda::nccl::install_single(&dev)?;
+            Some(dev)
+        }
+        _ => None,
+    };
+    let opts = rumble_core::compile::CompileOptions { budget: a.memory_budget, data_parallel, ..Default::default() };
     let mut trainer = match &buckets {
         Some(b) => Trainer::with_buckets(cfg.clone(), step_cfg.clone(), b.clone(), weights, schedule, device, &opts)?,
         None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
@@ -394,6 +416,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "precision": precision.name(),
         "buckets": bucket_seqs,
         "resumed_from": resume.as_ref().map(|n| n.dir.display().to_string()), "start_step": done,
+        "data_parallel": data_parallel.map(|d| json!({"world": d.world, "rank": d.rank, "mode": "ddp"})),
     });
     data.describe(&mut start, &tokenizer);
     // Off a terminal (a log file, a pipe): one plain line per logged step instead of a bar.

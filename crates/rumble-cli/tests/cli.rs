@@ -109,6 +109,32 @@ fn plan_and_bench_print_json() {
     assert!(b["median_step_ms"].as_f64().is_some_and(|m| m > 0.0), "{b}");
 }
 
+/// `--data-parallel`: the step as a one-rank DDP program (its collectives identities on the
+/// CPU) trains to the plain step's losses and weights, bit for bit, with clipping and
+/// accumulation; the start line says so.
+#[test]
+fn a_one_rank_data_parallel_run_is_the_plain_run() {
+    let run = |name: &str, extra: &[&str]| {
+        let out = tmp("cli", name);
+        let o = out.to_str().unwrap();
+        let mut args =
+            vec!["train", "--steps", "4", "--batch", "2", "--seq", "16", "--grad-accum", "2", "--clip", "0.5"];
+        args.extend(["--json", "--out", o, "--device", "cpu"]);
+        args.extend(extra);
+        let (ok, stdout, stderr) = rumble(&args);
+        assert!(ok, "{stderr}");
+        let ls = lines(&stdout);
+        let losses: Vec<String> = ls.iter().filter(|l| l["event"] == "step").map(|l| l["loss"].to_string()).collect();
+        (ls[0]["data_parallel"].clone(), losses, std::fs::read(out.join("model.safetensors")).unwrap())
+    };
+    let (dp0, plain, w0) = run("plain", &[]);
+    let (dp1, ranked, w1) = run("dp1", &["--data-parallel"]);
+    assert!(dp0.is_null(), "{dp0}");
+    assert_eq!(dp1, serde_json::json!({"world": 1, "rank": 0, "mode": "ddp"}));
+    assert_eq!((plain.len(), &plain), (4, &ranked));
+    assert!(w0 == w1, "the weights differ");
+}
+
 /// `rumble train` with `--gpus N` or under torchrun's environment: read into one launch, bad
 /// values named, data-parallel runs refused until the trainer's rank path exists; one rank trains.
 #[test]

@@ -149,3 +149,23 @@ fn the_default_keeps_the_leanest_plan_unless_it_is_clearly_slower() {
     assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)], MEASURED_LEAN_TOLERANCE), Some(0));
     assert_eq!(fastest_lean(&[(1.0, 1000), (1.015, 500)], MEASURED_LEAN_TOLERANCE), Some(1));
 }
+
+/// `CompileOptions::data_parallel`: the compile entry point makes the rank program before its
+/// passes (the collectives are there after them, for each rank alike), and only with them.
+#[test]
+fn compile_builds_the_rank_program_when_asked() {
+    use rumble_core::compile::optimize;
+    use rumble_core::passes::data_parallel::{DataParallel, Mode};
+    let t = step(16, 8, 12, 20);
+    let collectives = |t: &Trace| t.nodes.iter().filter(|n| matches!(n.op, Op::Collective { .. })).count();
+    assert_eq!(collectives(&optimize(&t, &CompileOptions::default()).unwrap().0), 0);
+    let dp = |rank| DataParallel { world: 2, rank, mode: Mode::Ddp, bucket_bytes: 1 << 10 };
+    let opts = |rank| CompileOptions { data_parallel: Some(dp(rank)), ..CompileOptions::default() };
+    let (r0, r1) = (optimize(&t, &opts(0)).unwrap().0, optimize(&t, &opts(1)).unwrap().0);
+    assert!(collectives(&r0) > 1 && collectives(&r0) == collectives(&r1), "{}", collectives(&r0));
+    let c = compile(&t, &opts(0)).unwrap();
+    assert_eq!(collectives(&c.trace), collectives(&r0));
+    // Without the passes the trace is taken as it is (a rank program compiled again stays one).
+    let again = CompileOptions { passes: false, ..opts(0) };
+    assert_eq!(collectives(&compile(&r0, &again).unwrap().trace), collectives(&r0));
+}

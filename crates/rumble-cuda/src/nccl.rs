@@ -11,16 +11,17 @@
 //! [`link_dir`] makes that link in a folder of rumble's own, for a launcher to put on its rank
 //! processes' `LD_LIBRARY_PATH`.
 //!
-//! A device has at most one communicator ([`Comm::install`]); a collective whose `world` and
-//! `rank` differ from it, or on a device without one, is an error naming the op.
+//! A process has at most one communicator ([`Comm::install`]: a rank is one process on one
+//! device); a collective whose `world` and `rank` differ from it, or in a process without one,
+//! is an error naming the op.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::nccl::{result as nr, sys as ns};
 use rumble_core::ir::{CollectiveOp, DType};
 
-use crate::device::{Device, DeviceCache};
+use crate::device::Device;
 use crate::error::{CudaError, Result};
 
 /// Bytes of an NCCL unique id (what rank 0 makes and every rank needs).
@@ -146,11 +147,11 @@ impl Comm {
         Ok(Comm { raw, world, rank })
     }
 
-    /// Makes this the communicator of `dev`'s collectives (replacing any earlier one).
-    pub fn install(self, dev: &Device) -> Arc<Comm> {
+    /// Makes this the process's communicator, which every collective launches on (replacing
+    /// any earlier one).
+    pub fn install(self) -> Arc<Comm> {
         let comm = Arc::new(self);
-        let slot = dev.cache::<CommSlot>();
-        slot.lock().unwrap_or_else(|e| e.into_inner()).0 = Some(comm.clone());
+        *INSTALLED.lock().unwrap_or_else(|e| e.into_inner()) = Some(comm.clone());
         comm
     }
 }
@@ -164,19 +165,18 @@ impl Drop for Comm {
     }
 }
 
-/// The device's communicator, released with the device (before its context goes).
-#[derive(Default)]
-pub(crate) struct CommSlot(Option<Arc<Comm>>);
+/// The process's communicator ([`Comm::install`]).
+static INSTALLED: Mutex<Option<Arc<Comm>>> = Mutex::new(None);
 
-impl DeviceCache for CommSlot {
-    fn release(&mut self) {
-        self.0 = None;
-    }
+/// The communicator installed in this process, if any.
+pub fn comm() -> Option<Arc<Comm>> {
+    INSTALLED.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// The communicator installed on `dev`, if any.
-pub fn comm(dev: &Device) -> Option<Arc<Comm>> {
-    dev.cache::<CommSlot>().lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+/// One rank of one: a new unique id and the communicator of a world of one, installed (what a
+/// one-rank data-parallel step on `dev` needs).
+pub fn install_single(dev: &Device) -> Result<Arc<Comm>> {
+    Ok(Comm::new(dev, &unique_id()?, 1, 0)?.install())
 }
 
 /// NCCL's type for a float dtype.
@@ -217,9 +217,9 @@ impl Collective {
     /// `src` and `dst` must be device buffers of the operand's and the result's sizes.
     pub unsafe fn launch(&self, dev: &Device, src: u64, dst: u64) -> Result<()> {
         let name = self.op.name();
-        let comm = comm(dev).ok_or_else(|| {
+        let comm = comm().ok_or_else(|| {
             CudaError::usage(format!(
-                "op `{name}` (rank {} of {}): this device has no NCCL communicator (a data-parallel step \
+                "op `{name}` (rank {} of {}): this process has no NCCL communicator (a data-parallel step \
                  runs under rumble's launcher: `rumble train --gpus N`, or torchrun's environment)",
                 self.rank, self.world
             ))

@@ -62,12 +62,12 @@ fn a_one_rank_nccl_step_is_bit_identical_to_the_plain_step() {
             data_parallel(&trace, &DataParallel { world: 1, rank: 0, mode: Mode::Ddp, bucket_bytes: 1 << 14 })
                 .expect("rank trace");
         let prog0 = Arc::new(Program::planned(dev.clone(), &dp0, &PlanOptions::default()).expect("compile"));
-        if nccl::comm(&dev).is_none() {
+        if nccl::comm().is_none() {
             let mut e = rumble_cuda::PlannedExecutor::new(prog0.clone(), &params).expect("planned");
             let err = e.step(&step_inputs(&prog0.trace, c.vocab as u64, &mut Rng::new(3))).unwrap_err().to_string();
             assert!(err.contains("all_reduce") && err.contains("no NCCL communicator"), "{err}");
             let id = nccl::unique_id().expect("NCCL unique id");
-            Comm::new(&dev, &id, 1, 0).expect("one-rank communicator").install(&dev);
+            Comm::new(&dev, &id, 1, 0).expect("one-rank communicator").install();
             println!("NCCL {:?}: one-rank communicator", nccl::version());
         }
         let steps = 20;

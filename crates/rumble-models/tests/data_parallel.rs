@@ -211,7 +211,7 @@ fn one_rank_is_the_plain_step_bit_for_bit() {
                 None => named(&t, &inputs, &i.name).clone(),
             })
             .collect();
-        let got = simulate(1, std::slice::from_ref(&r), &[rin.clone()]).unwrap().remove(0);
+        let got = simulate(1, std::slice::from_ref(&r), std::slice::from_ref(&rin)).unwrap().remove(0);
         // A world of one runs alone on the CPU reference too (its collectives are identities).
         let alone = cpu::eval(&r, &rin).unwrap();
         assert!(alone.iter().zip(&got).all(|(a, b)| a.bytes == b.bytes), "{mode:?}: eval and simulate differ");

@@ -21,6 +21,7 @@ pub use choose::Budget;
 
 use crate::cost::{Cost, Roofline};
 use crate::ir::{Trace, verify};
+use crate::passes::data_parallel::{DataParallel, data_parallel};
 use crate::passes::remat::{Remat, remat_costed};
 use crate::passes::schedule::schedule;
 use crate::passes::{self, Pass, PassLog};
@@ -61,6 +62,9 @@ pub struct CompileOptions {
     pub cost: Option<Cost>,
     /// The device's free memory, for [`Budget::Auto`] (`None` on the CPU).
     pub free_bytes: Option<usize>,
+    /// Make the step rank `rank` of a data-parallel program (`passes::data_parallel`), before
+    /// [`PIPELINE`] and with it (so only where `passes` is on).
+    pub data_parallel: Option<DataParallel>,
 }
 
 impl Default for CompileOptions {
@@ -74,6 +78,7 @@ impl Default for CompileOptions {
             choose: true,
             cost: None,
             free_bytes: None,
+            data_parallel: None,
         }
     }
 }
@@ -120,9 +125,16 @@ pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
     Ok(Compiled { trace, plan, lifetimes, report, passes: logs, seconds: pick.seconds })
 }
 
-/// The trace-level part of [`compile`]: [`PIPELINE`] if `opts.passes`, and nothing else.
+/// The trace-level part of [`compile`]: if `opts.passes`, the rank program of
+/// `opts.data_parallel` (when set), then [`PIPELINE`]; nothing else.
 pub fn optimize(trace: &Trace, opts: &CompileOptions) -> Result<(Trace, Vec<PassLog>)> {
-    if opts.passes { passes::run(trace, PIPELINE) } else { Ok((trace.clone(), Vec::new())) }
+    if !opts.passes {
+        return Ok((trace.clone(), Vec::new()));
+    }
+    match &opts.data_parallel {
+        Some(dp) => passes::run(&data_parallel(trace, dp)?.0, PIPELINE),
+        None => passes::run(trace, PIPELINE),
+    }
 }
 
 /// Plans `trace` (no [`PIPELINE`]): schedules and rematerialises it as `opts` asks, then places
