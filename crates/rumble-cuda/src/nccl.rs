@@ -59,7 +59,12 @@ fn candidates() -> Vec<PathBuf> {
 
 /// The first `libnccl.so.2` (or `libnccl.so`) among [`candidates`], if any.
 pub fn find_library() -> Option<PathBuf> {
-    candidates().into_iter().flat_map(|d| [d.join("libnccl.so"), d.join("libnccl.so.2")]).find(|p| p.is_file())
+    find_in(&candidates())
+}
+
+/// The first `libnccl.so` or `libnccl.so.2` in `dirs`, in order.
+pub fn find_in(dirs: &[PathBuf]) -> Option<PathBuf> {
+    dirs.iter().flat_map(|d| [d.join("libnccl.so"), d.join("libnccl.so.2")]).find(|p| p.is_file())
 }
 
 /// Whether NCCL can be loaded; the error says what was looked for and, where a
@@ -85,21 +90,27 @@ pub fn available() -> Result<()> {
 /// [`find_library`] finds (made if missing), for a launcher to put first on its rank
 /// processes' `LD_LIBRARY_PATH`; `None` where no NCCL library was found.
 pub fn link_dir(root: &Path) -> Result<Option<PathBuf>> {
-    let Some(lib) = find_library() else { return Ok(None) };
+    find_library().map(|lib| link_dir_for(&lib, root)).transpose()
+}
+
+/// The folder holding a `libnccl.so` that loads `lib`: `lib`'s own where that is its name,
+/// else `root/nccl-lib` with a link made there (atomically; kept where it already points at
+/// `lib`).
+pub fn link_dir_for(lib: &Path, root: &Path) -> Result<PathBuf> {
     if lib.file_name().is_some_and(|n| n == "libnccl.so") {
-        return Ok(lib.parent().map(Path::to_path_buf));
+        return Ok(lib.parent().map(Path::to_path_buf).unwrap_or_default());
     }
     let dir = root.join("nccl-lib");
     let link = dir.join("libnccl.so");
     let io = |e: std::io::Error| CudaError::usage(format!("linking {} at {}: {e}", lib.display(), link.display()));
     std::fs::create_dir_all(&dir).map_err(io)?;
-    if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
+    if std::fs::read_link(&link).ok().as_deref() != Some(lib) {
         let tmp = dir.join(format!(".libnccl.so.{}", std::process::id()));
         let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(&lib, &tmp).map_err(io)?;
+        std::os::unix::fs::symlink(lib, &tmp).map_err(io)?;
         std::fs::rename(&tmp, &link).map_err(io)?;
     }
-    Ok(Some(dir))
+    Ok(dir)
 }
 
 fn nccl_err(what: &str, e: nr::NcclError) -> CudaError {

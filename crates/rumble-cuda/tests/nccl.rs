@@ -30,6 +30,29 @@ fn a_missing_nccl_is_named_with_where_it_was_looked_for() {
     }
 }
 
+/// A `libnccl.so.2` (PyTorch's wheel has no `libnccl.so`) is found in the folders given, in
+/// order, and linked as `libnccl.so` in a folder of rumble's own, atomically and once; a
+/// `libnccl.so` is taken where it is.
+#[test]
+fn a_libnccl_so_2_is_found_and_linked() {
+    let root = std::env::temp_dir().join(format!("rumble-nccl-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (a, b) = (root.join("a"), root.join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    assert_eq!(nccl::find_in(&[a.clone(), b.clone()]), None);
+    std::fs::write(b.join("libnccl.so.2"), b"not really a library").unwrap();
+    let lib = nccl::find_in(&[a.clone(), b.clone()]).expect("found");
+    assert_eq!(lib, b.join("libnccl.so.2"));
+    let dir = nccl::link_dir_for(&lib, &root.join("cache")).unwrap();
+    assert_eq!(std::fs::read_link(dir.join("libnccl.so")).unwrap(), lib);
+    assert_eq!(nccl::link_dir_for(&lib, &root.join("cache")).unwrap(), dir, "made once, then kept");
+    std::fs::write(a.join("libnccl.so"), b"").unwrap();
+    let first = nccl::find_in(&[a.clone(), b]).unwrap();
+    assert_eq!((nccl::link_dir_for(&first, &root.join("cache")).unwrap(), first), (a.clone(), a.join("libnccl.so")));
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// What the GPU test below compares by name is there: every output and persistent input of
 /// the plain step is one of the one-rank trace's.
 #[test]
