@@ -19,6 +19,9 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __
     const T* xr = x + row * d;
     A ss = 0;
     if (vec) {
+      // Unrolled so that a lane's loads are in flight together: one row (a decode step's)
+      // is otherwise a chain of dependent memory latencies. The sum's order is unchanged.
+#pragma unroll 4
       for (i64 c = lane * N; c < d; c += 32 * N) {
         A a[N];
         ld16(xr + c, a);
@@ -34,6 +37,7 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __
     ss = warp_sum(ss);
     const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
     if (vec) {
+#pragma unroll 4
       for (i64 c = lane * N; c < d; c += 32 * N) {
         A a[N], g[N];
         ld16(xr + c, a);
