@@ -5,7 +5,8 @@
 //! [`fused`] (elementwise expressions to kernels), [`flash`] (tiled attention) and the fixed kernels
 //! under `kernels/` ->
 //! [`recipe`] (each IR op as prepared launch steps) and [`matmul`] (cuBLASLt) -> [`launch`] ->
-//! [`exec`] (eager, planned and graphed executors over one [`exec::Program`]).
+//! [`exec`] (eager, planned and graphed executors over one [`exec::Program`]); [`nccl`] runs
+//! data-parallel programs' collectives.
 //!
 //! The crate builds and its CPU-side code runs on machines without CUDA: nothing is linked,
 //! and [`Device::new`] returns an error (never a panic) when the libraries or a GPU are missing.
