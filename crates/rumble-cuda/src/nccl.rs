@@ -57,7 +57,8 @@ fn candidates() -> Vec<PathBuf> {
     dirs
 }
 
-/// The first `libnccl.so.2` (or `libnccl.so`) among the folders `candidates` lists (the loader's path, the system's, Python wheels'), if any.
+/// The first `libnccl.so.2` (or `libnccl.so`) in the folders `candidates` lists (the loader's
+/// path, the system's, Python wheels'), if any.
 pub fn find_library() -> Option<PathBuf> {
     find_in(&candidates())
 }
