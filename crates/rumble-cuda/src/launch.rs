@@ -86,7 +86,7 @@ pub enum Step {
         ws_bytes: usize,
         beta: f64,
     },
-    /// An NCCL collective from operand 0 into output 0 on the device's communicator
+    /// An NCCL collective from operand 0 into output 0 on the process's communicator
     /// ([`crate::nccl`]).
     Collective(crate::nccl::Collective),
     /// The node runs on the host: the stream is synchronised, the operands downloaded, the CPU

@@ -8,8 +8,8 @@
 //! says whether it can be, and why not. cudarc looks for `libnccl.so` on the loader's path;
 //! the library is usually installed as `libnccl.so.2` (the system package, or PyTorch's
 //! `nvidia-nccl` wheel), so [`available`] names where it found such a file and what to link.
-//! [`link_dir`] makes that link in a folder of rumble's own, for a launcher to put on its rank
-//! processes' `LD_LIBRARY_PATH`.
+//! [`link_dir_for`] makes that link in a folder of rumble's own, for a launcher to put on its
+//! rank processes' `LD_LIBRARY_PATH`.
 //!
 //! A process has at most one communicator ([`Comm::install`]: a rank is one process on one
 //! device); a collective whose `world` and `rank` differ from it, or in a process without one,
@@ -77,7 +77,7 @@ pub fn available() -> Result<()> {
     let why = match find_library() {
         Some(p) => format!(
             "`libnccl.so` is not on the loader's path, but {} is: link it as libnccl.so in a \
-             folder on LD_LIBRARY_PATH (`rumble train --gpus N` does this for its ranks)",
+             folder on LD_LIBRARY_PATH",
             p.display()
         ),
         None => "no libnccl.so or libnccl.so.2 on LD_LIBRARY_PATH, in the system's library folders or in \
@@ -87,16 +87,10 @@ pub fn available() -> Result<()> {
     Err(CudaError::Library { lib: "NCCL", why })
 }
 
-/// A folder under `root` holding a `libnccl.so` link to the `libnccl.so.2` that
-/// [`find_library`] finds (made if missing), for a launcher to put first on its rank
-/// processes' `LD_LIBRARY_PATH`; `None` where no NCCL library was found.
-pub fn link_dir(root: &Path) -> Result<Option<PathBuf>> {
-    find_library().map(|lib| link_dir_for(&lib, root)).transpose()
-}
-
-/// The folder holding a `libnccl.so` that loads `lib`: `lib`'s own where that is its name,
-/// else `root/nccl-lib` with a link made there (atomically; kept where it already points at
-/// `lib`).
+/// The folder holding a `libnccl.so` that loads `lib` (what [`find_library`] found): `lib`'s
+/// own where that is its name, else `root/nccl-lib` with a link made there (atomically; kept
+/// where it already points at `lib`), for a launcher to put first on its rank processes'
+/// `LD_LIBRARY_PATH`.
 pub fn link_dir_for(lib: &Path, root: &Path) -> Result<PathBuf> {
     if lib.file_name().is_some_and(|n| n == "libnccl.so") {
         return Ok(lib.parent().map(Path::to_path_buf).unwrap_or_default());
@@ -138,8 +132,8 @@ pub struct Comm {
     pub rank: usize,
 }
 
-// The communicator is used from the thread that holds the device, one launch at a time (the
-// device's cache mutex); NCCL communicators may move between threads.
+// The communicator is only read (its handle passed to NCCL) by the thread that launches the
+// step; NCCL communicators may move between threads.
 unsafe impl Send for Comm {}
 unsafe impl Sync for Comm {}
 
@@ -211,16 +205,17 @@ pub struct Collective {
     pub dtype: DType,
     /// Elements of the operand.
     pub count: usize,
+    /// NCCL's name for `dtype`.
+    nccl_dtype: ns::ncclDataType_t,
 }
 
 impl Collective {
     /// Checks what the launch will need (a type NCCL sums): at prepare time, so a trace with
     /// a collective NCCL cannot run is refused before its first step.
     pub fn new(op: CollectiveOp, world: usize, rank: usize, dtype: DType, count: usize) -> Result<Collective> {
-        if nccl_type(dtype).is_none() {
-            return Err(CudaError::Unsupported(format!("{} of {} values through NCCL", op.name(), dtype.name())));
-        }
-        Ok(Collective { op, world, rank, dtype, count })
+        let nccl_dtype = nccl_type(dtype)
+            .ok_or_else(|| CudaError::Unsupported(format!("{} of {} values through NCCL", op.name(), dtype.name())))?;
+        Ok(Collective { op, world, rank, dtype, count, nccl_dtype })
     }
 
     /// Enqueues the collective from `src` into `dst` on `dev`'s stream.
@@ -231,8 +226,8 @@ impl Collective {
         let name = self.op.name();
         let comm = comm().ok_or_else(|| {
             CudaError::usage(format!(
-                "op `{name}` (rank {} of {}): this process has no NCCL communicator (a data-parallel step \
-                 runs under rumble's launcher: `rumble train --gpus N`, or torchrun's environment)",
+                "op `{name}` (rank {} of {}): this process has no NCCL communicator (`nccl::Comm::install`; \
+                 `rumble train --data-parallel` installs one for a world of one)",
                 self.rank, self.world
             ))
         })?;
@@ -242,8 +237,7 @@ impl Collective {
                 self.rank, self.world, comm.rank, comm.world
             )));
         }
-        let dt =
-            nccl_type(self.dtype).ok_or_else(|| CudaError::Unsupported(format!("{name} of {}", self.dtype.name())))?;
+        let dt = self.nccl_dtype;
         let (send, recv) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
         let stream = dev.stream() as ns::cudaStream_t;
         let sum = ns::ncclRedOp_t::ncclSum;

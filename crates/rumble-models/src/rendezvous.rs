@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crate::error::{ModelError, Result};
 
 /// Bytes of an NCCL unique id (`ncclUniqueId`).
-pub const ID_BYTES: usize = 128;
+pub use rumble_cuda::nccl::ID_BYTES;
 const MAGIC: &[u8; 8] = b"rumbleid";
 const REFUSE: &[u8; 8] = b"rumbleno";
 /// Pause between a rank's attempts to reach rank 0.

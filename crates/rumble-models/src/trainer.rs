@@ -374,7 +374,9 @@ impl Trainer {
         let sc = StepConfig { batch, seq, grad_accum: 1, ..self.sc.clone() };
         // The step's own passes and compile options (its memory budget, say), for both.
         let passes = CompileOptions { passes: true, ..self.opts.clone() };
-        let eval = optimize(&build_eval_step(&self.cfg, &sc)?, &passes)?.0;
+        // The forward alone has no gradients to exchange: each rank evaluates its own batches.
+        let eval_passes = CompileOptions { data_parallel: None, ..passes.clone() };
+        let eval = optimize(&build_eval_step(&self.cfg, &sc)?, &eval_passes)?.0;
         let step = optimize(&build_train_step(&self.cfg, &self.sc)?.trace, &passes)?.0;
         let values = self.exec.persistent_values()?;
         drop(std::mem::replace(&mut self.exec, Box::new(Released)));
