@@ -10,7 +10,8 @@
 //! [`trainer`] (steps, learning-rate schedule; [`checkpoint`]: the state a run resumes from), fed by [`data`] (byte-level corpus windows;
 //! text and JSONL documents through a [`tokenizer`]); [`guard`] holds the checks on user input;
 //! [`generate`] samples text with a KV cache (prefill and decode traces); [`rendezvous`] shares
-//! rank 0's NCCL unique id with the other ranks of a data-parallel run over TCP.
+//! rank 0's NCCL unique id with the other ranks of a data-parallel run over TCP, whose
+//! connections become the run's host links ([`group`]).
 
 pub mod buckets;
 pub mod checkpoint;
@@ -21,6 +22,7 @@ pub mod error;
 pub mod exec;
 pub mod folder;
 pub mod generate;
+pub mod group;
 pub mod guard;
 pub mod host;
 pub mod model;

@@ -27,21 +27,22 @@ fn err(what: String) -> ModelError {
 }
 
 /// Rank 0: listens at `addr`, sends `id` to each of the other `world - 1` ranks, returns when
-/// all have it (or `timeout` has passed: an error naming the ranks that never came).
-pub fn serve(addr: &str, port: u16, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<()> {
+/// all have it (or `timeout` has passed: an error naming the ranks that never came), with the
+/// connection to each, in rank order (ranks 1 to `world - 1`).
+pub fn serve(addr: &str, port: u16, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<Vec<TcpStream>> {
     let listener =
         TcpListener::bind((addr, port)).map_err(|e| err(format!("rank 0 cannot listen at {addr}:{port}: {e}")))?;
     serve_on(listener, world, id, timeout)
 }
 
 /// [`serve`] on a listener already bound (tests bind port 0).
-pub fn serve_on(listener: TcpListener, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<()> {
+pub fn serve_on(listener: TcpListener, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<Vec<TcpStream>> {
     let at = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     listener.set_nonblocking(true).map_err(|e| err(format!("{at}: {e}")))?;
     let deadline = Instant::now() + timeout;
-    let mut served = vec![false; world];
-    served[0] = true;
-    while served.iter().any(|s| !s) {
+    let mut served: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let mut waiting = world - 1;
+    while waiting > 0 {
         match listener.accept() {
             Ok((mut s, _)) => {
                 s.set_nonblocking(false).map_err(|e| err(format!("{at}: {e}")))?;
@@ -56,7 +57,7 @@ pub fn serve_on(listener: TcpListener, world: usize, id: &[u8; ID_BYTES], timeou
                     Some(format!("rank {r} was started for {w} ranks, rank 0 for {world}"))
                 } else if r == 0 || r >= world {
                     Some(format!("rank {r} is outside 1..{world}"))
-                } else if served[r] {
+                } else if served[r].is_some() {
                     Some(format!("rank {r} connected twice"))
                 } else {
                     None
@@ -67,12 +68,13 @@ pub fn serve_on(listener: TcpListener, world: usize, id: &[u8; ID_BYTES], timeou
                 }
                 s.write_all(&[&MAGIC[..], &id[..]].concat())
                     .map_err(|e| err(format!("{at}: sending rank {r} the id: {e}")))?;
-                served[r] = true;
+                served[r] = Some(keep(s).map_err(|e| err(format!("{at}: rank {r}'s connection: {e}")))?);
+                waiting -= 1;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
                     let missing: Vec<String> =
-                        served.iter().enumerate().filter(|(_, s)| !**s).map(|(r, _)| r.to_string()).collect();
+                        (1..world).filter(|&r| served[r].is_none()).map(|r| r.to_string()).collect();
                     return Err(err(format!(
                         "rank 0 at {at} waited {timeout:?}; ranks {} never connected",
                         missing.join(", ")
@@ -83,12 +85,26 @@ pub fn serve_on(listener: TcpListener, world: usize, id: &[u8; ID_BYTES], timeou
             Err(e) => return Err(err(format!("{at}: accepting a rank: {e}"))),
         }
     }
-    Ok(())
+    Ok(served.into_iter().skip(1).flatten().collect())
+}
+
+/// A connection kept after the greeting: blocking with no deadline (a rank may wait long for
+/// another's step or checkpoint; a peer that dies closes it), small messages sent at once.
+fn keep(s: TcpStream) -> std::io::Result<TcpStream> {
+    s.set_read_timeout(None)?;
+    s.set_nodelay(true)?;
+    Ok(s)
 }
 
 /// Rank `rank > 0` of `world`: connects to rank 0 at `addr:port` (retrying until `timeout`,
-/// since rank 0 may not be listening yet) and returns the id it serves.
-pub fn fetch(addr: &str, port: u16, rank: usize, world: usize, timeout: Duration) -> Result<[u8; ID_BYTES]> {
+/// since rank 0 may not be listening yet) and returns the id it serves, with the connection.
+pub fn fetch(
+    addr: &str,
+    port: u16,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> Result<([u8; ID_BYTES], TcpStream)> {
     if rank == 0 || rank >= world {
         return Err(err(format!("rank {rank} of {world} does not fetch the id (rank 0 serves it)")));
     }
@@ -125,7 +141,7 @@ pub fn fetch(addr: &str, port: u16, rank: usize, world: usize, timeout: Duration
     }
     let mut id = [0u8; ID_BYTES];
     s.read_exact(&mut id).map_err(|e| err(format!("rank {rank} reading the id: {e}")))?;
-    Ok(id)
+    Ok((id, keep(s).map_err(|e| err(format!("{addr}:{port}: {e}")))?))
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -152,8 +168,8 @@ mod tests {
             let ranks: Vec<_> = (1..world)
                 .map(|r| s.spawn(move || fetch("127.0.0.1", port, r, world, Duration::from_secs(10))))
                 .collect();
-            let got = ranks.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
-            server.join().unwrap().unwrap();
+            let got = ranks.into_iter().map(|h| h.join().unwrap().unwrap().0).collect();
+            assert_eq!(server.join().unwrap().unwrap().len(), world - 1, "a connection per rank");
             got
         });
         assert!(got.iter().all(|g| *g == id));

@@ -12,6 +12,7 @@
 
 pub mod arena;
 mod attention;
+pub mod collective;
 mod composite;
 mod convert;
 pub mod decode;
@@ -246,11 +247,8 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         }
         // A world of one rank: every collective gives its operand back (flattened).
         Op::Collective { world: 1, .. } => one(out(&f(0))),
-        Op::Collective { .. } => Err(Error::runtime(
-            op.name(),
-            "a collective exchanges buffers between ranks: one trace alone cannot run it on the CPU; \
-             run every rank's trace through testing::simulate",
-        )),
+        // More: the process's communicator (one process per rank).
+        Op::Collective { op, world, rank } => one(collective::run(*op, *world, *rank, at[0].dtype, args[0])?),
         Op::AttentionBackward { scale, causal, layout } => {
             let g = attention::Grads::<A> {
                 q: f(0),

@@ -4,12 +4,12 @@
 //! Each rank runs its nodes on the CPU reference (`cpu::run_op`) up to its next collective;
 //! when every rank waits at one, the simulator checks that they are the same collective
 //! (op, world, operand type; rank `r`'s trace is `traces[r]` and says `rank=r`), exchanges the
-//! buffers and lets every rank go on. Sums run in rank order in f64 and are rounded once to the
-//! operand dtype, so a simulation is deterministic (NCCL's ring order rounds differently; with
+//! buffers and lets every rank go on by `cpu::collective::combine`'s rule (sums in rank order
+//! in f64, rounded once to the operand dtype), so a simulation is deterministic (NCCL's ring order rounds differently; with
 //! `world = 1` every collective is exact).
 
-use crate::cpu::{self, HostTensor, read_float, write_float};
-use crate::ir::{CollectiveOp, Op, TensorType, Trace};
+use crate::cpu::{self, HostTensor};
+use crate::ir::{Op, TensorType, Trace};
 use crate::{Error, Result};
 
 /// Runs `traces[r]` on `inputs[r]` for every rank `r < world` in lockstep; returns each rank's
@@ -117,7 +117,6 @@ impl Rank<'_> {
 
 /// Every rank waits at a collective: checks they agree, computes it, moves every rank on.
 fn exchange(ranks: &mut [Rank]) -> Result<()> {
-    let world = ranks.len();
     let first = ranks[0].node();
     let Op::Collective { op, .. } = first.op else { unreachable!("run_to_collective stops at collectives") };
     let ty: TensorType = ranks[0].trace.ty(first.args[0]).clone();
@@ -133,30 +132,11 @@ fn exchange(ranks: &mut [Rank]) -> Result<()> {
             )));
         }
     }
-    let data: Vec<Vec<f64>> = ranks
-        .iter()
-        .map(|rk| rk.arg(rk.node().args[0]).map(|b| read_float::<f64>(ty.dtype, b)))
-        .collect::<Result<_>>()?;
-    let sum = || {
-        let mut acc = vec![0.0f64; ty.numel()];
-        for d in &data {
-            acc.iter_mut().zip(d).for_each(|(a, x)| *a += x);
-        }
-        acc
-    };
-    let results: Vec<Vec<f64>> = match op {
-        CollectiveOp::AllReduce => vec![sum(); world],
-        CollectiveOp::ReduceScatter => {
-            let s = sum();
-            let n = ty.numel() / world;
-            (0..world).map(|r| s[r * n..(r + 1) * n].to_vec()).collect()
-        }
-        CollectiveOp::AllGather => vec![data.concat(); world],
-    };
+    let parts: Vec<&[u8]> = ranks.iter().map(|rk| rk.arg(rk.node().args[0])).collect::<Result<_>>()?;
+    let results = cpu::collective::combine(op, ty.dtype, &parts)?;
     for (rk, res) in ranks.iter_mut().zip(results) {
         let node = &rk.trace.nodes[rk.pc];
-        let out_ty = rk.trace.ty(node.outs[0]);
-        rk.vals[node.outs[0].index()] = Some(write_float::<f64>(out_ty.dtype, &res));
+        rk.vals[node.outs[0].index()] = Some(res);
         rk.pc += 1;
     }
     Ok(())
