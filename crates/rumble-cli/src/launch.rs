@@ -4,15 +4,21 @@
 //! `MASTER_PORT`). Both are read into one [`Launch`], checked, with an error naming the flag or
 //! variable at fault.
 //!
-//! Data-parallel runs (`world > 1`) are refused for now: the rank traces exist
-//! (`rumble_core::passes::data_parallel`), and so does the NCCL backend that runs their
-//! collectives (`rumble_cuda::nccl`), but the trainer has no rank path yet. What it will do
-//! with a `Launch`: `--gpus N` starts N copies of this command with the
-//! torchrun variables set (a free local port as `MASTER_PORT`), each rank binds device
-//! `LOCAL_RANK`, rank 0 makes the NCCL unique id and serves it over TCP at
-//! `MASTER_ADDR:MASTER_PORT` where the others fetch it (`rumble_models::rendezvous`), each
-//! builds its rank trace for `world` and `rank` and takes its share of every global batch
-//! (`Loader::next_rank_batch`).
+//! A data-parallel run (`world > 1`): `--gpus N` starts N copies of this command with the
+//! torchrun variables set (a free local port as `MASTER_PORT`) and waits for them
+//! ([`run_ranks`]); each rank [`join`]s the run: it binds device `LOCAL_RANK`, meets the others
+//! at rank 0 over TCP (`rumble_models::rendezvous`, which hands out rank 0's NCCL unique id on
+//! CUDA) and keeps those links (`rumble_models::group`); the trainer then builds the rank's
+//! trace (`rumble_core::passes::data_parallel`) and takes the rank's rows of every global batch.
+
+use std::ffi::OsString;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rumble_models::group::Group;
+use rumble_models::{DeviceChoice, DeviceKind, ModelError, Result, rendezvous};
 
 /// Where a [`Launch`] came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +49,7 @@ pub const TORCHRUN_VARS: [&str; 6] =
     ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"];
 
 /// Reads `--gpus` and the torchrun variables (`env` looks one up) into a [`Launch`].
-pub fn resolve(gpus: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> Result<Launch, String> {
+pub fn resolve(gpus: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> std::result::Result<Launch, String> {
     let set: Vec<&str> = TORCHRUN_VARS.iter().copied().filter(|v| env(v).is_some()).collect();
     if set.is_empty() {
         return match gpus {
@@ -72,7 +78,7 @@ pub fn resolve(gpus: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> Res
             set.join(", ")
         ));
     }
-    let int = |name: &str, required: bool| -> Result<Option<usize>, String> {
+    let int = |name: &str, required: bool| -> std::result::Result<Option<usize>, String> {
         match env(name) {
             None if required => Err(format!("{name} is not set but {} are: torchrun sets them all", set.join(", "))),
             None => Ok(None),
@@ -125,23 +131,200 @@ pub fn resolve(gpus: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> Res
     })
 }
 
-/// Refuses a data-parallel launch this build cannot run: too few CUDA devices for `--gpus`
-/// (`devices` says whether device `i` opens, with the reason when not), then the missing rank
-/// path of the trainer.
-pub fn refuse_data_parallel(l: &Launch, devices: &dyn Fn(usize) -> Result<(), String>) -> Result<(), String> {
-    if l.world == 1 {
+/// Checks that the devices of `--gpus N` exist (`devices` says whether device `i` opens, with
+/// the reason when not); nothing to check otherwise.
+pub fn check_gpus(
+    l: &Launch,
+    devices: &dyn Fn(usize) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
+    if l.source != LaunchSource::Gpus || l.world == 1 {
         return Ok(());
     }
-    if l.source == LaunchSource::Gpus {
-        // Devices 0..N must all exist; the last one tells.
-        devices(l.world - 1).map_err(|why| format!("--gpus {} needs {} CUDA devices: {why}", l.world, l.world))?;
+    // Devices 0..N must all exist; the last one tells.
+    devices(l.world - 1).map_err(|why| format!("--gpus {} needs {} CUDA devices: {why}", l.world, l.world))
+}
+
+/// This command's arguments for a rank of `--gpus N`: the same, without `--gpus N`.
+pub fn rank_args(args: &[OsString]) -> Vec<OsString> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut skip = false;
+    for a in args {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        match a.to_str() {
+            Some("--gpus") => skip = true,
+            Some(s) if s.starts_with("--gpus=") => {}
+            _ => out.push(a.clone()),
+        }
     }
-    Err(format!(
-        "data-parallel training over {} ranks is not built yet (issue 20: the NCCL backend exists, the \
-         trainer's rank path does not); run one process without --gpus{}",
-        l.world,
-        if l.source == LaunchSource::Torchrun { " or with WORLD_SIZE=1" } else { "" }
-    ))
+    out
+}
+
+/// The device a rank binds: the `local_rank`-th of `CUDA_VISIBLE_DEVICES` (`visible`) where it
+/// is set, else device `local_rank`.
+pub fn visible_device(local_rank: usize, visible: Option<&str>) -> std::result::Result<String, String> {
+    let Some(v) = visible else { return Ok(local_rank.to_string()) };
+    let list: Vec<&str> = v.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+    list.get(local_rank).map(|d| d.to_string()).ok_or_else(|| {
+        format!("LOCAL_RANK={local_rank}, but CUDA_VISIBLE_DEVICES=`{v}` lists {} device(s)", list.len())
+    })
+}
+
+/// A port nobody listens at now on this host (the OS's pick), for `--gpus`'s rendezvous.
+fn free_port() -> std::result::Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free local port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| format!("no free local port: {e}"))
+}
+
+/// How long a rank may take to exit after its peers are told to stop, before it is killed.
+const GRACE: Duration = Duration::from_secs(60);
+
+/// `--gpus N`: runs `exe args` (this command without `--gpus`) as ranks 0 to `world - 1` with
+/// torchrun's variables set (rank 0 at a free local port), waits for all, and returns the exit
+/// code of the run: 0, or the first failing rank's. A rank that fails gets the others a
+/// SIGTERM (they stop after their step; rank 0 saves its checkpoint), and a SIGKILL after a
+/// grace period. Each rank has its own process group, so a Ctrl-C reaches this process only,
+/// which passes SIGINT and SIGTERM on once (a second one kills the ranks).
+pub fn run_ranks(world: usize, exe: &Path, args: &[OsString]) -> std::result::Result<i32, String> {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let port = free_port()?;
+    let mut ranks = Vec::with_capacity(world);
+    for r in 0..world {
+        let mut c = std::process::Command::new(exe);
+        c.args(args)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .process_group(0);
+        match c.spawn() {
+            Ok(child) => ranks.push(Some(child)),
+            Err(e) => {
+                for child in ranks.iter_mut().flatten() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return Err(format!("cannot start rank {r} ({}): {e}", exe.display()));
+            }
+        }
+    }
+    let signal = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, signal.clone(), sig as usize)
+            .map_err(|e| format!("cannot handle signal {sig}: {e}"))?;
+    }
+    let send = |ranks: &[Option<std::process::Child>], sig: i32| {
+        for child in ranks.iter().flatten() {
+            // SAFETY: kill(2) on the pid of a child not yet waited for.
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, sig);
+            }
+        }
+    };
+    let mut code = 0;
+    let mut forwarded = 0;
+    let mut kill_at: Option<Instant> = None;
+    while ranks.iter().any(Option::is_some) {
+        for (r, slot) in ranks.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            let status = match child.try_wait() {
+                Ok(Some(st)) => st,
+                Ok(None) => continue,
+                Err(e) => return Err(format!("waiting for rank {r}: {e}")),
+            };
+            *slot = None;
+            let c = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            if c != 0 && code == 0 {
+                code = c;
+                crate::note!("rank {r} exited with status {c}; stopping the other ranks");
+                kill_at = Some(Instant::now() + GRACE);
+            }
+        }
+        if let Some(t) = kill_at {
+            if forwarded == 0 {
+                send(&ranks, libc::SIGTERM);
+                forwarded = libc::SIGTERM as usize;
+            }
+            if Instant::now() >= t {
+                send(&ranks, libc::SIGKILL);
+            }
+        }
+        let sig = signal.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            if forwarded == 0 {
+                send(&ranks, sig as i32);
+                forwarded = sig;
+                kill_at.get_or_insert(Instant::now() + GRACE);
+            } else {
+                send(&ranks, libc::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(code)
+}
+
+/// How long a rank waits for the others at the rendezvous.
+const RENDEZVOUS: Duration = Duration::from_secs(300);
+
+/// A rank of a data-parallel run, joined: its links to the others, its device, and what must
+/// live as long as the run (the CUDA device of the NCCL communicator).
+pub struct Joined {
+    pub group: Arc<Group>,
+    pub kind: DeviceKind,
+    _device: Option<Arc<rumble_cuda::Device>>,
+}
+
+/// Joins the run `l` (`world > 1`, this process one rank of it): on CUDA binds the rank's GPU
+/// (`CUDA_VISIBLE_DEVICES` narrowed to it, so device 0 is the rank's everywhere after), meets
+/// the other ranks at rank 0 ([`rendezvous`]: rank 0 serves its NCCL unique id on CUDA),
+/// checks that all run on the same kind of device, and installs the process's communicator:
+/// NCCL's on CUDA, the group's TCP links for the CPU reference.
+pub fn join(l: &Launch, device: DeviceChoice) -> Result<Joined> {
+    let usage = ModelError::Usage;
+    if device != DeviceChoice::Cpu {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let d = visible_device(l.local_rank, visible.as_deref()).map_err(usage)?;
+        // SAFETY: set before this process starts CUDA or any thread that reads the environment.
+        unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", d) };
+    }
+    let kind = device.resolve()?;
+    let (addr, port) = l.master.clone().ok_or_else(|| usage("MASTER_ADDR and MASTER_PORT are not set".into()))?;
+    let (world, rank) = (l.world, l.rank);
+    let (id, group) = if rank == 0 {
+        let id = match kind {
+            DeviceKind::Cuda => rumble_cuda::nccl::unique_id()?,
+            DeviceKind::Cpu => [0; rendezvous::ID_BYTES],
+        };
+        (id, Group::root(rendezvous::serve(&addr, port, world, &id, RENDEZVOUS)?))
+    } else {
+        let (id, link) = rendezvous::fetch(&addr, port, rank, world, RENDEZVOUS)?;
+        (id, Group::member(link, rank, world))
+    };
+    // The same device on every rank: the largest and the smallest kind agree.
+    let code = u64::from(kind == DeviceKind::Cuda);
+    let (most, least) = (group.agree(code)?, 1 - group.agree(1 - code)?);
+    if most != least {
+        return Err(usage(format!(
+            "rank {rank} runs on {kind}, and some other rank does not: give every rank --device"
+        )));
+    }
+    let group = Arc::new(group);
+    let device = match kind {
+        DeviceKind::Cuda => {
+            let dev = rumble_cuda::Device::new(0)?;
+            rumble_cuda::nccl::Comm::new(&dev, &id, world, rank)?.install();
+            Some(dev)
+        }
+        DeviceKind::Cpu => {
+            rumble_core::cpu::collective::install(group.clone());
+            None
+        }
+    };
+    Ok(Joined { group, kind, _device: device })
 }
 
 #[cfg(test)]
@@ -221,15 +404,42 @@ mod tests {
     }
 
     #[test]
-    fn data_parallel_runs_are_refused_with_the_reason() {
+    fn gpus_needs_its_devices_and_ranks_drop_the_flag() {
         let one = resolve(None, &env(&[])).unwrap();
-        assert!(refuse_data_parallel(&one, &|_| Err("none".into())).is_ok());
+        assert!(check_gpus(&one, &|_| Err("none".into())).is_ok());
         let two = resolve(Some(2), &env(&[])).unwrap();
-        let e = refuse_data_parallel(&two, &|i| Err(format!("device {i} asked for, 1 present"))).unwrap_err();
+        let e = check_gpus(&two, &|i| Err(format!("device {i} asked for, 1 present"))).unwrap_err();
         assert!(e.contains("--gpus 2 needs 2 CUDA devices: device 1 asked for, 1 present"), "{e}");
-        let e = refuse_data_parallel(&two, &|_| Ok(())).unwrap_err();
-        assert!(e.contains("is not built yet (issue 20"), "{e}");
-        let e = refuse_data_parallel(&resolve(None, &env(&TORCHRUN)).unwrap(), &|_| Ok(())).unwrap_err();
-        assert!(e.contains("over 8 ranks") && e.contains("WORLD_SIZE=1"), "{e}");
+        assert!(check_gpus(&two, &|_| Ok(())).is_ok());
+        // Under torchrun the launcher placed the ranks: nothing to check.
+        assert!(check_gpus(&resolve(None, &env(&TORCHRUN)).unwrap(), &|_| Err("x".into())).is_ok());
+        let args = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            rank_args(&args(&["train", "--gpus", "2", "--steps", "5", "--gpus=4", "--json"])),
+            args(&["train", "--steps", "5", "--json"])
+        );
+    }
+
+    #[test]
+    fn a_rank_binds_its_visible_device() {
+        assert_eq!(visible_device(1, None).unwrap(), "1");
+        assert_eq!(visible_device(1, Some("4, 6,7")).unwrap(), "6");
+        let e = visible_device(2, Some("3,5")).unwrap_err();
+        assert!(e.contains("LOCAL_RANK=2") && e.contains("lists 2 device(s)"), "{e}");
+    }
+
+    #[test]
+    fn the_launcher_returns_the_first_failure_and_stops_the_others() {
+        // `sh -c SCRIPT rank` stands in for a rank: rank 1 fails at once; rank 0 would sleep
+        // for a minute but is stopped by the SIGTERM the failure sends.
+        let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; \
+                      [ \"$WORLD_SIZE\" = 2 ] && [ \"$MASTER_ADDR\" = 127.0.0.1 ] && [ -n \"$MASTER_PORT\" ] || exit 9; \
+                      sleep 60";
+        let t = Instant::now();
+        let code = run_ranks(2, Path::new("/bin/sh"), &[OsString::from("-c"), OsString::from(script)]).unwrap();
+        assert_eq!(code, 3);
+        assert!(t.elapsed() < Duration::from_secs(30), "rank 0 was not stopped: {:?}", t.elapsed());
+        let ok = run_ranks(3, Path::new("/bin/sh"), &[OsString::from("-c"), OsString::from("exit 0")]).unwrap();
+        assert_eq!(ok, 0);
     }
 }

@@ -16,6 +16,7 @@ mod plan;
 mod rundir;
 mod suite;
 mod train;
+mod train_data;
 
 use clap::{Parser, Subcommand};
 

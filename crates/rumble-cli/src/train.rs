@@ -29,20 +29,18 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rumble_core::cpu::Rng;
 use rumble_core::passes::data_parallel::{DataParallel, Mode};
 use rumble_models::checkpoint::{self, TrainerState};
-use rumble_models::data::Batch;
 use rumble_models::folder::copy_tokenizer_files;
 use rumble_models::{
-    Buckets, Corpus, Dataset, DeviceChoice, DeviceKind, Document, Loader, LoaderState, LrSchedule, ModelError,
-    Precision, Result, ScheduleKind, Tokenizer, Trainer, Validation, Weights,
+    Buckets, DeviceChoice, DeviceKind, LrSchedule, ModelError, Precision, Result, ScheduleKind, Tokenizer, Trainer,
+    Weights,
 };
 use serde_json::{Value, json};
 
 use crate::common::{ModelArgs, human};
+use crate::launch::LaunchSource;
 use crate::rundir::{RunDir, RunDirArgs};
+use crate::train_data::DataSource;
 use crate::{note, output};
-
-/// The corpus shipped in the repository (data/corpus.txt), built into the binary.
-const CORPUS: &[u8] = include_bytes!("../../../data/corpus.txt");
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ScheduleArg {
@@ -194,22 +192,6 @@ fn bf16_peak(name: &str) -> Option<f64> {
     sheet.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
 }
 
-/// The share of the byte corpus held out for validation when `--eval-every` is given.
-const VAL_FRACTION: f64 = 0.1;
-
-/// The corpus split into training and validation parts: the last `VAL_FRACTION` held out
-/// when `eval` is asked for.
-fn split_corpus(bytes: Vec<u8>, eval: bool) -> (Corpus, Option<Corpus>) {
-    if !eval {
-        return (Corpus::new(bytes), None);
-    }
-    let cut = bytes.len() - (bytes.len() as f64 * VAL_FRACTION) as usize;
-    let val = bytes[cut..].to_vec();
-    let mut train = bytes;
-    train.truncate(cut);
-    (Corpus::new(train), Some(Corpus::new(val)))
-}
-
 /// The signal that asked the run to stop (0: none), set by the SIGINT/SIGTERM handlers.
 fn stop_flag() -> Result<Arc<AtomicUsize>> {
     use signal_hook::consts::{SIGINT, SIGTERM};
@@ -225,19 +207,53 @@ fn stop_flag() -> Result<Arc<AtomicUsize>> {
     Ok(flag)
 }
 
+/// The agreed flag of a step after which rank 0 stopped the run (a failed write); a signal's
+/// flag is its number.
+const LEAD_STOPPED: u64 = u64::MAX;
+
 pub fn run(a: TrainArgs) -> Result<()> {
     if a.steps == 0 {
         return Err(ModelError::Usage("--steps must be at least 1".into()));
     }
     let device: DeviceChoice = a.device.parse()?;
     let launch = crate::launch::resolve(a.gpus, &|v| std::env::var(v).ok()).map_err(ModelError::Usage)?;
-    if launch.world > 1 && device == DeviceChoice::Cpu {
-        return Err(ModelError::Usage(format!("{} ranks run on GPUs: drop --device cpu", launch.world)));
+    if launch.source == LaunchSource::Gpus && launch.world > 1 {
+        // This process starts the ranks and waits for them.
+        if device == DeviceChoice::Cpu {
+            return Err(ModelError::Usage(format!(
+                "--gpus {} starts a process per GPU; on the CPU start the ranks with torchrun's variables \
+                 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)",
+                launch.world
+            )));
+        }
+        crate::launch::check_gpus(&launch, &|i| rumble_cuda::Device::new(i).map(|_| ()).map_err(|e| e.to_string()))
+            .map_err(ModelError::Usage)?;
+        let exe = std::env::current_exe().map_err(|e| ModelError::Usage(format!("this program's path: {e}")))?;
+        let args = crate::launch::rank_args(&std::env::args_os().skip(1).collect::<Vec<_>>());
+        let code = crate::launch::run_ranks(launch.world, &exe, &args).map_err(ModelError::Usage)?;
+        if code != 0 {
+            std::process::exit(code);
+        }
+        return Ok(());
     }
-    crate::launch::refuse_data_parallel(&launch, &|i| {
-        rumble_cuda::Device::new(i).map(|_| ()).map_err(|e| e.to_string())
-    })
-    .map_err(ModelError::Usage)?;
+    let (rank, world) = (launch.rank, launch.world);
+    train(a, device, &launch).map_err(|e| if world > 1 { ModelError::Usage(format!("rank {rank}: {e}")) } else { e })
+}
+
+/// One process's run: the whole run, or rank `launch.rank` of a data-parallel one.
+fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> Result<()> {
+    let (rank, world) = (launch.rank, launch.world);
+    // Rank 0 leads: it alone writes the run folder, the log, checkpoints and stdout.
+    let lead = rank == 0;
+    // A rank meets the others before reading anything, so a rank that fails a check ends the
+    // run at the readiness agreement below rather than leaving the others waiting.
+    let joined = if world > 1 { Some(crate::launch::join(launch, device)?) } else { None };
+    let group = joined.as_ref().map(|j| j.group.clone());
+    let device = match joined.as_ref().map(|j| j.kind) {
+        Some(DeviceKind::Cuda) => DeviceChoice::Cuda,
+        Some(DeviceKind::Cpu) => DeviceChoice::Cpu,
+        None => device,
+    };
     // --resume: the newest complete checkpoint of the run, whose config.json is the model.
     let resume = match &a.run_dir.resume {
         Some(_) if a.init_from.is_some() => {
@@ -263,7 +279,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = r.config.clone();
     let out = a.run_dir.folder(a.out.as_deref(), PathBuf::from("runs").join(&r.name))?;
     let mode = a.run_dir.mode();
-    crate::rundir::check(&out, mode, a.init_from.as_deref())?;
+    if lead {
+        crate::rundir::check(&out, mode, a.init_from.as_deref())?;
+    }
     let precision: Precision = match r.step.precision {
         Some(p) => p,
         None => Precision::default_for(cfg.dtype)
@@ -271,6 +289,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let mut step_cfg = r.step.clone();
     step_cfg.precision = Some(precision);
+    // --batch is the global batch: each rank steps on its share of the rows.
+    let global_batch = step_cfg.batch;
+    if !global_batch.is_multiple_of(world) {
+        return Err(ModelError::Usage(format!(
+            "--batch {global_batch} (the global batch) does not split over {world} ranks: give a multiple of {world}"
+        )));
+    }
+    step_cfg.batch = global_batch / world;
     let model_dir = model_folder(beside.as_deref(), a.model.config.as_deref());
     let tokenizer = match &model_dir {
         Some(d) => Tokenizer::from_folder(d)?,
@@ -307,7 +333,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     // What shapes the step and the run: a resumed run must be given the same.
     let args: BTreeMap<String, Value> = [
         ("model", json!(r.name)),
-        ("batch", json!(step_cfg.batch)),
+        ("batch", json!(global_batch)),
         ("seq", json!(step_cfg.seq)),
         ("grad_accum", json!(step_cfg.grad_accum)),
         ("optimizer", json!(format!("{:?}", step_cfg.optimizer))),
@@ -361,15 +387,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
             (w, schedule, 0)
         }
     };
-    let data_parallel = a.data_parallel.then_some(DataParallel {
-        world: 1,
-        rank: 0,
+    let data_parallel = (a.data_parallel || world > 1).then_some(DataParallel {
+        world,
+        rank,
         mode: Mode::Ddp,
         bucket_bytes: DataParallel::DEFAULT_BUCKET_BYTES,
     });
-    // On CUDA the collectives need the process's communicator: a world of one. The device made
-    // for it is held while the run lasts (its context is the executor's).
-    let _nccl_device = match data_parallel.map(|_| device.resolve()).transpose()? {
+    // On CUDA the collectives need the process's communicator: a world of one here (a rank of
+    // several joined its run above). The device made for it is held while the run lasts (its
+    // context is the executor's).
+    let _nccl_device = match data_parallel.filter(|_| world == 1).map(|_| device.resolve()).transpose()? {
         Some(DeviceKind::Cuda) => {
             let dev = rumble_cuda::Device::new(0)?;
             rumble_cuda::nccl::install_single(&dev)?;
@@ -391,15 +418,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         trainer = trainer.with_eval(sc.batch, seq)?;
     }
     let bucket_seqs: Vec<usize> = buckets.iter().flat_map(|b| b.shapes().iter().map(|s| s.seq)).collect();
-    let mut run_dir = RunDir::open(&out, mode, a.init_from.as_deref())?;
-    if run_dir.removed_temps > 0 {
-        note!("removed {} temporary file(s) of killed runs from {}", run_dir.removed_temps, out.display());
+    let mut run_dir = if lead { Some(RunDir::open(&out, mode, a.init_from.as_deref())?) } else { None };
+    if let Some(rd) = run_dir.as_mut() {
+        if rd.removed_temps > 0 {
+            note!("removed {} temporary file(s) of killed runs from {}", rd.removed_temps, out.display());
+        }
+        if let Some(n) = &resume {
+            // A resumed run rewrites what came after its checkpoint.
+            rd.log.keep_through(n.state.step)?;
+        }
     }
-    if let Some(n) = &resume {
-        // A resumed run rewrites what came after its checkpoint.
-        run_dir.log.keep_through(n.state.step)?;
-    }
-    let log_path = run_dir.log.path.clone();
+    let log_path = run_dir.as_ref().map(|rd| rd.log.path.clone());
     let stop = stop_flag()?;
     // Model FLOPs utilisation, on a GPU whose bf16 peak is known, for a bf16 step.
     let peak_flops = match trainer.device() {
@@ -417,11 +446,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
         "buckets": bucket_seqs,
         "resumed_from": resume.as_ref().map(|n| n.dir.display().to_string()), "start_step": done,
         "data_parallel": data_parallel.map(|d| json!({"world": d.world, "rank": d.rank, "mode": "ddp"})),
+        "global_batch": global_batch,
     });
     data.describe(&mut start, &tokenizer);
     // Off a terminal (a log file, a pipe): one plain line per logged step instead of a bar.
     let plain = !a.json && !std::io::stderr().is_terminal();
-    let bar = if a.json {
+    let bar = if !lead {
+        ProgressBar::hidden()
+    } else if a.json {
         output::line(&start)?;
         ProgressBar::hidden()
     } else {
@@ -475,11 +507,20 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let val_batches = |trainer: &mut Trainer, data: &DataSource| -> Result<Option<f32>> {
         let Some(seq) = val_seq else { return Ok(None) };
-        match data.val_batches(a.seed, sc.batch, seq, a.eval_batches.max(1))? {
-            Some(bs) => trainer.eval(&bs).map(Some),
-            None => Ok(None),
-        }
+        let Some(bs) = data.val_batches(a.seed, (sc.batch, seq, a.eval_batches.max(1)), rank, world)? else {
+            return Ok(None);
+        };
+        let v = trainer.eval(&bs)?;
+        // Each rank evaluated its rows: the mean over ranks.
+        Ok(Some(match &group {
+            Some(g) => g.mean(f64::from(v))? as f32,
+            None => v,
+        }))
     };
+    // Every rank is ready: one that failed a check above has left, and the others learn it here.
+    if let Some(g) = &group {
+        g.agree(0)?;
+    }
     let t0 = Instant::now();
     let mut first_loss = None;
     let mut last = None;
@@ -490,13 +531,15 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut interrupted = 0;
     for i in done + 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
-        let batches = (0..sc.grad_accum).map(|_| data.next(sc.batch, seq)).collect::<Result<Vec<_>>>()?;
+        let batches = (0..sc.grad_accum).map(|_| data.next(sc.batch, seq, rank, world)).collect::<Result<Vec<_>>>()?;
         let ts = Instant::now();
         let s = trainer.step(&batches)?;
         let dt = ts.elapsed().as_secs_f64();
-        let tps = s.tokens as f64 / dt.max(1e-9);
-        let flops = crate::suite::flops_per_step(&cfg, sc.batch, seq) * sc.grad_accum as f64;
-        timed.add(s.tokens as f64, flops, dt);
+        // The run's figures: every rank's tokens and FLOPs.
+        let tokens = (s.tokens * world) as f64;
+        let tps = tokens / dt.max(1e-9);
+        let flops = crate::suite::flops_per_step(&cfg, global_batch, seq) * sc.grad_accum as f64;
+        timed.add(tokens, flops, dt);
         last_lr = s.lr;
         first_loss.get_or_insert(s.loss);
         let val_loss = match a.eval_every {
@@ -504,7 +547,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             _ => None,
         };
         last_val = val_loss.or(last_val);
-        if i == done + 1 || i == a.steps || i % a.log_every.max(1) == 0 || val_loss.is_some() {
+        if lead && (i == done + 1 || i == a.steps || i % a.log_every.max(1) == 0 || val_loss.is_some()) {
             let mut line = json!({
                 "event": "step", "step": s.step, "loss": s.loss, "lr": s.lr, "tokens_per_s": tps.round(),
                 "step_ms": (dt * 1e3 * 100.0).round() / 100.0, "elapsed_s": (t0.elapsed().as_secs_f64() * 100.0).round() / 100.0,
@@ -526,14 +569,15 @@ pub fn run(a: TrainArgs) -> Result<()> {
             if let Some(m) = mfu {
                 line["mfu"] = json!((m * 1e4).round() / 1e4);
             }
-            let written =
-                run_dir.log.line(&line.to_string()).and_then(|_| if a.json { output::line(&line) } else { Ok(()) });
+            let written = match run_dir.as_mut() {
+                Some(rd) => rd.log.line(&line.to_string()),
+                None => Ok(()),
+            }
+            .and_then(|_| if a.json { output::line(&line) } else { Ok(()) });
             if let Err(e) = written {
                 stopped = Some(e);
-                last = Some(s);
-                break;
             }
-            if plain {
+            if plain && stopped.is_none() {
                 note!(
                     "step {i}/{}  loss {:.4}{}  lr {:.3e}  {} tok/s{}{}",
                     a.steps,
@@ -547,6 +591,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
             }
         }
         if let (Some(n), Some(p)) = (a.sample_every, &a.prompt)
+            && lead
+            && stopped.is_none()
             && n > 0
             && (i % n == 0 || i == a.steps)
         {
@@ -561,21 +607,39 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bar.inc(1);
         last = Some(s);
         interrupted = stop.load(Ordering::SeqCst);
-        if interrupted != 0 {
-            break;
-        }
-        if a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
+        if lead && stopped.is_none() && a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
             let dir = checkpoint::save_step(&out, &trainer, &state(&trainer, &data, &lengths, last_lr), a.keep_last)?;
             if a.json {
                 if let Err(e) = output::line(json!({"event": "checkpoint", "step": i, "dir": dir})) {
                     stopped = Some(e);
-                    break;
                 }
             } else if plain {
                 note!("saved {}", dir.display());
             }
         }
+        // Every rank stops after the same step: the largest of their flags.
+        if let Some(g) = &group {
+            let mine = if stopped.is_some() { LEAD_STOPPED } else { interrupted as u64 };
+            match g.agree(mine)? {
+                0 => {}
+                LEAD_STOPPED if !lead => {
+                    return Err(ModelError::Usage(format!("rank 0 stopped the run after step {i} (see its error)")));
+                }
+                LEAD_STOPPED => {}
+                sig => interrupted = interrupted.max(sig as usize),
+            }
+        }
+        if interrupted != 0 || stopped.is_some() {
+            break;
+        }
     }
+    if !lead {
+        if interrupted != 0 {
+            std::process::exit(128 + interrupted as i32);
+        }
+        return Ok(());
+    }
+    let log_path = log_path.unwrap_or_default();
     let saving = Instant::now();
     checkpoint::save(&out, &trainer, &state(&trainer, &data, &lengths, last_lr))?;
     let save_s = saving.elapsed().as_secs_f64();
@@ -669,142 +733,6 @@ fn model_folder(init_from: Option<&std::path::Path>, config: Option<&str>) -> Op
     init_from.and_then(dir_of).or_else(|| config.map(std::path::Path::new).and_then(dir_of))
 }
 
-/// Where batches come from: random windows of a byte corpus (the tiny preset's text), or
-/// packed documents through a tokenizer.
-enum DataSource {
-    /// `val`: the corpus's held-out tail under `--eval-every`.
-    Corpus {
-        corpus: Corpus,
-        name: String,
-        rng: Rng,
-        val: Option<Corpus>,
-    },
-    Packed {
-        train: Loader,
-        val: Option<Loader>,
-    },
-}
-
-impl DataSource {
-    fn new(a: &TrainArgs, tok: &Tokenizer, vocab: usize, seq: usize, model: &str) -> Result<DataSource> {
-        let validation = match (&a.val_data, a.val_fraction) {
-            (Some(p), _) => Validation::File(p.clone()),
-            (None, Some(f)) => Validation::Fraction(f),
-            (None, None) => Validation::None,
-        };
-        let jsonl = a.data.as_ref().is_some_and(|p| p.extension().is_some_and(|e| e == "jsonl"));
-        if tok.is_bytes() && !jsonl && validation == Validation::None {
-            if vocab < 256 {
-                return Err(ModelError::Usage(format!(
-                    "byte-level training needs a vocabulary of at least 256, `{model}` has {vocab}"
-                )));
-            }
-            let bytes = match &a.data {
-                Some(p) => rumble_models::guard::read_in_memory(p, "data", 1)?,
-                None => CORPUS.to_vec(),
-            };
-            let (corpus, val) = split_corpus(bytes, a.eval_every.is_some());
-            let name = a.data.as_ref().map_or("the shipped corpus".to_string(), |p| p.display().to_string());
-            return Ok(DataSource::Corpus { corpus, name, rng: Rng::for_name(a.seed, "batches"), val });
-        }
-        let (docs, what) = match &a.data {
-            Some(path) => (rumble_models::data::packed::read_documents(path)?, path.display().to_string()),
-            // The shipped corpus as one document, through the model's tokenizer.
-            None => (vec![Document::Text(String::from_utf8_lossy(CORPUS).into_owned())], "the shipped corpus".into()),
-        };
-        let Dataset { train, val } = Dataset::new(docs, &what, &validation, tok, seq, vocab, a.seed)?;
-        Ok(DataSource::Packed { train, val })
-    }
-
-    /// The data position (`--resume` restores it): the corpus sampler's state, or the packed
-    /// loader's.
-    fn state(&self) -> Value {
-        match self {
-            DataSource::Corpus { rng, .. } => rng.state(),
-            DataSource::Packed { train, .. } => serde_json::to_value(train.state()).unwrap_or(Value::Null),
-        }
-    }
-
-    /// Restores a position [`DataSource::state`] gave (from the checkpoint in `dir`).
-    fn restore(&mut self, v: &Value, dir: &std::path::Path) -> Result<()> {
-        let bad = || ModelError::Usage(format!("{}: no data position in trainer_state.json", dir.display()));
-        match self {
-            DataSource::Corpus { rng, .. } => *rng = Rng::from_state(v).ok_or_else(bad)?,
-            DataSource::Packed { train, .. } => {
-                let st: LoaderState = serde_json::from_value(v.clone()).map_err(|_| bad())?;
-                train.restore(st)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The sequence length of validation windows (`None`: no validation data): the step's,
-    /// shorter when the held-out text is.
-    fn val_seq(&self, seq: usize) -> Option<usize> {
-        match self {
-            DataSource::Corpus { val, .. } => val.as_ref().map(|v| seq.min(v.len().saturating_sub(1)).max(1)),
-            DataSource::Packed { val, .. } => val.as_ref().map(|_| seq),
-        }
-    }
-
-    /// `n` validation micro-batches of `batch` rows of `seq` tokens, the same every time (so
-    /// validation losses compare across steps).
-    fn val_batches(&self, seed: u64, batch: usize, seq: usize, n: usize) -> Result<Option<Vec<Batch>>> {
-        match self {
-            DataSource::Corpus { val: Some(v), .. } => {
-                let mut vr = Rng::for_name(seed, "validation");
-                (0..n).map(|_| v.sample(&mut vr, batch, seq)).collect::<Result<Vec<_>>>().map(Some)
-            }
-            DataSource::Packed { val: Some(v), .. } => Ok(Some(v.all_batches(batch).into_iter().take(n).collect())),
-            _ => Ok(None),
-        }
-    }
-
-    /// Refuses windows of `seq` tokens longer than a byte corpus (packed documents are checked
-    /// when they are loaded).
-    fn check_window(&self, seq: usize) -> Result<()> {
-        match self {
-            DataSource::Corpus { corpus, name, .. } => corpus.check_window(seq, name),
-            DataSource::Packed { .. } => Ok(()),
-        }
-    }
-
-    /// One micro-batch of `batch` rows of `seq` tokens (packed windows are cut to `seq`, for
-    /// shape buckets).
-    fn next(&mut self, batch: usize, seq: usize) -> Result<Batch> {
-        match self {
-            DataSource::Corpus { corpus, rng, .. } => corpus.sample(rng, batch, seq),
-            DataSource::Packed { train, .. } => {
-                let b = train.next_batch(batch);
-                if b.seq == seq {
-                    return Ok(b);
-                }
-                let cut = |v: &[i64]| v.chunks(b.seq).flat_map(|row| row[..seq].to_vec()).collect();
-                Ok(Batch { batch, seq, tokens: cut(&b.tokens), targets: cut(&b.targets) })
-            }
-        }
-    }
-
-    /// Adds what the data is to the start line.
-    fn describe(&self, start: &mut serde_json::Value, tok: &Tokenizer) {
-        match self {
-            DataSource::Corpus { corpus, val, .. } => {
-                start["corpus_bytes"] = json!(corpus.len());
-                start["val_bytes"] = json!(val.as_ref().map(Corpus::len));
-            }
-            DataSource::Packed { train, val } => {
-                start["tokenizer"] = json!(tok.file().map(|f| f.display().to_string()).unwrap_or("bytes".into()));
-                start["data_tokens"] = json!(train.tokens());
-                start["data_windows"] = json!(train.windows());
-                if let Some(v) = val {
-                    start["val_tokens"] = json!(v.tokens());
-                    start["val_windows"] = json!(v.windows());
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -840,13 +768,5 @@ mod tests {
         let f = t.done_fields(Some(1 << 30), Some(1e13));
         assert_eq!(f, json!({"tokens_per_s": 200.0, "timed_steps": 2, "peak_bytes": 1u64 << 30, "mfu": 0.2}));
         assert_eq!(t.done_fields(None, None)["mfu"], json!(null));
-    }
-
-    #[test]
-    fn the_validation_split_is_the_tail() {
-        let (train, val) = split_corpus((0..100u8).collect(), true);
-        assert_eq!((train.len(), val.map(|v| v.len())), (90, Some(10)));
-        let (train, val) = split_corpus(vec![1; 50], false);
-        assert_eq!((train.len(), val.is_none()), (50, true));
     }
 }
