@@ -67,16 +67,21 @@ pub struct TrainArgs {
     /// cpu, cuda or auto (cuda when usable, else cpu).
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Data-parallel training on N GPUs of this host, one process each (under torchrun, whose
-    /// RANK, WORLD_SIZE, ... are read instead, leave it out). The trainer's rank path is not built
-    /// yet: N > 1 is refused.
+    /// Data-parallel training on N GPUs of this host, one process each, --batch rows split
+    /// over them (under torchrun, whose RANK, WORLD_SIZE, ... are read instead, leave it out;
+    /// on the CPU, start the ranks that way).
     #[arg(long, value_name = "N")]
     pub gpus: Option<usize>,
     /// Build the step as the one rank of a one-rank data-parallel (DDP) program, as each rank
-    /// of --gpus N will: its collectives are identities on the CPU and run through NCCL on
+    /// of --gpus N does: its collectives are identities on the CPU and run through NCCL on
     /// CUDA (which must then load). Losses and weights are those of the plain step, bit for bit.
     #[arg(long)]
     pub data_parallel: bool,
+    /// ZeRO stage 1: each rank keeps 1/N of the optimizer state (gradients reduce-scattered,
+    /// parameters all-gathered); checkpoints still hold the whole state. Implies
+    /// --data-parallel.
+    #[arg(long)]
+    pub zero1: bool,
     /// Start from these weights instead of a random initialisation.
     #[arg(long, value_name = "CHECKPOINT.safetensors")]
     pub init_from: Option<PathBuf>,
@@ -387,10 +392,10 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
             (w, schedule, 0)
         }
     };
-    let data_parallel = (a.data_parallel || world > 1).then_some(DataParallel {
+    let data_parallel = (a.data_parallel || a.zero1 || world > 1).then_some(DataParallel {
         world,
         rank,
-        mode: Mode::Ddp,
+        mode: if a.zero1 { Mode::Zero1 } else { Mode::Ddp },
         bucket_bytes: DataParallel::DEFAULT_BUCKET_BYTES,
     });
     // On CUDA the collectives need the process's communicator: a world of one here (a rank of
@@ -410,6 +415,11 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         None => Trainer::with_options(cfg.clone(), step_cfg.clone(), weights, schedule, device, &opts)?,
     };
     trainer.set_steps_done(done);
+    if let Some(g) = &group {
+        trainer = trainer.with_group(g.clone());
+    }
+    // Rank 0's checkpoints gather a ZeRO-1 run's sharded state from every rank.
+    let gathers = a.zero1 && world > 1;
     // With buckets: the largest bucket's shape.
     let sc = trainer.step_config().clone();
     // Validation windows: the step's batch shape, shorter when the held-out text is.
@@ -445,7 +455,8 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         "optimizer": sc.optimizer.map(|o| o.name()), "lr": lr, "precision": precision.name(),
         "buckets": bucket_seqs,
         "resumed_from": resume.as_ref().map(|n| n.dir.display().to_string()), "start_step": done,
-        "data_parallel": data_parallel.map(|d| json!({"world": d.world, "rank": d.rank, "mode": "ddp"})),
+        "data_parallel": data_parallel.map(|d| json!({"world": d.world, "rank": d.rank,
+            "mode": if d.mode == Mode::Zero1 { "zero1" } else { "ddp" }})),
         "global_batch": global_batch,
     });
     data.describe(&mut start, &tokenizer);
@@ -607,7 +618,10 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         bar.inc(1);
         last = Some(s);
         interrupted = stop.load(Ordering::SeqCst);
-        if lead && stopped.is_none() && a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
+        if a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps && !lead && gathers {
+            trainer.snapshot()?;
+        }
+        if lead && a.save_every.is_some_and(|n| i % n.max(1) == 0) && i != a.steps {
             let dir = checkpoint::save_step(&out, &trainer, &state(&trainer, &data, &lengths, last_lr), a.keep_last)?;
             if a.json {
                 if let Err(e) = output::line(json!({"event": "checkpoint", "step": i, "dir": dir})) {
@@ -623,6 +637,10 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
             match g.agree(mine)? {
                 0 => {}
                 LEAD_STOPPED if !lead => {
+                    if gathers {
+                        // Rank 0 still saves the run's checkpoint.
+                        trainer.snapshot()?;
+                    }
                     return Err(ModelError::Usage(format!("rank 0 stopped the run after step {i} (see its error)")));
                 }
                 LEAD_STOPPED => {}
@@ -634,6 +652,9 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         }
     }
     if !lead {
+        if gathers {
+            trainer.snapshot()?;
+        }
         if interrupted != 0 {
             std::process::exit(128 + interrupted as i32);
         }

@@ -79,51 +79,59 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-30)
 }
 
-#[test]
-fn two_ranks_train_as_one_process_at_the_same_global_batch_and_resume_anywhere() {
-    let one = tmp("dp", "one");
+/// Two ranks (`mode`: extra flags) against one process at global batch 4: 4 steps with a
+/// checkpoint at step 2, then a resume in one process (plain, without data parallelism) to
+/// step 6.
+fn two_ranks_equal_one_process(name: &str, mode: &str, want_mode: &str) {
+    let one = tmp("dp", &format!("{name}-one"));
     let (ok, stdout, err) = rumble(&flags(&one, "--batch 4 --steps 6").iter().map(String::as_str).collect::<Vec<_>>());
     assert!(ok, "{err}");
     let want = step_losses(&stdout);
     assert_eq!(want.len(), 6);
 
-    // Two ranks, 2 rows each, 4 steps with a checkpoint at step 2.
-    let two = tmp("dp", "two");
-    let outs = ranks(&flags(&two, "--batch 4 --steps 4 --save-every 2"), 2);
+    let two = tmp("dp", &format!("{name}-two"));
+    let outs = ranks(&flags(&two, &format!("--batch 4 --steps 4 --save-every 2 {mode}")), 2);
     for (r, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {r}: {}", text(&o.stderr));
     }
     // Rank 0 alone speaks and writes; every rank reports the global mean loss.
     assert!(outs[1].stdout.is_empty(), "rank 1 printed: {}", text(&outs[1].stdout));
     let ls = lines(&text(&outs[0].stdout));
-    assert_eq!(ls[0]["data_parallel"], serde_json::json!({"world": 2, "rank": 0, "mode": "ddp"}));
+    assert_eq!(ls[0]["data_parallel"], serde_json::json!({"world": 2, "rank": 0, "mode": want_mode}));
     assert_eq!((ls[0]["batch"].as_u64(), ls[0]["global_batch"].as_u64()), (Some(2), Some(4)));
     let got = step_losses(&text(&outs[0].stdout));
     assert_eq!(got.len(), 4);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(rel(*g, *w) <= 1e-6, "step {}: two ranks {g}, one process {w}", i + 1);
+        assert!(rel(*g, *w) <= 1e-6, "{name}, step {}: two ranks {g}, one process {w}", i + 1);
     }
     assert!(two.join("checkpoint-2").is_dir() && two.join("model.safetensors").is_file());
     assert_eq!(std::fs::read_to_string(two.join("loss.jsonl")).unwrap().lines().count(), 4);
 
-    // The two-rank checkpoint resumes in one process, to the one-process run's losses.
-    let (ok, stdout, err) = rumble(
-        &flags(&two, &format!("--batch 4 --steps 6 --resume {}", two.display()))
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
+    // The two-rank checkpoint (the whole optimizer state, gathered under ZeRO-1) resumes in
+    // one process, to the one-process run's losses.
+    let resume = flags(&two, &format!("--batch 4 --steps 6 --resume {}", two.display()));
+    let (ok, stdout, err) = rumble(&resume.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(ok, "{err}");
     let resumed = step_losses(&stdout);
     assert_eq!(resumed.len(), 2);
     for (i, (g, w)) in resumed.iter().zip(&want[4..]).enumerate() {
-        assert!(rel(*g, *w) <= 1e-6, "step {}: resumed {g}, one process {w}", i + 5);
+        assert!(rel(*g, *w) <= 1e-6, "{name}, step {}: resumed {g}, one process {w}", i + 5);
     }
     let e = weights_rel_err(&two, &one);
-    assert!(e <= 1e-6, "weights after 6 steps: rel. err {e:e}");
+    assert!(e <= 1e-6, "{name}: weights after 6 steps: rel. err {e:e}");
     for d in [&one, &two] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+#[test]
+fn two_ddp_ranks_train_as_one_process_at_the_same_global_batch_and_resume_anywhere() {
+    two_ranks_equal_one_process("ddp", "", "ddp");
+}
+
+#[test]
+fn two_zero1_ranks_train_as_one_process_and_checkpoint_the_whole_state() {
+    two_ranks_equal_one_process("zero1", "--zero1", "zero1");
 }
 
 #[test]

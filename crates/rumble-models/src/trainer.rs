@@ -8,11 +8,19 @@
 //! Weights are given in the config's dtype and cast to the step's master dtype
 //! ([`StepConfig::master_dtype`]); optimizer states start at zero unless the weights given carry
 //! them by name (a resumed run: [`crate::checkpoint::load`]).
+//!
+//! Compiled as a rank of a ZeRO-1 program (`CompileOptions::data_parallel` in `Mode::Zero1`),
+//! the trainer keeps this rank's shards of the optimizer states, cut from the whole ones it is
+//! given; [`Trainer::snapshot`] gathers every rank's shards at rank 0 (through the run's
+//! [`Group`], [`Trainer::with_group`]) and gives the whole states back under their own names,
+//! so a checkpoint is the same whatever the number of ranks, and resumes on any.
 
 use std::path::Path;
+use std::sync::Arc;
 
 pub use rumble_core::compile::PIPELINE;
 use rumble_core::compile::{CompileOptions, optimize};
+use rumble_core::passes::data_parallel::{DpPlan, Mode, data_parallel};
 use rumble_core::{DType, TensorType, Trace};
 
 use crate::buckets::{BucketReport, BucketedExecutor, Buckets};
@@ -20,6 +28,7 @@ use crate::config::Config;
 use crate::data::Batch;
 use crate::error::{ModelError, Result};
 use crate::exec::{DeviceChoice, DeviceKind, DynExecutor, ExecStats, Executor, executor_with};
+use crate::group::Group;
 use crate::host::{self, HostTensor};
 use crate::model::param_specs;
 use crate::optim::Optimizer;
@@ -95,6 +104,10 @@ pub struct Trainer {
     eval_shape: Option<(usize, usize)>,
     /// The options the step was compiled with (the validation program gets the same).
     opts: CompileOptions,
+    /// A ZeRO-1 rank: the plan of its sharded states.
+    zero1: Option<DpPlan>,
+    /// The run's links to the other ranks (ZeRO-1 gathers the states through them).
+    group: Option<Arc<Group>>,
 }
 
 /// Stands in for an executor between dropping one and building the next (so their device
@@ -162,8 +175,9 @@ impl Trainer {
         let optimizer = sc.optimizer.ok_or_else(|| ModelError::Usage("a Trainer needs an optimizer".into()))?;
         check_hyper(&sc, &schedule)?;
         let TrainStep { trace, data_inputs, states } = build_train_step(&cfg, &sc)?;
+        let zero1 = zero1_plan(&trace, opts)?;
         let (trace, _log) = optimize(&trace, &CompileOptions { passes: true, ..opts.clone() })?;
-        let persistent = persistent_values(&cfg, &sc, weights, &states)?;
+        let persistent = shard(zero1.as_ref(), persistent_values(&cfg, &sc, weights, &states)?)?;
         let exec = make(trace, persistent)?;
         Ok(Trainer {
             cfg,
@@ -177,6 +191,8 @@ impl Trainer {
             evals: Vec::new(),
             eval_shape: None,
             opts: CompileOptions { passes: false, ..opts.clone() },
+            zero1,
+            group: None,
         })
     }
 
@@ -209,9 +225,11 @@ impl Trainer {
             traces.push(optimize(&step.trace, &CompileOptions { passes: true, ..opts.clone() })?.0);
             first.get_or_insert(step);
         }
-        let TrainStep { data_inputs, states, .. } =
+        let TrainStep { trace, data_inputs, states } =
             first.ok_or_else(|| ModelError::Usage("shape buckets: none given".into()))?;
-        let persistent = persistent_values(&cfg, &sc, weights, &states)?;
+        // Every bucket's plan shards the same parameters alike: the first one's serves all.
+        let zero1 = zero1_plan(&trace, opts)?;
+        let persistent = shard(zero1.as_ref(), persistent_values(&cfg, &sc, weights, &states)?)?;
         let opts = CompileOptions { passes: false, ..opts.clone() };
         let exec = BucketedExecutor::with_options(buckets.clone(), traces, persistent, device, &opts)?;
         let max = buckets.max();
@@ -228,7 +246,16 @@ impl Trainer {
             evals: Vec::new(),
             eval_shape: None,
             opts,
+            zero1,
+            group: None,
         })
+    }
+
+    /// The run's links to the other ranks: a ZeRO-1 rank of several gathers the optimizer
+    /// states through them ([`Trainer::snapshot`]).
+    pub fn with_group(mut self, group: Arc<Group>) -> Trainer {
+        self.group = Some(group);
+        self
     }
 
     /// Per shape bucket: steps run, graph captures and their seconds (empty without buckets).
@@ -277,7 +304,51 @@ impl Trainer {
     /// The parameters (as [`Trainer::weights`]) and the optimizer states (as
     /// [`Trainer::optimizer_states`]) from one read-back of the executor's persistent values:
     /// a checkpoint reads the device once.
+    ///
+    /// A ZeRO-1 rank of several gathers every rank's shards: every rank must call this at the
+    /// same point of the run; rank 0 gets the whole states, the others none.
     pub fn snapshot(&self) -> Result<(Weights, Vec<(String, HostTensor)>)> {
+        let (params, mut held) = self.read_back()?;
+        let Some(plan) = &self.zero1 else { return Ok((params, held)) };
+        let mut mine = Vec::with_capacity(plan.shard_states.len());
+        for s in &plan.shard_states {
+            let k = held
+                .iter()
+                .position(|(n, _)| *n == s.name)
+                .ok_or_else(|| ModelError::Usage(format!("the executor lost optimizer shard `{}`", s.name)))?;
+            mine.push(held.remove(k).1);
+        }
+        let world = plan.dp.world;
+        let shards = if world == 1 {
+            vec![mine]
+        } else {
+            let g = self.group.as_ref().ok_or_else(|| {
+                ModelError::Usage(format!("a ZeRO-1 rank of {world} needs the run's group to gather its states"))
+            })?;
+            let bytes: Vec<u8> = mine.iter().flat_map(|t| t.bytes.iter().copied()).collect();
+            let Some(parts) = g.gather(&bytes)? else { return Ok((params, held)) };
+            parts
+                .into_iter()
+                .map(|p| {
+                    let mut at = 0;
+                    plan.shard_states
+                        .iter()
+                        .map(|s| {
+                            let n = s.ty.size_in_bytes();
+                            let t = HostTensor::new(s.ty.clone(), p.get(at..at + n).unwrap_or_default().to_vec());
+                            at += n;
+                            t.map_err(ModelError::from)
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        held.extend(plan.gather_states(&shards)?);
+        Ok((params, held))
+    }
+
+    /// The parameters and every other persistent value, as this process's executor holds them.
+    fn read_back(&self) -> Result<(Weights, Vec<(String, HostTensor)>)> {
         let specs = param_specs(&self.cfg);
         let params: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         let (mut all, states): (std::collections::HashMap<String, HostTensor>, Vec<_>) = {
@@ -458,7 +529,7 @@ impl Trainer {
     /// The current parameters as the step keeps them (in the master dtype: f32 under
     /// bf16-mixed).
     pub fn weights(&self) -> Result<Weights> {
-        Ok(self.snapshot()?.0)
+        Ok(self.read_back()?.0)
     }
 
     /// The current parameters in the config's dtype (what a model folder stores).
@@ -585,6 +656,29 @@ pub fn persistent_values(
     if let Some(name) = extra.first() {
         return Err(ModelError::Usage(format!("`{name}` is neither a parameter nor an optimizer state of this step")));
     }
+    Ok(out)
+}
+
+/// The plan of a ZeRO-1 rank's program of `trace` under `opts` (`None` for any other).
+fn zero1_plan(trace: &Trace, opts: &CompileOptions) -> Result<Option<DpPlan>> {
+    match opts.data_parallel {
+        Some(dp) if dp.mode == Mode::Zero1 => Ok(Some(data_parallel(trace, &dp)?.1)),
+        _ => Ok(None),
+    }
+}
+
+/// `persistent` with the whole optimizer states a ZeRO-1 `plan` shards replaced by this rank's
+/// shards of them.
+fn shard(plan: Option<&DpPlan>, persistent: Vec<(String, HostTensor)>) -> Result<Vec<(String, HostTensor)>> {
+    let Some(plan) = plan else { return Ok(persistent) };
+    let sharded: std::collections::HashSet<&str> =
+        plan.shard_states.iter().flat_map(|s| s.members.iter().map(|(n, _)| n.as_str())).collect();
+    let whole: std::collections::HashMap<&str, &HostTensor> =
+        persistent.iter().filter(|(n, _)| sharded.contains(n.as_str())).map(|(n, t)| (n.as_str(), t)).collect();
+    let shards = plan.shard_states(&|n| whole.get(n).map(|t| (*t).clone()))?;
+    let mut out: Vec<(String, HostTensor)> =
+        persistent.iter().filter(|(n, _)| !sharded.contains(n.as_str())).cloned().collect();
+    out.extend(plan.shard_states.iter().map(|s| s.name.clone()).zip(shards));
     Ok(out)
 }
 
