@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use rumble_core::compile::{Budget, CompileOptions, compile};
+use rumble_core::passes::data_parallel::{DataParallel, Mode};
 use rumble_core::passes::remat::Remat;
 use rumble_models::weights::write_atomic;
 use rumble_models::{Result, build_train_step};
@@ -40,6 +41,13 @@ pub struct PlanArgs {
     /// The report names the choice, its predicted step time and its peak.
     #[arg(long, value_name = "BYTES|auto|min", default_value = "fastest", value_parser = parse_budget)]
     pub memory_budget: Budget,
+    /// Plan rank 0 of `rumble train --gpus N`: its share of the global --batch, the gradient
+    /// collectives in its trace.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+    /// With --gpus: ZeRO-1, each rank keeping 1/N of the optimizer state.
+    #[arg(long, requires = "gpus")]
+    pub zero1: bool,
     /// Print the whole trace, as planned, in rumble's text form.
     #[arg(long)]
     pub trace: bool,
@@ -71,10 +79,32 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
     if a.no_optimizer {
         sc.optimizer = None;
     }
+    let data_parallel = match a.gpus {
+        None => None,
+        Some(0) => return Err(rumble_models::ModelError::Usage("--gpus must be at least 1".into())),
+        Some(n) => {
+            if !sc.batch.is_multiple_of(n) {
+                return Err(rumble_models::ModelError::Usage(format!(
+                    "--batch {} (the global batch) does not split over {n} ranks: give a multiple of {n}",
+                    sc.batch
+                )));
+            }
+            sc.batch /= n;
+            r.step.batch = sc.batch;
+            let mode = if a.zero1 { Mode::Zero1 } else { Mode::Ddp };
+            Some(DataParallel { world: n, rank: 0, mode, bucket_bytes: DataParallel::DEFAULT_BUCKET_BYTES })
+        }
+    };
     crate::common::check_step_fits(&r, false)?;
     let step = build_train_step(&r.config, &sc)?;
     let remat = if a.remat == "auto" { Remat::Auto } else { Remat::Off };
-    let opts = CompileOptions { schedule: !a.no_schedule, remat, budget: a.memory_budget, ..Default::default() };
+    let opts = CompileOptions {
+        schedule: !a.no_schedule,
+        remat,
+        budget: a.memory_budget,
+        data_parallel,
+        ..Default::default()
+    };
     let planned = compile(&step.trace, &opts)?;
     if a.trace {
         crate::output::line(&planned.trace)?;

@@ -197,3 +197,28 @@ fn a_signal_to_one_rank_stops_both_after_the_same_step() {
     assert!((2..100000).contains(&logged));
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `rumble plan --gpus N [--zero1]`: rank 0's share of the global batch; under ZeRO-1 its
+/// persistent memory is the parameters and 1/N of the optimizer state (up to the shards'
+/// padding and the persistent region's alignment).
+#[test]
+fn plan_shows_a_ranks_share_and_zero1_halves_the_optimizer_state() {
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["plan", "tiny", "--batch", "4", "--json"];
+        args.extend(extra);
+        let (ok, stdout, err) = rumble(&args);
+        assert!(ok, "{err}");
+        lines(&stdout).remove(0)
+    };
+    let bytes = |v: &Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k}: {v}"));
+    let (one, ddp, zero) = (plan(&[]), plan(&["--gpus", "2"]), plan(&["--gpus", "2", "--zero1"]));
+    assert_eq!(bytes(&one, "persistent_bytes"), bytes(&ddp, "persistent_bytes"));
+    assert!(bytes(&ddp, "arena_bytes") < bytes(&one, "arena_bytes"), "half the rows: {ddp}");
+    // The tiny preset: f32 parameters, AdamW's two moments of each.
+    let params = bytes(&one, "persistent_bytes") / 3;
+    let want = params + params;
+    let got = bytes(&zero, "persistent_bytes");
+    assert!(got >= want && got < want + 4096, "ZeRO-1 over 2 ranks keeps {got} bytes, want {want} and padding");
+    let (ok, _, err) = rumble(&["plan", "tiny", "--batch", "3", "--gpus", "2"]);
+    assert!(!ok && err.contains("does not split over 2 ranks"), "{err}");
+}
