@@ -186,9 +186,24 @@ const GRACE: Duration = Duration::from_secs(60);
 /// SIGTERM (they stop after their step; rank 0 saves its checkpoint), and a SIGKILL after a
 /// grace period. Each rank has its own process group, so a Ctrl-C reaches this process only,
 /// which passes SIGINT and SIGTERM on once (a second one kills the ranks).
-pub fn run_ranks(world: usize, exe: &Path, args: &[OsString]) -> std::result::Result<i32, String> {
+///
+/// `lib_dir`, where given, goes first on the ranks' `LD_LIBRARY_PATH` ([`nccl_dir`]).
+pub fn run_ranks(
+    world: usize,
+    exe: &Path,
+    args: &[OsString],
+    lib_dir: Option<&Path>,
+) -> std::result::Result<i32, String> {
     use std::os::unix::process::{CommandExt, ExitStatusExt};
     let port = free_port()?;
+    let ld_path = lib_dir.map(|d| {
+        let mut p = d.as_os_str().to_owned();
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|o| !o.is_empty()) {
+            p.push(":");
+            p.push(old);
+        }
+        p
+    });
     let mut ranks = Vec::with_capacity(world);
     for r in 0..world {
         let mut c = std::process::Command::new(exe);
@@ -200,6 +215,9 @@ pub fn run_ranks(world: usize, exe: &Path, args: &[OsString]) -> std::result::Re
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .process_group(0);
+        if let Some(p) = &ld_path {
+            c.env("LD_LIBRARY_PATH", p);
+        }
         match c.spawn() {
             Ok(child) => ranks.push(Some(child)),
             Err(e) => {
@@ -265,6 +283,18 @@ pub fn run_ranks(world: usize, exe: &Path, args: &[OsString]) -> std::result::Re
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(code)
+}
+
+/// Where the ranks of `--gpus N` find NCCL: `None` when it loads as it is; else a folder
+/// holding a `libnccl.so` link to the `libnccl.so.2` found on this machine (PyTorch's wheel,
+/// say), under the temporary folder; an error naming what was looked for when there is none.
+pub fn nccl_dir() -> Result<Option<std::path::PathBuf>> {
+    let Err(missing) = rumble_cuda::nccl::available() else { return Ok(None) };
+    let Some(lib) = rumble_cuda::nccl::find_library() else { return Err(missing.into()) };
+    // SAFETY: getuid(2) always succeeds and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    let root = std::env::temp_dir().join(format!("rumble-{uid}"));
+    Ok(Some(rumble_cuda::nccl::link_dir_for(&lib, &root)?))
 }
 
 /// How long a rank waits for the others at the rendezvous.
@@ -436,10 +466,18 @@ mod tests {
                       [ \"$WORLD_SIZE\" = 2 ] && [ \"$MASTER_ADDR\" = 127.0.0.1 ] && [ -n \"$MASTER_PORT\" ] || exit 9; \
                       sleep 60";
         let t = Instant::now();
-        let code = run_ranks(2, Path::new("/bin/sh"), &[OsString::from("-c"), OsString::from(script)]).unwrap();
+        let code = run_ranks(2, Path::new("/bin/sh"), &[OsString::from("-c"), OsString::from(script)], None).unwrap();
         assert_eq!(code, 3);
         assert!(t.elapsed() < Duration::from_secs(30), "rank 0 was not stopped: {:?}", t.elapsed());
-        let ok = run_ranks(3, Path::new("/bin/sh"), &[OsString::from("-c"), OsString::from("exit 0")]).unwrap();
+        // The library folder goes first on the ranks' loader path.
+        let check = "case \"$LD_LIBRARY_PATH\" in /opt/nccl-here*) exit 0;; *) exit 4;; esac";
+        let ok = run_ranks(
+            3,
+            Path::new("/bin/sh"),
+            &[OsString::from("-c"), OsString::from(check)],
+            Some(Path::new("/opt/nccl-here")),
+        )
+        .unwrap();
         assert_eq!(ok, 0);
     }
 }

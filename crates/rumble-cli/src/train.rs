@@ -235,7 +235,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             .map_err(ModelError::Usage)?;
         let exe = std::env::current_exe().map_err(|e| ModelError::Usage(format!("this program's path: {e}")))?;
         let args = crate::launch::rank_args(&std::env::args_os().skip(1).collect::<Vec<_>>());
-        let code = crate::launch::run_ranks(launch.world, &exe, &args).map_err(ModelError::Usage)?;
+        let lib_dir = crate::launch::nccl_dir()?;
+        let code =
+            crate::launch::run_ranks(launch.world, &exe, &args, lib_dir.as_deref()).map_err(ModelError::Usage)?;
         if code != 0 {
             std::process::exit(code);
         }
