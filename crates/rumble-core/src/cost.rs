@@ -26,7 +26,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::ir::{DType, Op, TensorType, Trace, stat_dtype};
+use crate::ir::{CollectiveOp, DType, Op, TensorType, Trace, stat_dtype};
 use crate::passes::remat::flops;
 use crate::plan::view_offset;
 
@@ -54,11 +54,15 @@ pub struct DeviceRates {
     pub multiprocessors: usize,
     /// Rows and columns of the output tile a multiprocessor computes at once.
     pub tile: (usize, usize),
+    /// Bytes/s a collective moves between the devices of a data-parallel run (NCCL's "bus
+    /// bandwidth": an all-reduce of `n` bytes over `w` ranks moves `2 (w - 1) / w * n`).
+    pub interconnect: f64,
 }
 
 impl DeviceRates {
     /// An NVIDIA H200 (SXM, 132 SMs) as measured: bf16 dense matmuls at about 790 TFLOP/s,
-    /// cuBLAS's exact f32 at about 50, HBM3e at about 4.3 TB/s.
+    /// cuBLAS's exact f32 at about 50, HBM3e at about 4.3 TB/s. The interconnect is NVLink 4's
+    /// 450 GB/s a direction at 80%, not measured here (no machine of two GPUs has been lent).
     pub fn h200() -> Self {
         DeviceRates {
             name: "NVIDIA H200".into(),
@@ -71,6 +75,7 @@ impl DeviceRates {
             launch: 3e-6,
             multiprocessors: 132,
             tile: (128, 128),
+            interconnect: 360e9,
         }
     }
 
@@ -246,6 +251,17 @@ impl Roofline {
             Op::LinearCrossEntropyBackward { chunk, .. } => self.linear_ce_seconds(args, *chunk, (false, true), matmul),
             Op::LinearCrossEntropyGrad { chunk, .. } => self.linear_ce_seconds(args, *chunk, (true, true), matmul),
             Op::Reduce { .. } => self.stream_seconds(moved, f, 2),
+            Op::Collective { op: c, world, .. } if *world > 1 => {
+                // Ring algorithms: each rank sends and receives (w - 1) / w of the whole
+                // buffer once per phase; an all-reduce is a reduce-scatter then an all-gather.
+                let w = *world as f64;
+                let (whole, phases) = match c {
+                    CollectiveOp::AllReduce => (bytes(args), 2.0),
+                    CollectiveOp::ReduceScatter => (bytes(args), 1.0),
+                    CollectiveOp::AllGather => (bytes(outs), 1.0),
+                };
+                phases * (w - 1.0) / w * whole / self.rates.interconnect + self.rates.launch
+            }
             _ => self.stream_seconds(moved, f, 1),
         }
     }
@@ -383,6 +399,25 @@ mod tests {
 
     fn ty(dtype: DType, dims: &[usize]) -> TensorType {
         TensorType::new(dtype, Shape::from(dims))
+    }
+
+    #[test]
+    fn collectives_cost_what_their_rings_move_over_the_interconnect() {
+        let r = Roofline::default();
+        let (x, shard) = (ty(DType::F32, &[1 << 20]), ty(DType::F32, &[1 << 18]));
+        let c = |op, world| Op::Collective { op, world, rank: 0 };
+        let at = |op, world, a: &TensorType, o: &TensorType| r.node_seconds(&c(op, world), &[a], &[o]) - r.rates.launch;
+        let per_byte = 1.0 / r.rates.interconnect;
+        let n = x.size_in_bytes() as f64;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        // Four ranks: an all-reduce moves 2 * 3/4 of the buffer, a reduce-scatter or an
+        // all-gather of the same whole buffer 3/4 of it.
+        assert!(close(at(CollectiveOp::AllReduce, 4, &x, &x), 1.5 * n * per_byte));
+        assert!(close(at(CollectiveOp::ReduceScatter, 4, &x, &shard), 0.75 * n * per_byte));
+        assert!(close(at(CollectiveOp::AllGather, 4, &shard, &x), 0.75 * n * per_byte));
+        // Two ranks move less of it than four; one rank is a copy on the device.
+        assert!(at(CollectiveOp::AllReduce, 2, &x, &x) < at(CollectiveOp::AllReduce, 4, &x, &x));
+        assert!(r.node_seconds(&c(CollectiveOp::AllReduce, 1), &[&x], &[&x]) < 2.0 * n / r.rates.memory + 1e-4);
     }
 
     #[test]
