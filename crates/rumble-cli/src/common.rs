@@ -122,6 +122,7 @@ impl ModelArgs {
             clip: self.clip,
             fused_loss: !self.materialize_logits,
             precision: self.precision.as_deref().map(str::parse).transpose()?,
+            loss_weights: false,
         };
         config.check_step_sizes(step.batch, step.seq, step.grad_accum)?;
         Ok(Resolved { name, config, step, lr })

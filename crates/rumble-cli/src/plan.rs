@@ -90,6 +90,7 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
                 )));
             }
             sc.batch /= n;
+            sc.loss_weights = n > 1;
             r.step.batch = sc.batch;
             let mode = if a.zero1 { Mode::Zero1 } else { Mode::Ddp };
             Some(DataParallel { world: n, rank: 0, mode, bucket_bytes: DataParallel::DEFAULT_BUCKET_BYTES })

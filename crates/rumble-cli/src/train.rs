@@ -29,6 +29,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rumble_core::cpu::Rng;
 use rumble_core::passes::data_parallel::{DataParallel, Mode};
 use rumble_models::checkpoint::{self, TrainerState};
+use rumble_models::data::Batch;
 use rumble_models::folder::copy_tokenizer_files;
 use rumble_models::{
     Buckets, DeviceChoice, DeviceKind, LrSchedule, ModelError, Precision, Result, ScheduleKind, Tokenizer, Trainer,
@@ -304,6 +305,9 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         )));
     }
     step_cfg.batch = global_batch / world;
+    // Ranks may count different numbers of targets (prompt tokens masked): each weighs its
+    // loss by its share, so their mean is the global batch's.
+    step_cfg.loss_weights = world > 1;
     let model_dir = model_folder(beside.as_deref(), a.model.config.as_deref());
     let tokenizer = match &model_dir {
         Some(d) => Tokenizer::from_folder(d)?,
@@ -523,12 +527,17 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         let Some(bs) = data.val_batches(a.seed, (sc.batch, seq, a.eval_batches.max(1)), rank, world)? else {
             return Ok(None);
         };
-        let v = trainer.eval(&bs)?;
-        // Each rank evaluated its rows: the mean over ranks.
-        Ok(Some(match &group {
-            Some(g) => g.mean(f64::from(v))? as f32,
-            None => v,
-        }))
+        let Some(g) = &group else { return trainer.eval(&bs).map(Some) };
+        // Each rank evaluates its rows of every batch; a batch's loss is the mean over all its
+        // targets, as one process counts them (the ranks' means weighted by their targets).
+        let mut total = 0.0;
+        for b in &bs {
+            let n = b.targets.iter().filter(|&&t| t != rumble_models::model::IGNORE_INDEX).count() as f64;
+            let loss = if n > 0.0 { f64::from(trainer.eval(std::slice::from_ref(b))?) } else { 0.0 };
+            let s = g.sum(&[loss * n, n])?;
+            total += s[0] / s[1].max(1.0);
+        }
+        Ok(Some((total / bs.len() as f64) as f32))
     };
     // Every rank is ready: one that failed a check above has left, and the others learn it here.
     if let Some(g) = &group {
@@ -544,9 +553,13 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
     let mut interrupted = 0;
     for i in done + 1..=a.steps {
         let seq = if buckets.is_some() { 1 + lengths.below(sc.seq) } else { sc.seq };
-        let batches = (0..sc.grad_accum).map(|_| data.next(sc.batch, seq, rank, world)).collect::<Result<Vec<_>>>()?;
+        let (batches, weights): (Vec<Batch>, Vec<f64>) = (0..sc.grad_accum)
+            .map(|_| data.next(sc.batch, seq, rank, world))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
         let ts = Instant::now();
-        let s = trainer.step(&batches)?;
+        let s = trainer.step_weighted(&batches, step_cfg.loss_weights.then_some(&weights[..]))?;
         let dt = ts.elapsed().as_secs_f64();
         // The run's figures: every rank's tokens and FLOPs.
         let tokens = (s.tokens * world) as f64;

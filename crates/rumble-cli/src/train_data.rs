@@ -4,6 +4,7 @@
 
 use rumble_core::cpu::Rng;
 use rumble_models::data::Batch;
+use rumble_models::model::IGNORE_INDEX;
 use rumble_models::{Corpus, Dataset, Document, Loader, LoaderState, ModelError, Result, Tokenizer, Validation};
 use serde_json::{Value, json};
 
@@ -138,19 +139,27 @@ impl DataSource {
 
     /// One micro-batch of `batch` rows of `seq` tokens (packed windows are cut to `seq`, for
     /// shape buckets): rank `rank`'s rows of the next global batch of `world * batch` rows, as
-    /// one process would draw it (so a run's data is the same on any number of ranks).
-    pub fn next(&mut self, batch: usize, seq: usize, rank: usize, world: usize) -> Result<Batch> {
-        match self {
-            DataSource::Corpus { corpus, rng, .. } => Ok(rows(corpus.sample(rng, batch * world, seq)?, rank, world)),
+    /// one process would draw it (so a run's data is the same on any number of ranks), and the
+    /// rank's loss weight (`StepConfig::loss_weights`): its counted targets times `world` over
+    /// the global batch's (1 for one rank).
+    pub fn next(&mut self, batch: usize, seq: usize, rank: usize, world: usize) -> Result<(Batch, f64)> {
+        let global = match self {
+            DataSource::Corpus { corpus, rng, .. } => corpus.sample(rng, batch * world, seq)?,
             DataSource::Packed { train, .. } => {
-                let b = train.next_rank_batch(batch, rank, world)?;
+                let b = train.next_batch(batch * world);
                 if b.seq == seq {
-                    return Ok(b);
+                    b
+                } else {
+                    let cut = |v: &[i64]| v.chunks(b.seq).flat_map(|row| row[..seq].to_vec()).collect();
+                    Batch { batch: b.batch, seq, tokens: cut(&b.tokens), targets: cut(&b.targets) }
                 }
-                let cut = |v: &[i64]| v.chunks(b.seq).flat_map(|row| row[..seq].to_vec()).collect();
-                Ok(Batch { batch, seq, tokens: cut(&b.tokens), targets: cut(&b.targets) })
             }
-        }
+        };
+        let counted = |b: &Batch| b.targets.iter().filter(|&&t| t != IGNORE_INDEX).count() as f64;
+        let all = counted(&global);
+        let mine = rows(global, rank, world);
+        let weight = if world == 1 || all == 0.0 { 1.0 } else { counted(&mine) * world as f64 / all };
+        Ok((mine, weight))
     }
 
     /// Adds what the data is to the start line.

@@ -222,3 +222,46 @@ fn plan_shows_a_ranks_share_and_zero1_halves_the_optimizer_state() {
     let (ok, _, err) = rumble(&["plan", "tiny", "--batch", "3", "--gpus", "2"]);
     assert!(!ok && err.contains("does not split over 2 ranks"), "{err}");
 }
+
+/// Fine-tuning a Hugging Face folder on JSONL (the packed loader, a tokenizer, validation
+/// data whose last batch is padded) on two ranks gives the one-process run's training and
+/// validation losses.
+#[test]
+fn two_ranks_fine_tune_a_folder_with_validation_as_one_process() {
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/finetune");
+    let args = |out: &Path| {
+        format!(
+            "train --init-from {} --data {} --val-data {} --eval-every 2 --eval-batches 8 --batch 4 --seq 32 \
+             --steps 4 --lr 3e-3 --clip 1 --device cpu --seed 1 --json --out {}",
+            fx.join("model").display(),
+            fx.join("data.jsonl").display(),
+            fx.join("val.jsonl").display(),
+            out.display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect::<Vec<_>>()
+    };
+    let pick = |stdout: &str, key: &str| -> Vec<f64> {
+        lines(stdout).iter().filter_map(|l| l.get(key).and_then(Value::as_f64)).collect()
+    };
+    let one = tmp("dp", "ft-one");
+    let (ok, stdout, err) = rumble(&args(&one).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{err}");
+    let (loss, val) = (pick(&stdout, "loss"), pick(&stdout, "val_loss"));
+    let two = tmp("dp", "ft-two");
+    let outs = ranks(&args(&two), 2);
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", text(&o.stderr));
+    }
+    let stdout = text(&outs[0].stdout);
+    let (loss2, val2) = (pick(&stdout, "loss"), pick(&stdout, "val_loss"));
+    assert_eq!((loss.len(), val.len()), (4, 3), "4 steps, validation at 2 and 4 and in the done line");
+    assert_eq!((loss2.len(), val2.len()), (4, 3));
+    for (a, b) in loss2.iter().zip(&loss).chain(val2.iter().zip(&val)) {
+        assert!(rel(*a, *b) <= 1e-6, "two ranks {a}, one process {b}");
+    }
+    for d in [&one, &two] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -108,11 +108,17 @@ impl Group {
         Ok(all)
     }
 
-    /// The mean over ranks of `x` (a loss each rank computed on its rows), the same bits on
-    /// every rank.
+    /// The sums over ranks of `xs` (elementwise, in rank order), the same bits on every rank.
+    pub fn sum(&self, xs: &[f64]) -> Result<Vec<f64>> {
+        let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let out = self.collective(CollectiveOp::AllReduce, DType::F64, &bytes)?;
+        Ok(out.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+
+    /// The mean over ranks of `x`, the same bits on every rank.
     pub fn mean(&self, x: f64) -> Result<f64> {
-        let sum = self.collective(CollectiveOp::AllReduce, DType::F64, &x.to_le_bytes())?;
-        Ok(f64::from_le_bytes(sum[..8].try_into().map_err(|_| err("a short sum".into()))?) / self.world as f64)
+        let s = self.sum(&[x])?;
+        Ok(s.first().copied().unwrap_or(f64::NAN) / self.world as f64)
     }
 
     /// Runs one exchange: every rank sends `mine` as a frame of `kind`; rank 0 checks that they
@@ -266,10 +272,11 @@ mod tests {
             let flag = g.agree(if r == 2 { 15 } else { r }).unwrap();
             let all = g.gather(&[r as u8; 3]).unwrap();
             let mean = g.mean(r as f64).unwrap();
-            (flag, all, mean)
+            let sum = g.sum(&[r as f64, 0.5]).unwrap();
+            (flag, all, mean, sum)
         });
-        for (r, (flag, all, mean)) in got.into_iter().enumerate() {
-            assert_eq!((flag, mean), (15, 1.5));
+        for (r, (flag, all, mean, sum)) in got.into_iter().enumerate() {
+            assert_eq!((flag, mean, sum), (15, 1.5, vec![6.0, 2.0]));
             assert_eq!(all, (r == 0).then(|| (0..4u8).map(|i| vec![i; 3]).collect::<Vec<_>>()));
         }
     }

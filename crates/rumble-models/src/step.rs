@@ -22,8 +22,9 @@
 //! through the casts' VJPs to the f32 masters (the micro-batch sums are f32), which the optimizer
 //! updates in f32. Everything stays one trace, planned once.
 //!
-//! Trace inputs, in order: per micro-batch `tokens` (i64 `[B, T]`) and, for the causal-LM
-//! objective, `targets` (i64 `[B*T]`), named `tokens.{i}`/`targets.{i}` when `k > 1`; the
+//! Trace inputs, in order: per micro-batch `tokens` (i64 `[B, T]`), for the causal-LM
+//! objective `targets` (i64 `[B*T]`) and with [`StepConfig::loss_weights`] `loss_weight` (f32
+//! `[]`), named `tokens.{i}`/`targets.{i}`/`loss_weight.{i}` when `k > 1`; the
 //! optimizer's scalars (`lr`, ...); the parameters (Hugging Face names); the optimizer states.
 //! Outputs: `loss` (f32 `[]`), `grad_norm` when clipping, then `new.{name}` updates of every
 //! parameter and state. Without an optimizer the outputs are `loss` and `grad.{name}` (role
@@ -125,6 +126,13 @@ pub struct StepConfig {
     /// parameters and state in `p.master()`, compute in `p.compute()` (the config's dtype is
     /// then only the dtype checkpoints are stored in).
     pub precision: Option<Precision>,
+    /// Multiply each micro-batch's loss by a scalar f32 input `loss_weight` (`loss_weight.{i}`
+    /// when `grad_accum > 1`) before its backward. A rank of a data-parallel run gets
+    /// `n_r * world / N` (its counted targets `n_r` of the global micro-batch's `N`), so the
+    /// ranks' mean of their weighted losses and gradients is the global micro-batch's mean
+    /// over its counted targets, even where the ranks count different numbers (prompt tokens
+    /// masked, padding).
+    pub loss_weights: bool,
 }
 
 impl StepConfig {
@@ -141,6 +149,7 @@ impl StepConfig {
             clip: None,
             fused_loss: true,
             precision: None,
+            loss_weights: false,
         }
     }
 
@@ -240,7 +249,13 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
             }
             Objective::LogitsSum => None,
         };
-        micro.push((tokens, targets));
+        let weight = if sc.loss_weights {
+            data_inputs.push(name("loss_weight"));
+            Some(g.data(&name("loss_weight"), DType::F32, &[])?)
+        } else {
+            None
+        };
+        micro.push((tokens, targets, weight));
     }
     let hyper = match &sc.optimizer {
         Some(opt) => {
@@ -272,9 +287,12 @@ pub fn build_train_step(cfg: &Config, sc: &StepConfig) -> Result<TrainStep> {
     let wrt: Vec<&Tensor> = params.list.iter().collect();
     let mut sums: Vec<Tensor> = Vec::new();
     let mut losses = Vec::new();
-    for (tokens, targets) in &micro {
+    for (tokens, targets, weight) in &micro {
         g.set_phase(Phase::Forward);
-        let loss = model::objective(cfg, &compute, tokens, targets.as_ref(), sc.fused_loss)?; // f32[]
+        let mut loss = model::objective(cfg, &compute, tokens, targets.as_ref(), sc.fused_loss)?; // f32[]
+        if let Some(w) = weight {
+            loss = loss.mul(w)?;
+        }
         let grads = rumble_core::autodiff::backward(&loss, &wrt)?;
         g.set_phase(Phase::Backward);
         sums = if sums.is_empty() && k == 1 {

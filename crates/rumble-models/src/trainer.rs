@@ -366,8 +366,27 @@ impl Trainer {
         Ok((Weights { tensors }, states))
     }
 
-    /// One optimizer step over `batches` (one per micro-batch).
+    /// One optimizer step over `batches` (one per micro-batch); a step built with
+    /// [`StepConfig::loss_weights`] weighs each by 1.
     pub fn step(&mut self, batches: &[Batch]) -> Result<StepStats> {
+        self.step_weighted(batches, None)
+    }
+
+    /// One optimizer step over `batches`, micro-batch `i`'s loss weighted by `weights[i]`
+    /// (a step built with [`StepConfig::loss_weights`]; a data-parallel rank's share).
+    pub fn step_weighted(&mut self, batches: &[Batch], weights: Option<&[f64]>) -> Result<StepStats> {
+        if let Some(w) = weights {
+            if !self.sc.loss_weights {
+                return Err(ModelError::Usage("loss weights given to a step built without them".into()));
+            }
+            if w.len() != batches.len() || w.iter().any(|x| !x.is_finite() || *x < 0.0) {
+                return Err(ModelError::Usage(format!(
+                    "{} loss weights {w:?} for {} micro-batches: one finite, non-negative weight each",
+                    w.len(),
+                    batches.len()
+                )));
+            }
+        }
         if batches.len() != self.sc.grad_accum {
             return Err(ModelError::Usage(format!(
                 "the step takes {} micro-batches, got {}",
@@ -381,7 +400,7 @@ impl Trainer {
             _ => (self.sc.batch, self.sc.seq),
         };
         let mut data: Vec<HostTensor> = Vec::with_capacity(self.data_inputs.len());
-        for batch in batches {
+        for (i, batch) in batches.iter().enumerate() {
             if (batch.batch, batch.seq) != (b, t) {
                 return Err(ModelError::Usage(format!(
                     "batch of shape ({}, {}) given to a step {} ({b}, {t})",
@@ -405,6 +424,9 @@ impl Trainer {
             data.push(host::from_i64s(&[b, t], &batch.tokens)?);
             if self.sc.objective == Objective::CausalLm {
                 data.push(host::from_i64s(&[b * t], &batch.targets)?);
+            }
+            if self.sc.loss_weights {
+                data.push(HostTensor::scalar(DType::F32, weights.map_or(1.0, |w| w[i])));
             }
         }
         let step = self.step + 1;

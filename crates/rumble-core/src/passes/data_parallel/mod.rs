@@ -32,9 +32,10 @@
 //! - In both modes a scalar float `Output` that depends on no gradient (the loss) is
 //!   `all_reduce`d and scaled by `1/world`: every rank reports the global mean.
 //!
-//! The averages assume every rank counts as many targets (the mean of the ranks' means is the
-//! global mean): true for corpus windows; with ignored targets spread unevenly (padded shape
-//! buckets) the ranks would need their target counts all-reduced first, which is not done.
+//! The averages are the global mean where every rank counts as many targets (corpus windows);
+//! where they do not (prompt tokens masked, padded shape buckets) the step weighs each rank's
+//! loss by its share of the counted targets before its backward (`rumble_models`'
+//! `StepConfig::loss_weights`, a scalar input the host computes from the global batch).
 //! Every pass after this one keeps the collectives in order (`passes::schedule` chains them;
 //! `cse`, `dce`, `remat` leave them alone), so compiled rank traces still meet them alike.
 //!
