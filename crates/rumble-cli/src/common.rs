@@ -227,6 +227,7 @@ mod tests {
             clip: None,
             fused_loss: true,
             precision,
+            loss_weights: false,
         }
     }
 

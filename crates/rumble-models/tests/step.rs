@@ -12,7 +12,17 @@ fn small_cfg() -> Config {
 }
 
 fn sc(objective: Objective, optimizer: Option<Optimizer>, grad_accum: usize, clip: Option<f64>) -> StepConfig {
-    StepConfig { batch: 2, seq: 8, objective, optimizer, grad_accum, clip, fused_loss: false, precision: None }
+    StepConfig {
+        batch: 2,
+        seq: 8,
+        objective,
+        optimizer,
+        grad_accum,
+        clip,
+        fused_loss: false,
+        precision: None,
+        loss_weights: false,
+    }
 }
 
 #[test]
