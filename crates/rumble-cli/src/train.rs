@@ -446,10 +446,11 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
     }
     let log_path = run_dir.as_ref().map(|rd| rd.log.path.clone());
     let stop = stop_flag()?;
-    // Model FLOPs utilisation, on a GPU whose bf16 peak is known, for a bf16 step.
+    // Model FLOPs utilisation, on a GPU whose bf16 peak is known, for a bf16 step: the run's
+    // FLOPs over every rank's GPU.
     let peak_flops = match trainer.device() {
         DeviceKind::Cuda if precision.compute() == rumble_core::DType::BF16 => {
-            rumble_cuda::Device::new(0).ok().and_then(|d| bf16_peak(&d.name))
+            rumble_cuda::Device::new(0).ok().and_then(|d| bf16_peak(&d.name)).map(|p| p * world as f64)
         }
         _ => None,
     };
