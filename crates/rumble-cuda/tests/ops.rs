@@ -288,6 +288,12 @@ fn matmul_and_composite_ops_match_cpu() {
             }
         }
         for d in FLOATS {
+            // A decode step's rows (a block each, fewer rows than multiprocessors: 16-byte
+            // loads, and a width they do not divide) and a prefill's (a warp each).
+            for dims in [&[1, 2048][..], &[3, 1030], &[400, 96]] {
+                let (x, w) = (t(d, dims), t(d, &dims[1..]));
+                cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x, r), randn(w, r)]));
+            }
             let (x, w) = (t(d, &[6, 7, 96]), t(d, &[96]));
             cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
             let norm_bwd = |eps| Op::RmsNormBackward { eps, acc: false };

@@ -52,6 +52,49 @@ __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __
   }
 }
 
+// RMSNorm of a few rows (fewer than the device has multiprocessors: a decode step's): one
+// block per row, so a row's loads are spread over the block's warps and in flight together
+// instead of queued in one warp; the sum of squares is reduced over the block in a fixed order.
+template <typename T>
+__device__ void rms_norm_block(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, i64 rows, i64 d,
+                               double eps) {
+  typedef typename Acc<T>::t A;
+  __shared__ A buf[32];
+  constexpr int N = Vec16<T>::n;
+  const bool vec = vec16<T>(d, x, w, y, y);
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * d;
+    A ss = 0;
+    if (vec) {
+      for (i64 c = (i64)threadIdx.x * N; c < d; c += (i64)blockDim.x * N) {
+        A a[N];
+        ld16(xr + c, a);
+#pragma unroll
+        for (int i = 0; i < N; ++i) ss += a[i] * a[i];
+      }
+    } else {
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A v = ldf(xr[c]);
+        ss += v * v;
+      }
+    }
+    ss = block_sum(ss, buf);
+    const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
+    if (vec) {
+      for (i64 c = (i64)threadIdx.x * N; c < d; c += (i64)blockDim.x * N) {
+        A a[N], g[N];
+        ld16(xr + c, a);
+        ld16(w + c, g);
+#pragma unroll
+        for (int i = 0; i < N; ++i) a[i] = a[i] * r * g[i];
+        st16(y + row * d + c, a);
+      }
+    } else {
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) stf(&y[row * d + c], ldf(xr[c]) * r * ldf(w[c]));
+    }
+  }
+}
+
 // dx = r*w*dy - x*r^3/D*sum(w*dy*x) (+ add, with ACC: the addend joins before the one
 // rounding; dx may be written over add, each element read before it is written by the same
 // thread, so neither is __restrict__). Writes r of each row to rstd[row] for the dw pass.
@@ -509,6 +552,9 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
 #define ROWS(T, SUF)                                                                                            \
   extern "C" __global__ void rms_norm_##SUF(const T* x, const T* w, T* y, i64 rows, i64 d, double eps) {       \
     rms_norm<T>(x, w, y, rows, d, eps);                                                                         \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_block_##SUF(const T* x, const T* w, T* y, i64 rows, i64 d, double eps) { \
+    rms_norm_block<T>(x, w, y, rows, d, eps);                                                                   \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dx_##SUF(const T* x, const T* w, const T* dy, T* dx,             \
                                                         Acc<T>::t* rstd, i64 rows, i64 d, double eps) {         \

@@ -23,7 +23,13 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             let rows = at[0].numel() / d.max(1);
             let args =
                 vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
-            b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), warp_rows_grid(dev, rows), 256, 0, args)?;
+            if rows < dev.multiprocessors {
+                // A few rows: a block each (a warp each would leave the row's loads queued).
+                let grid = (rows.max(1) as u32, 1, 1);
+                b.k(KernelFile::Rows, format!("rms_norm_block_{}", sfx(dt)), grid, 256, 0, args)?;
+            } else {
+                b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), warp_rows_grid(dev, rows), 256, 0, args)?;
+            }
         }
         Op::RmsNormBackward { eps, acc: add } => {
             let d = at[0].shape.last();
