@@ -232,8 +232,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 launch.world
             )));
         }
-        crate::launch::check_gpus(&launch, &|i| rumble_cuda::Device::new(i).map(|_| ()).map_err(|e| e.to_string()))
-            .map_err(ModelError::Usage)?;
+        // Counted without a context: this process holds no memory on the ranks' GPUs.
+        let present = |i: usize| match rumble_cuda::Device::count() {
+            Ok(n) if i < n => Ok(()),
+            Ok(n) => Err(format!("device {i} asked for, {n} present")),
+            Err(e) => Err(e.to_string()),
+        };
+        crate::launch::check_gpus(&launch, &present).map_err(ModelError::Usage)?;
         let exe = std::env::current_exe().map_err(|e| ModelError::Usage(format!("this program's path: {e}")))?;
         let args = crate::launch::rank_args(&std::env::args_os().skip(1).collect::<Vec<_>>());
         let lib_dir = crate::launch::nccl_dir()?;

@@ -109,6 +109,17 @@ impl Device {
         }
     }
 
+    /// How many devices the driver shows this process (after `CUDA_VISIBLE_DEVICES`), without
+    /// making a context on any (a launcher's check holds no device memory).
+    pub fn count() -> Result<usize> {
+        lib_present("libcuda").map_err(|e| CudaError::NoDevice(e.to_string()))?;
+        let counted = std::panic::catch_unwind(|| -> Result<usize> {
+            drv::init().map_err(|e| CudaError::NoDevice(format!("cuInit: {}", crate::error::describe(&e))))?;
+            Ok(drv::device::get_count().ctx(|| "cuDeviceGetCount".into())?.max(0) as usize)
+        });
+        counted.unwrap_or_else(|_| Err(CudaError::NoDevice("CUDA failed to load".into())))
+    }
+
     fn open(ordinal: usize) -> Result<Device> {
         let knobs = crate::knobs::process()?.clone();
         drv::init().map_err(|e| CudaError::NoDevice(format!("cuInit: {}", crate::error::describe(&e))))?;
