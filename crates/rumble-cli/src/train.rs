@@ -198,6 +198,29 @@ fn bf16_peak(name: &str) -> Option<f64> {
     sheet.iter().find(|(k, _)| n.contains(k)).map(|&(_, v)| v)
 }
 
+/// Checks that every rank of a run was given the flags that shape it (`args`): rank 0 gathers
+/// them and names the first rank whose differ, and what; every rank then stops with an error.
+fn agree_on_flags(g: &rumble_models::group::Group, args: &BTreeMap<String, Value>) -> Result<()> {
+    let mine = serde_json::to_vec(args).map_err(|e| ModelError::Usage(format!("the run's flags: {e}")))?;
+    let mut why = None;
+    if let Some(all) = g.gather(&mine)? {
+        for (r, theirs) in all.iter().enumerate().skip(1) {
+            let theirs: BTreeMap<String, Value> = serde_json::from_slice(theirs).unwrap_or_default();
+            let diff = checkpoint::mismatches(args, &theirs);
+            if !diff.is_empty() {
+                why = Some(format!("rank {r} was started with other flags than rank 0 ({})", diff.join(", ")));
+                break;
+            }
+        }
+    }
+    if g.agree(u64::from(why.is_some()))? == 0 {
+        return Ok(());
+    }
+    Err(ModelError::Usage(
+        why.unwrap_or_else(|| "the ranks were started with different flags (see rank 0's error)".into()),
+    ))
+}
+
 /// The signal that asked the run to stop (0: none), set by the SIGINT/SIGTERM handlers.
 fn stop_flag() -> Result<Arc<AtomicUsize>> {
     use signal_hook::consts::{SIGINT, SIGTERM};
@@ -369,6 +392,10 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
     .map(|(k, v)| (k.to_string(), v))
     .collect();
 
+    // Every rank must have been started with the same flags.
+    if let Some(g) = &group {
+        agree_on_flags(g, &args)?;
+    }
     let mut lengths = Rng::for_name(a.seed, "lengths");
     let (weights, schedule, done) = match &resume {
         Some(n) => {

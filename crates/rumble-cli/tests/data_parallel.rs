@@ -156,6 +156,16 @@ fn a_global_batch_must_split_and_a_failed_rank_ends_the_run() {
     assert!(!outs[1].status.success() && e1.contains("rank 1: data-parallel group: rank 1 lost rank 0"), "{e1}");
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
     let _ = std::fs::remove_dir_all(&out);
+
+    // Ranks started with different flags are refused by every rank, rank 0 naming them.
+    let port = free_port();
+    let r0 = spawn_rank(&flags(&out, "--batch 2 --steps 2"), 0, 2, port);
+    let r1 = spawn_rank(&flags(&out, "--batch 2 --steps 2 --lr 0.5"), 1, 2, port);
+    let (o0, o1) = (r0.wait_with_output().unwrap(), r1.wait_with_output().unwrap());
+    let (e0, e1) = (text(&o0.stderr), text(&o1.stderr));
+    assert!(!o0.status.success() && e0.contains("rank 1 was started with other flags than rank 0 (lr:"), "{e0}");
+    assert!(!o1.status.success() && e1.contains("different flags"), "{e1}");
+    assert!(!out.exists(), "nothing written");
 }
 
 #[test]

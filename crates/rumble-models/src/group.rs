@@ -97,7 +97,7 @@ impl Group {
         Ok(u64::from_le_bytes(out[..8].try_into().map_err(|_| err("a short agreement".into()))?))
     }
 
-    /// Every rank's `bytes` (all the same length), in rank order, at rank 0; `None` elsewhere.
+    /// Every rank's `bytes` (of any length), in rank order, at rank 0; `None` elsewhere.
     pub fn gather(&self, bytes: &[u8]) -> Result<Option<Vec<Vec<u8>>>> {
         let kind = Kind { tag: GATHER, op: 0, dtype: 0, len: bytes.len() as u64 };
         let mut all = None;
@@ -156,7 +156,9 @@ impl Group {
             let r = i + 1;
             let (got, payload) =
                 receive(link).map_err(|e| err(format!("rank {r} left the run during {}: {e}", kind.describe())))?;
-            if got != kind {
+            // A gather's pieces may differ in length; everything else is the same on every rank.
+            let same = if kind.tag == GATHER { Kind { len: kind.len, ..got } == kind } else { got == kind };
+            if !same {
                 return Err(err(format!(
                     "rank 0 is at {}, rank {r} at {}: the ranks run different steps",
                     kind.describe(),
@@ -270,14 +272,14 @@ mod tests {
         let got = run(4, |g| {
             let r = g.rank() as u64;
             let flag = g.agree(if r == 2 { 15 } else { r }).unwrap();
-            let all = g.gather(&[r as u8; 3]).unwrap();
+            let all = g.gather(&vec![r as u8; 3 + r as usize]).unwrap();
             let mean = g.mean(r as f64).unwrap();
             let sum = g.sum(&[r as f64, 0.5]).unwrap();
             (flag, all, mean, sum)
         });
         for (r, (flag, all, mean, sum)) in got.into_iter().enumerate() {
             assert_eq!((flag, mean, sum), (15, 1.5, vec![6.0, 2.0]));
-            assert_eq!(all, (r == 0).then(|| (0..4u8).map(|i| vec![i; 3]).collect::<Vec<_>>()));
+            assert_eq!(all, (r == 0).then(|| (0..4u8).map(|i| vec![i; 3 + i as usize]).collect::<Vec<_>>()));
         }
     }
 
