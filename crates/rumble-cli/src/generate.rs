@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use rumble_core::cpu::Rng;
-use rumble_models::generate::tokens::{self, Tokenizer};
+use rumble_models::Tokenizer;
+use rumble_models::generate::tokens::{self, Detokenizer};
 use rumble_models::generate::{GenConfig, Generator, Sampling};
 use rumble_models::{Config, DeviceChoice, ModelError, Result, Weights, preset};
 use serde_json::json;
@@ -76,7 +77,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     }
     let dir = a.model.clone().ok_or_else(|| ModelError::Usage("generate: --model DIR is required".into()))?;
     let cfg = Config::from_file(&dir.join("config.json"))?;
-    let weights = Weights::load(&dir.join("model.safetensors"), &cfg)?;
+    // The folder: one model.safetensors, or shards and their index.
+    let weights = Weights::load(&dir, &cfg)?;
     let tok = tokens::load(&dir, &cfg)?;
     let eos = tokens::eos_ids(&dir)?;
     let texts = match (&a.prompt, &a.prompts) {
@@ -84,7 +86,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (Some(p), None) => vec![p.clone()],
         (None, None) => return Err(ModelError::Usage("generate: give --prompt TEXT or --prompts FILE.jsonl".into())),
     };
-    let prompts = texts.iter().map(|t| tok.encode(t)).collect::<Result<Vec<_>>>()?;
+    let prompts = texts.iter().map(|t| tokens::encode_prompt(&tok, t, &cfg)).collect::<Result<Vec<_>>>()?;
     let opts = GenConfig::for_prompts(&prompts, a.max_new_tokens, a.max_length, sampling)?;
     let mut g = Generator::new(&cfg, weights.tensors, opts, device)?;
     let stream = texts.len() == 1 && !a.json;
@@ -93,13 +95,24 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         let _ = out.write_all(texts[0].as_bytes());
         let _ = out.flush();
     }
+    let mut detok = Detokenizer::new(&tok, &prompts[0]);
+    let mut failed = None;
     let done = g.generate(&prompts, a.max_new_tokens, &eos, |_, id| {
         if stream {
-            let _ = out.write_all(&tok.token_bytes(id));
-            let _ = out.flush();
+            match detok.push(id) {
+                Ok(bytes) => {
+                    let _ = out.write_all(&bytes);
+                    let _ = out.flush();
+                }
+                Err(e) => failed = failed.take().or(Some(e)),
+            }
         }
     })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
     if stream {
+        let _ = out.write_all(&detok.finish()?);
         let _ = writeln!(out);
         eprintln!(
             "{} tokens on {}: first after {:.1} ms, then {:.1} tokens/s",
@@ -111,7 +124,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         return Ok(());
     }
     for (i, text) in texts.iter().enumerate() {
-        let bytes: Vec<u8> = done.tokens[i].iter().flat_map(|&t| tok.token_bytes(t)).collect();
+        let bytes = tokens::decode_generated(&tok, &prompts[i], &done.tokens[i])?;
         let line = json!({"prompt": text, "completion": String::from_utf8_lossy(&bytes), "tokens": done.tokens[i],
                           "first_token_ms": done.first_token_s * 1e3, "device": g.device().to_string()});
         let _ = writeln!(out, "{line}");
@@ -194,14 +207,15 @@ fn bench(a: &GenerateArgs, device: DeviceChoice, sampling: Sampling) -> Result<(
     Ok(())
 }
 
-/// A short greedy sample of `n` tokens after `prompt` from `weights` (byte-level models), on
-/// the CPU: what `rumble train --sample-every` prints.
-pub fn sample_text(cfg: &Config, weights: &Weights, prompt: &str, n: usize) -> Result<String> {
-    let tok = tokens::ByteLevel;
-    let p = vec![tok.encode(prompt)?];
+/// A short greedy sample of `n` tokens after `prompt` from `weights` with the run's tokenizer
+/// `tok` (stopping at its end-of-sequence token, where it has one), on the CPU: what
+/// `rumble train --sample-every` prints.
+pub fn sample_text(cfg: &Config, weights: &Weights, tok: &Tokenizer, prompt: &str, n: usize) -> Result<String> {
+    let p = vec![tokens::encode_prompt(tok, prompt, cfg)?];
     let opts = GenConfig::for_prompts(&p, n, None, Sampling::greedy())?;
     let mut g = Generator::new(cfg, weights.tensors.clone(), opts, DeviceChoice::Cpu)?;
-    let out = g.generate(&p, n, &[], |_, _| {})?;
-    let bytes: Vec<u8> = out.tokens[0].iter().flat_map(|&t| tok.token_bytes(t)).collect();
+    let eos: Vec<i64> = if tok.is_bytes() { Vec::new() } else { tok.eos().map(i64::from).into_iter().collect() };
+    let out = g.generate(&p, n, &eos, |_, _| {})?;
+    let bytes = tokens::decode_generated(tok, &p[0], &out.tokens[0])?;
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }

@@ -121,7 +121,8 @@ pub struct TrainArgs {
     /// Hold out this fraction of the --data documents for validation (0 < F < 1).
     #[arg(long, value_name = "F")]
     pub val_fraction: Option<f64>,
-    /// Every N steps print a short greedy sample after --prompt (CPU, byte-level models).
+    /// Every N steps print a short greedy sample after --prompt (64 tokens, with the run's
+    /// tokenizer; computed on the CPU, so slow for large models).
     #[arg(long, value_name = "N", requires = "prompt")]
     pub sample_every: Option<u64>,
     /// The prompt of --sample-every's samples.
@@ -655,7 +656,7 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
             && n > 0
             && (i % n == 0 || i == a.steps)
         {
-            let text = crate::generate::sample_text(&cfg, &trainer.weights()?, p, 64)?;
+            let text = crate::generate::sample_text(&cfg, &trainer.model_weights()?, &tokenizer, p, 64)?;
             let line = json!({"event": "sample", "step": i, "prompt": p, "text": text});
             if a.json { output::line(&line)? } else { bar.println(format!("step {i}: {p}{text}")) }
         }

@@ -1,11 +1,17 @@
 //! `rumble generate` as a user runs it, on the CPU: after `rumble train` (with samples every
 //! few steps), generation streams the prompt and its continuation, agrees with the JSON form,
-//! decodes a JSONL batch, and refuses bad input with a one-line error; `--bench` reports no
-//! bandwidth when no decode step ran, and `--profile` is refused on the CPU.
+//! decodes a JSONL batch, and refuses bad input with a one-line error; a Hugging Face folder
+//! (sharded, with a tokenizer.json) generates through its tokenizer, text streamed as whole
+//! characters; `--bench` reports no bandwidth when no decode step ran, and `--profile` is
+//! refused on the CPU.
 
 mod common;
 
+use std::path::Path;
+
 use common::{lines, rumble, tmp};
+use rumble_models::Tokenizer;
+use rumble_models::generate::tokens::Detokenizer;
 use serde_json::Value;
 
 #[test]
@@ -73,6 +79,46 @@ fn train_then_generate_streams_and_batches() {
     let (ok, _, stderr) = rumble(&["generate", "--model", o, "--prompts", file.to_str().unwrap(), "--device", "cpu"]);
     assert!(!ok && stderr.contains("prompts.jsonl:1: needs a \"prompt\" string"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hugging_face_folder_generates_through_its_tokenizer() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/finetune/model");
+    let m = model.to_str().unwrap();
+    let prompt = "What is the capital of Norway?\n";
+    let base = ["generate", "--model", m, "--prompt", prompt, "--max-new-tokens", "16", "--device", "cpu"];
+    let (ok, streamed, stderr) = rumble(&base);
+    assert!(ok, "{stderr}");
+    let (ok, js, stderr) = rumble(&[&base[..], &["--json"]].concat());
+    assert!(ok, "{stderr}");
+    let line = &lines(&js)[0];
+    let completion = line["completion"].as_str().unwrap();
+    let ids: Vec<u32> = line["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    assert!(!ids.is_empty() && ids.len() <= 16, "{line}");
+    assert_eq!(streamed, format!("{prompt}{completion}\n"), "stdout is the prompt, then the completion as it comes");
+    // The completion is what the tokenizer makes of the ids (this one is byte-level BPE: the
+    // ids alone decode to the same text), special tokens left out.
+    let tok = Tokenizer::from_folder(&model).unwrap();
+    let whole = tok.decode(&ids, true).unwrap();
+    if !whole.contains('\u{FFFD}') {
+        assert_eq!(completion, whole);
+    }
+
+    // Streaming gives whole characters only, and all of them: multi-byte characters split over
+    // byte-level tokens are held back until complete.
+    let text = "héllo wörld, ☃ and 🦀!";
+    let ids = tok.encode(text, false).unwrap();
+    assert!(ids.len() > text.chars().count() / 2, "{ids:?}");
+    let mut d = Detokenizer::new(&tok, &[]);
+    let mut out = Vec::new();
+    for &id in &ids {
+        let piece = d.push(i64::from(id)).unwrap();
+        let piece_text = String::from_utf8(piece.clone()).unwrap();
+        assert!(!piece_text.contains('\u{FFFD}'), "a piece holding part of a character: {piece_text:?}");
+        out.extend(piece);
+    }
+    out.extend(d.finish().unwrap());
+    assert_eq!(String::from_utf8(out).unwrap(), tok.decode(&ids, true).unwrap());
 }
 
 #[test]

@@ -1,42 +1,20 @@
-//! Text to token ids and back: the seam where a model folder's tokenizer plugs in.
-//!
-//! A folder with no `tokenizer.json` (what `rumble train` writes for the byte-level presets)
-//! is byte-level: token `i` is byte `i`. Folders with a `tokenizer.json` need the Hugging Face
-//! tokenizer module; until it is wired in here, such a folder is refused by name.
+//! Text to token ids and back for generation: a model folder's tokenizer
+//! ([`crate::tokenizer::Tokenizer`]: its `tokenizer.json` through the Hugging Face `tokenizers`
+//! crate, or bytes for folders without one, such as what `rumble train` writes for the
+//! byte-level presets), its end-of-sequence ids, and a [`Detokenizer`] that turns generated
+//! ids into text as they come.
 
 use std::path::Path;
 
 use crate::config::Config;
 use crate::error::{ModelError, Result};
+use crate::tokenizer::Tokenizer;
 
-/// Encodes text and decodes token ids.
-pub trait Tokenizer {
-    fn encode(&self, text: &str) -> Result<Vec<i64>>;
-    /// The bytes of token `id` (byte-level: the byte itself), for streaming.
-    fn token_bytes(&self, id: i64) -> Vec<u8>;
-}
-
-/// Token `i` is byte `i` (vocabularies of at least 256).
-pub struct ByteLevel;
-
-impl Tokenizer for ByteLevel {
-    fn encode(&self, text: &str) -> Result<Vec<i64>> {
-        Ok(text.bytes().map(i64::from).collect())
-    }
-    fn token_bytes(&self, id: i64) -> Vec<u8> {
-        u8::try_from(id).map(|b| vec![b]).unwrap_or_default()
-    }
-}
-
-/// The tokenizer of model folder `dir` for `cfg`.
-pub fn load(dir: &Path, cfg: &Config) -> Result<Box<dyn Tokenizer>> {
-    let tj = dir.join("tokenizer.json");
-    if tj.exists() {
-        return Err(ModelError::Usage(format!(
-            "{}: tokenizer.json models need the Hugging Face tokenizer, which `rumble generate` does not \
-             load yet; byte-level folders (no tokenizer.json) work",
-            tj.display()
-        )));
+/// The tokenizer of model folder `dir` for `cfg`: its `tokenizer.json`, or bytes where there is
+/// none (then the vocabulary must hold the 256 byte values).
+pub fn load(dir: &Path, cfg: &Config) -> Result<Tokenizer> {
+    if dir.join("tokenizer.json").exists() {
+        return Tokenizer::from_folder(dir);
     }
     if cfg.vocab_size < 256 {
         return Err(ModelError::Usage(format!(
@@ -45,7 +23,20 @@ pub fn load(dir: &Path, cfg: &Config) -> Result<Box<dyn Tokenizer>> {
             cfg.vocab_size
         )));
     }
-    Ok(Box::new(ByteLevel))
+    Ok(Tokenizer::bytes())
+}
+
+/// The ids of prompt `text` as transformers' `tokenizer(text)` gives them (a BOS where the
+/// tokenizer's post-processor adds one), checked against the model's vocabulary.
+pub fn encode_prompt(tok: &Tokenizer, text: &str, cfg: &Config) -> Result<Vec<i64>> {
+    let ids = tok.encode(text, true)?;
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
+        return Err(ModelError::Usage(format!(
+            "the tokenizer gives id {bad} for the prompt, past the model's vocabulary of {}",
+            cfg.vocab_size
+        )));
+    }
+    Ok(ids.into_iter().map(i64::from).collect())
 }
 
 /// The end-of-sequence ids of model folder `dir`: `eos_token_id` (a number or a list) of
@@ -64,4 +55,70 @@ pub fn eos_ids(dir: &Path) -> Result<Vec<i64>> {
         }
     }
     Ok(Vec::new())
+}
+
+/// Tokens of context decoded before the new ones: enough for decoders that treat a text's
+/// first token apart (SentencePiece's leading space).
+const CONTEXT: usize = 5;
+
+/// Turns a sequence's generated ids into the bytes to print, as they come. Byte-level ids are
+/// their bytes. Otherwise the ids are decoded together with a few tokens before them, and the
+/// text is held back while it ends in an incomplete character (a byte-fallback or byte-level
+/// token may carry part of one); special tokens are left out.
+pub struct Detokenizer<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    /// Where the decoded context starts, and where the text already given ends.
+    prefix: usize,
+    read: usize,
+}
+
+impl<'a> Detokenizer<'a> {
+    /// After `prompt` (its ids, the context of the first new token).
+    pub fn new(tok: &'a Tokenizer, prompt: &[i64]) -> Self {
+        let ids: Vec<u32> = prompt.iter().map(|&i| i as u32).collect();
+        let read = ids.len();
+        Detokenizer { tok, ids, prefix: read.saturating_sub(CONTEXT), read }
+    }
+
+    /// The bytes new token `id` completes (maybe none yet).
+    pub fn push(&mut self, id: i64) -> Result<Vec<u8>> {
+        if self.tok.is_bytes() {
+            return Ok(u8::try_from(id).map(|b| vec![b]).unwrap_or_default());
+        }
+        self.ids.push(id as u32);
+        self.emit(false)
+    }
+
+    /// What is still held back (a last incomplete character, as the decoder gives it).
+    pub fn finish(&mut self) -> Result<Vec<u8>> {
+        if self.tok.is_bytes() || self.read == self.ids.len() {
+            return Ok(Vec::new());
+        }
+        self.emit(true)
+    }
+
+    fn emit(&mut self, last: bool) -> Result<Vec<u8>> {
+        let before = self.tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = self.tok.decode(&self.ids[self.prefix..], true)?;
+        let complete = last || !now.ends_with('\u{FFFD}');
+        if now.len() <= before.len() || !complete || !now.is_char_boundary(before.len()) {
+            return Ok(Vec::new());
+        }
+        let out = now.as_bytes()[before.len()..].to_vec();
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(out)
+    }
+}
+
+/// The text of a sequence's generated ids after `prompt`, as a [`Detokenizer`] streams it.
+pub fn decode_generated(tok: &Tokenizer, prompt: &[i64], generated: &[i64]) -> Result<Vec<u8>> {
+    let mut d = Detokenizer::new(tok, prompt);
+    let mut out = Vec::new();
+    for &id in generated {
+        out.extend(d.push(id)?);
+    }
+    out.extend(d.finish()?);
+    Ok(out)
 }
