@@ -40,7 +40,9 @@ pub struct Launch {
     /// The rank's GPU on its host, and how many ranks its host runs.
     pub local_rank: usize,
     pub local_world: usize,
-    /// Rank 0's address and port (the rendezvous), when the environment gives them.
+    /// Rank 0's address and the port of rumble's rendezvous there, when the environment gives
+    /// them: `MASTER_PORT`, or the port after it where torchrun's agent serves its own store
+    /// at `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE=True`).
     pub master: Option<(String, u16)>,
 }
 
@@ -115,6 +117,12 @@ pub fn resolve(gpus: Option<usize>, env: &dyn Fn(&str) -> Option<String>) -> std
             let port = match port.trim().parse::<u16>() {
                 Ok(p) if p > 0 => p,
                 _ => return Err(format!("MASTER_PORT=`{port}` is not a port (1 to 65535)")),
+            };
+            // torchrun's agent holds MASTER_PORT (its TCPStore): rumble meets at the next one.
+            let port = if env("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.trim() == "True") {
+                port.checked_add(1).ok_or("MASTER_PORT=65535 is torchrun's store; rumble needs the port after it")?
+            } else {
+                port
             };
             Some((addr, port))
         }
@@ -214,6 +222,7 @@ pub fn run_ranks(
             .env("LOCAL_WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .process_group(0);
         if let Some(p) = &ld_path {
             c.env("LD_LIBRARY_PATH", p);
@@ -398,6 +407,13 @@ mod tests {
                 master: Some(("node0.cluster".into(), 29500)),
             }
         );
+        // Under torchrun's agent store, rumble meets at the port after MASTER_PORT.
+        let mut agent = TORCHRUN.to_vec();
+        agent.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        assert_eq!(resolve(None, &env(&agent)).unwrap().master, Some(("node0.cluster".into(), 29501)));
+        agent.pop();
+        agent.push(("TORCHELASTIC_USE_AGENT_STORE", "False"));
+        assert_eq!(resolve(None, &env(&agent)).unwrap().master, Some(("node0.cluster".into(), 29500)));
         // One rank alone needs no rendezvous.
         let l = resolve(None, &env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")])).unwrap();
         assert_eq!((l.world, l.master), (1, None));
