@@ -2,7 +2,27 @@
 //! `reduce_scatter`, `all_gather`).
 
 use super::dtype::TensorType;
-use super::op::{CollectiveOp, float};
+use super::op::{CollectiveOp, Op, float};
+use super::trace::Trace;
+
+/// Where each collective of more than one rank completes, on a device that runs it beside the
+/// nodes after it (NCCL on a second stream, overlapping the backward): `(node, join)`, `join`
+/// the first later node that reads its result, or `trace.nodes.len()` (the step's end) when no
+/// node does. Until its join a collective may still read its operand and write its result, so
+/// the planner keeps both live until then.
+pub fn collective_joins(trace: &Trace) -> Vec<(usize, usize)> {
+    let n = trace.nodes.len();
+    let mut out = Vec::new();
+    for (i, node) in trace.nodes.iter().enumerate() {
+        if !matches!(node.op, Op::Collective { world, .. } if world > 1) {
+            continue;
+        }
+        let r = node.outs[0];
+        let join = (i + 1..n).find(|&j| trace.nodes[j].args.contains(&r)).unwrap_or(n);
+        out.push((i, join));
+    }
+    out
+}
 
 /// The type rule of the collectives: `world >= 1`, `rank < world`, a float operand.
 pub(super) fn infer(op: CollectiveOp, world: usize, rank: usize, x: &TensorType) -> Result<Vec<TensorType>, String> {

@@ -12,6 +12,7 @@ mod trace;
 mod verify;
 
 pub use builder::{Graph, Tensor};
+pub use collective::collective_joins;
 pub use dtype::{DType, MAX_BYTES, Shape, SizeOverflow, TensorType, mul_size, total_bytes};
 pub use fused::{FusedBody, FusedInstr};
 pub use heads::{HeadLayout, RopeScaling};

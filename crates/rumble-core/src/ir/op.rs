@@ -425,11 +425,13 @@ impl Op {
     /// True if the result may be computed over operand `i` (same buffer): pointwise ops over
     /// any operand of the result's shape, `cache_write` over its cache (operand 0) only, a
     /// matmul with `acc` over its addend (operand 2) where no other operand shares its bytes, an
-    /// `rms_norm_backward` with `acc` (its `dx`) over its addend (operand 3) likewise.
+    /// `rms_norm_backward` with `acc` (its `dx`) over its addend (operand 3) likewise, an
+    /// `all_reduce` over its operand (NCCL's in-place form).
     /// The planner does so when the operand dies at this node; kernels must allow it.
     pub fn may_overwrite(&self, i: usize) -> bool {
         match self {
             Op::CacheWrite => i == 0,
+            Op::Collective { op: CollectiveOp::AllReduce, .. } => i == 0,
             Op::Matmul { acc, .. } => *acc && i == 2,
             Op::RmsNormBackward { acc, .. } => *acc && i == 3,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),

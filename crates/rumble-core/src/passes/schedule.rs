@@ -19,6 +19,14 @@
 //! in-place update stays legal in every order tried. Collectives keep their order (each waits
 //! on the one before): every rank must meet them in the same order, and ranks whose traces
 //! differ (ZeRO-1's shards) would otherwise be scheduled apart.
+//!
+//! A collective of several ranks runs beside the nodes after it, up to its *join* (the first
+//! node reading its result; `ir::collective_joins`), so a device overlaps it with the rest of
+//! the backward. Each strategy is then also tried deferring joins, as DDP pipelines its buckets:
+//! a node reading collective `k`'s result waits until collective `k + 1` has been issued (the
+//! backward that makes the next bucket overlaps collective `k`), the last one's until nothing
+//! else is ready. Among the orders of the lowest LOAD the one that leaves the most nodes
+//! between the collectives and their joins is kept: overlap is taken where it costs no memory.
 
 use std::time::Instant;
 
@@ -33,21 +41,31 @@ pub fn schedule(trace: &Trace, opts: LifetimeOptions) -> Result<(Trace, PassRepo
     let t0 = Instant::now();
     let before = lifetimes(trace, opts).load().0;
     let g = DepGraph::new(trace);
-    let mut best: (usize, &'static str, Option<Trace>) = (before, "input order", None);
-    for (name, strategy) in [
-        ("optimizer first, frees first, input order", Strategy { optimizer_first: true, min_net: false }),
-        ("optimizer first, fewest bytes", Strategy { optimizer_first: true, min_net: true }),
-        ("frees first, input order", Strategy { optimizer_first: false, min_net: false }),
-        ("fewest bytes", Strategy { optimizer_first: false, min_net: true }),
-    ] {
-        let order = g.list_schedule(strategy);
-        let t = reorder(trace, &order)?;
-        let load = lifetimes(&t, opts).load().0;
-        if load < best.0 {
-            best = (load, name, Some(t));
+    let async_collectives = g.joins.iter().any(|&j| j);
+    // (LOAD, nodes overlapping collectives, name, order): the lowest LOAD, then the most overlap.
+    let mut best: (usize, usize, String, Option<Trace>) = (before, overlap(trace), "input order".into(), None);
+    let strategies = [
+        ("optimizer first, frees first, input order", true, false),
+        ("optimizer first, fewest bytes", true, true),
+        ("frees first, input order", false, false),
+        ("fewest bytes", false, true),
+    ];
+    for defer_joins in [false, true] {
+        if defer_joins && !async_collectives {
+            break;
+        }
+        for (name, optimizer_first, min_net) in strategies {
+            let order = g.list_schedule(Strategy { optimizer_first, min_net, defer_joins });
+            let t = reorder(trace, &order)?;
+            let load = lifetimes(&t, opts).load().0;
+            let over = if async_collectives { overlap(&t) } else { 0 };
+            if load < best.0 || (load == best.0 && over > best.1) {
+                let name = if defer_joins { format!("{name}, joins deferred") } else { name.to_string() };
+                best = (load, over, name, Some(t));
+            }
         }
     }
-    let (after, name, t) = best;
+    let (after, _, name, t) = best;
     let report = PassReport {
         pass: "schedule".into(),
         load_before: before,
@@ -76,6 +94,15 @@ pub fn reorder(trace: &Trace, order: &[usize]) -> Result<Trace> {
 struct Strategy {
     optimizer_first: bool,
     min_net: bool,
+    /// Run a node that reads collective `k`'s result only once collective `k + 1` has been
+    /// issued, or when no other node is ready.
+    defer_joins: bool,
+}
+
+/// Nodes between each collective of several ranks and its join, summed: the work a device can
+/// overlap the collectives with.
+fn overlap(trace: &Trace) -> usize {
+    crate::ir::collective_joins(trace).iter().map(|&(c, j)| j - c - 1).sum()
 }
 
 /// The dependence graph of a trace's nodes, with what each node allocates and reads.
@@ -95,6 +122,12 @@ struct DepGraph {
     glued: Vec<bool>,
     /// Optimizer nodes that (transitively) wait on a backward node.
     eager: Vec<bool>,
+    /// Nodes that read the result of a collective of several ranks.
+    joins: Vec<bool>,
+    /// For such a node, the position (in trace order) of the first collective it reads; for a
+    /// collective node, its own position.
+    join_of: Vec<Option<usize>>,
+    collective_at: Vec<Option<usize>>,
 }
 
 impl DepGraph {
@@ -182,7 +215,22 @@ impl DepGraph {
                     .sum()
             })
             .collect();
+        // Each collective of several ranks by its position in trace order, and its result.
+        let mut collective_at = vec![None; n];
+        let mut result_of: Vec<Option<usize>> = vec![None; nv];
+        for (i, node) in trace.nodes.iter().enumerate() {
+            if matches!(node.op, crate::ir::Op::Collective { world, .. } if world > 1) {
+                let k = collective_at.iter().flatten().count();
+                collective_at[i] = Some(k);
+                result_of[node.outs[0].index()] = Some(k);
+            }
+        }
+        let join_of: Vec<Option<usize>> =
+            trace.nodes.iter().map(|nd| nd.args.iter().filter_map(|a| result_of[a.index()]).min()).collect();
         DepGraph {
+            joins: join_of.iter().map(Option::is_some).collect(),
+            join_of,
+            collective_at,
             glued: preds.iter().map(|p| p.is_empty()).collect(),
             eager: after_backward(trace, &preds),
             preds,
@@ -211,6 +259,8 @@ impl DepGraph {
         let mut done = vec![false; n];
         let mut left = self.readers.clone();
         let mut order = Vec::with_capacity(n);
+        // Collectives issued so far (they run in trace order).
+        let mut issued = 0;
         let emit = |i: usize, order: &mut Vec<usize>, left: &mut Vec<usize>, done: &mut Vec<bool>| {
             done[i] = true;
             order.push(i);
@@ -219,7 +269,7 @@ impl DepGraph {
             }
         };
         while !ready.is_empty() {
-            let pick = self.pick(&ready, &left, s);
+            let pick = self.pick(&ready, &left, s, issued);
             let i = ready.swap_remove(pick);
             for &p in &self.preds[i] {
                 if self.glued[p] && !done[p] {
@@ -227,6 +277,9 @@ impl DepGraph {
                 }
             }
             emit(i, &mut order, &mut left, &mut done);
+            if self.collective_at[i].is_some() {
+                issued += 1;
+            }
             for &su in &self.succs[i] {
                 waiting[su] -= 1;
                 if waiting[su] == 0 && !self.glued[su] {
@@ -240,9 +293,20 @@ impl DepGraph {
     }
 
     /// Index into `ready` of the node to run next.
-    fn pick(&self, ready: &[usize], left: &[usize], s: Strategy) -> usize {
+    fn pick(&self, ready: &[usize], left: &[usize], s: Strategy, issued: usize) -> usize {
+        // Deferring joins: collective k's once collective k + 1 is issued; any when nothing
+        // else is ready.
+        let waits = |i: usize| self.join_of[i].is_some_and(|k| k + 1 >= issued);
+        let only_waiting = ready.iter().all(|&i| waits(i));
+        let allowed = |i: usize| !s.defer_joins || only_waiting || !waits(i);
         let by = |f: &dyn Fn(usize) -> Option<(i64, usize)>| {
-            ready.iter().enumerate().filter_map(|(k, &i)| f(i).map(|key| (key, k))).min().map(|(_, k)| k)
+            ready
+                .iter()
+                .enumerate()
+                .filter(|&(_, &i)| allowed(i))
+                .filter_map(|(k, &i)| f(i).map(|key| (key, k)))
+                .min()
+                .map(|(_, k)| k)
         };
         if s.optimizer_first
             && let Some(k) = by(&|i| self.eager[i].then_some((0, i)))

@@ -26,6 +26,10 @@
 //!    link dies at the step the next is written, and ends in that input's `update_of` output;
 //! 7. every `update_of` output reaches its input's slot: computed there, the input itself, a
 //!    view of all of it, or listed in `copy_back` (and then the input's slot holds no chain).
+//!
+//! A collective of more than one rank counts as reading its operand until the first later node
+//! that reads its result (the step's end if none), unless its result is computed over the
+//! operand: a device may run it beside those nodes.
 
 use crate::ir::{Op, OutputRole, Trace, ValueId};
 use crate::plan::{ALIGN, MemoryPlan, Region, Slot, node_scratch_bytes};
@@ -87,6 +91,18 @@ impl<'a> Checker<'a> {
         }
         for o in &trace.outputs {
             read[o.value.index()] = end;
+        }
+        // A collective of several ranks may run beside the nodes after it until the first that
+        // reads its result: its operand is read until then, unless the result is over it.
+        for (i, nd) in trace.nodes.iter().enumerate() {
+            let Op::Collective { world, .. } = nd.op else { continue };
+            let (a, o) = (nd.args[0], nd.outs[0]);
+            if world < 2 || plan.inplace_of[o.index()] == Some(a) {
+                continue;
+            }
+            let first = trace.nodes.iter().enumerate().skip(i + 1).find(|(_, x)| x.args.contains(&o));
+            let until = first.map_or(end, |(j, _)| j + 1);
+            read[a.index()] = read[a.index()].max(until);
         }
         Ok(Checker { trace, plan, slots, step, node, read, end })
     }

@@ -20,7 +20,7 @@
 //!
 //! **Classes** are derived, not declared: see [`Class`].
 
-use crate::ir::{Def, InputRole, Op, OutputRole, Phase, TensorType, Trace, ValueId};
+use crate::ir::{CollectiveOp, Def, InputRole, Op, OutputRole, Phase, TensorType, Trace, ValueId, collective_joins};
 use crate::plan::{ALIGN, Region, align_up, node_scratch_bytes};
 
 /// What a buffer is for, as the memory report groups bytes.
@@ -155,7 +155,13 @@ pub fn is_pointwise(op: &Op) -> bool {
 /// True if the op may compute a result over some operand (`Op::may_overwrite`).
 fn may_overwrite_any(op: &Op) -> bool {
     is_pointwise(op)
-        || matches!(op, Op::CacheWrite | Op::Matmul { acc: true, .. } | Op::RmsNormBackward { acc: true, .. })
+        || matches!(
+            op,
+            Op::CacheWrite
+                | Op::Matmul { acc: true, .. }
+                | Op::RmsNormBackward { acc: true, .. }
+                | Op::Collective { op: CollectiveOp::AllReduce, .. }
+        )
 }
 
 /// Byte offset into its operand at which a view op's result starts, or `None` if the op
@@ -286,6 +292,21 @@ pub fn lifetimes_with_scratch(trace: &Trace, opts: LifetimeOptions, backend: &[u
         }
     }
     let mut buffers = b.buffers;
+    // A collective of several ranks runs beside the nodes up to its join: unless its result is
+    // computed over its operand, the operand (and what it views) is read until then.
+    for (c, join) in collective_joins(trace) {
+        let (a, o) = (trace.nodes[c].args[0], trace.nodes[c].outs[0]);
+        if values[o.index()].inplace_of == Some(a) {
+            continue;
+        }
+        let until = join + 1;
+        values[a.index()].last = values[a.index()].last.max(until);
+        let r = root(a);
+        values[r.index()].last = values[r.index()].last.max(until);
+        if let Storage::Buffer(buf) = values[r.index()].storage {
+            buffers[buf].end = buffers[buf].end.max(until);
+        }
+    }
     for (i, node) in trace.nodes.iter().enumerate() {
         let at = trace.arg_types(node);
         let bytes = node_scratch_bytes(node.op.scratch_bytes(&at), backend.get(i).copied().unwrap_or(0));
