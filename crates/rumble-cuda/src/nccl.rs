@@ -223,6 +223,15 @@ impl Collective {
     /// # Safety
     /// `src` and `dst` must be device buffers of the operand's and the result's sizes.
     pub unsafe fn launch(&self, dev: &Device, src: u64, dst: u64) -> Result<()> {
+        unsafe { self.launch_on(dev.stream(), src, dst) }
+    }
+
+    /// [`Collective::launch`] on `stream` (a stream of `dev`'s context: the side stream of a
+    /// collective that overlaps the backward).
+    ///
+    /// # Safety
+    /// As [`Collective::launch`]; `stream` must be a live stream of the communicator's device.
+    pub unsafe fn launch_on(&self, stream: cudarc::driver::sys::CUstream, src: u64, dst: u64) -> Result<()> {
         let name = self.op.name();
         let comm = comm().ok_or_else(|| {
             CudaError::usage(format!(
@@ -239,7 +248,7 @@ impl Collective {
         }
         let dt = self.nccl_dtype;
         let (send, recv) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
-        let stream = dev.stream() as ns::cudaStream_t;
+        let stream = stream as ns::cudaStream_t;
         let sum = ns::ncclRedOp_t::ncclSum;
         let r = unsafe {
             match self.op {

@@ -56,6 +56,7 @@ mod eager;
 mod graphed;
 mod planned;
 mod probe;
+mod side;
 
 use std::sync::Arc;
 
@@ -91,6 +92,9 @@ pub struct Program {
     pub last_use: Vec<Option<usize>>,
     /// Seconds spent preparing (compiling kernels, choosing matmul algorithms).
     pub prepare_secs: f64,
+    /// The stream and events of collectives of several ranks, which run beside the step up to
+    /// their joins (`side.rs`); `None` without them.
+    side: Option<side::SideStream>,
 }
 
 impl Program {
@@ -221,7 +225,9 @@ impl Program {
                 last_use[a.index()] = Some(n);
             }
         }
-        let p = Program { dev, trace, plan, recipes, scratch_bytes, last_use, prepare_secs: 0.0 };
+        dev.bind()?;
+        let side = side::SideStream::new(&rumble_core::ir::collective_joins(&trace))?;
+        let p = Program { dev, trace, plan, recipes, scratch_bytes, last_use, prepare_secs: 0.0, side };
         p.check_plan()?;
         Ok(Program { prepare_secs: t0.elapsed().as_secs_f64(), ..p })
     }

@@ -101,15 +101,32 @@ impl Placed {
         hook: &mut dyn FnMut(usize, usize, bool) -> Result<()>,
     ) -> Result<()> {
         let p = &self.prog;
-        for n in range {
+        let main = p.dev.stream();
+        for n in range.clone() {
+            // Collectives of several ranks run beside the step until their join (`side.rs`).
+            if let Some(s) = &p.side {
+                s.join(main, n, &range)?;
+            }
             if p.is_view_node(n) {
                 continue;
             }
             let (args, outs) = &self.addrs[n];
+            if let (Some(s), Some(crate::launch::Step::Collective(c))) = (&p.side, p.recipes[n].steps.first())
+                && let Some(k) = s.at(n)
+            {
+                let stream = s.fork(main)?;
+                unsafe { c.launch_on(stream, args[0], outs[0])? };
+                s.issued(k)?;
+                continue;
+            }
             let node = p.plan.scratch.get(n).copied().flatten().map_or(0, |s| self.arena.ptr + s.offset as u64);
             let (off, scratch_bytes) = p.scratch_range(n);
             let b = Buffers { args, outs, scratch: self.arena.ptr + off as u64, scratch_bytes, node };
             unsafe { p.recipes[n].launch_each(&p.dev, n + 1, &b, &mut |i, before| hook(n, i, before))? };
+        }
+        // Every collective of the range is joined by its end (a captured graph ends joined).
+        if let Some(s) = &p.side {
+            s.join(main, range.end, &range)?;
         }
         Ok(())
     }
