@@ -171,9 +171,42 @@ pub fn node_times(model: &dyn CostModel, trace: &Trace) -> Vec<f64> {
         .collect()
 }
 
-/// Predicted seconds of one step of `trace`: the sum over its nodes.
+/// Predicted seconds of one step of `trace`: the sum over its nodes, but for collectives of
+/// several ranks, which run on a stream of their own from their node to their join
+/// (`ir::collective_joins`, one after another there): the step's stream waits at a join only
+/// for what of the collective the nodes between did not cover.
 pub fn trace_seconds(model: &dyn CostModel, trace: &Trace) -> f64 {
-    node_times(model, trace).iter().sum()
+    let times = node_times(model, trace);
+    let joins = crate::ir::collective_joins(trace);
+    if joins.is_empty() {
+        return times.iter().sum();
+    }
+    let n = trace.nodes.len();
+    // Per node: the collective it issues; per join position: the collectives it waits for.
+    let mut issues = vec![None; n];
+    let mut waits: Vec<Vec<usize>> = vec![Vec::new(); n + 1];
+    for (k, &(c, j)) in joins.iter().enumerate() {
+        issues[c] = Some(k);
+        waits[j].push(k);
+    }
+    let (mut now, mut side_free) = (0.0f64, 0.0f64);
+    let mut done = vec![0.0f64; joins.len()];
+    for (i, t) in times.iter().enumerate() {
+        for &k in &waits[i] {
+            now = now.max(done[k]);
+        }
+        match issues[i] {
+            Some(k) => {
+                side_free = side_free.max(now) + t;
+                done[k] = side_free;
+            }
+            None => now += t,
+        }
+    }
+    for &k in &waits[n] {
+        now = now.max(done[k]);
+    }
+    now
 }
 
 /// FLOPs and bytes against a device's rates (see the module doc).
@@ -399,6 +432,34 @@ mod tests {
 
     fn ty(dtype: DType, dims: &[usize]) -> TensorType {
         TensorType::new(dtype, Shape::from(dims))
+    }
+
+    #[test]
+    fn a_collective_costs_the_step_only_what_the_nodes_before_its_join_do_not_cover() {
+        use crate::ir::{Graph, OutputRole};
+        // x -> all_reduce -> (a long matmul chain beside it) -> y = ar + chain.
+        let step = |work: usize| {
+            let g = Graph::new("overlap");
+            let x = g.data("x", DType::BF16, &[4096, 4096]).unwrap();
+            let ar =
+                g.apply(Op::Collective { op: CollectiveOp::AllReduce, world: 2, rank: 0 }, &[&x]).unwrap().remove(0);
+            let mut h = x.clone();
+            for _ in 0..work {
+                h = h.matmul(&x).unwrap();
+            }
+            let y = ar.reshape(&[4096, 4096]).unwrap().add(&h).unwrap();
+            g.output_with_role(&y, "y", OutputRole::Output).unwrap();
+            g.finish().unwrap()
+        };
+        let r = Roofline::default();
+        let (none, some, lots) = (step(0), step(1), step(40));
+        let plain = |t: &Trace| node_times(&r, t).iter().sum::<f64>();
+        // Nothing beside it: the collective's whole time counts.
+        assert!((trace_seconds(&r, &none) - plain(&none)).abs() <= 1e-12);
+        // A little work beside it hides that much; a lot hides all of it.
+        assert!(trace_seconds(&r, &some) < plain(&some));
+        let coll = node_times(&r, &lots)[crate::ir::collective_joins(&lots)[0].0];
+        assert!((plain(&lots) - trace_seconds(&r, &lots) - coll).abs() <= 1e-9 * plain(&lots));
     }
 
     #[test]
