@@ -9,46 +9,60 @@
   for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;                 \
        row += (i64)gridDim.x * (blockDim.x >> 5))
 
+// The two halves of a row's RMSNorm over the elements thread `t` of the `nt` that share the
+// row holds (16-byte vectors where `vec`): its part of the sum of squares, then y = x * r * w.
+// Unrolled so that a thread's loads are in flight together (one row, a decode step's, is
+// otherwise a chain of dependent memory latencies); the sum's order is unchanged by it.
+template <typename T>
+__device__ __forceinline__ typename Acc<T>::t rms_sumsq(const T* __restrict__ xr, i64 d, i64 t, i64 nt, bool vec) {
+  typedef typename Acc<T>::t A;
+  constexpr int N = Vec16<T>::n;
+  A ss = 0;
+  if (vec) {
+#pragma unroll 4
+    for (i64 c = t * N; c < d; c += nt * N) {
+      A a[N];
+      ld16(xr + c, a);
+#pragma unroll
+      for (int i = 0; i < N; ++i) ss += a[i] * a[i];
+    }
+  } else {
+    for (i64 c = t; c < d; c += nt) {
+      A v = ldf(xr[c]);
+      ss += v * v;
+    }
+  }
+  return ss;
+}
+template <typename T>
+__device__ __forceinline__ void rms_scale(const T* __restrict__ xr, const T* __restrict__ w, T* __restrict__ yr,
+                                          typename Acc<T>::t r, i64 d, i64 t, i64 nt, bool vec) {
+  typedef typename Acc<T>::t A;
+  constexpr int N = Vec16<T>::n;
+  if (vec) {
+#pragma unroll 4
+    for (i64 c = t * N; c < d; c += nt * N) {
+      A a[N], g[N];
+      ld16(xr + c, a);
+      ld16(w + c, g);
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] = a[i] * r * g[i];
+      st16(yr + c, a);
+    }
+  } else {
+    for (i64 c = t; c < d; c += nt) stf(&yr[c], ldf(xr[c]) * r * ldf(w[c]));
+  }
+}
+
 template <typename T>
 __device__ void rms_norm(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, i64 rows, i64 d, double eps) {
   typedef typename Acc<T>::t A;
-  constexpr int N = Vec16<T>::n;
   const int lane = threadIdx.x & 31;
   const bool vec = vec16<T>(d, x, w, y, y);
   WARP_ROWS(row, rows) {
-    const T* xr = x + row * d;
-    A ss = 0;
-    if (vec) {
-      // Unrolled so that a lane's loads are in flight together: one row (a decode step's)
-      // is otherwise a chain of dependent memory latencies. The sum's order is unchanged.
-#pragma unroll 4
-      for (i64 c = lane * N; c < d; c += 32 * N) {
-        A a[N];
-        ld16(xr + c, a);
-#pragma unroll
-        for (int i = 0; i < N; ++i) ss += a[i] * a[i];
-      }
-    } else {
-      for (i64 c = lane; c < d; c += 32) {
-        A v = ldf(xr[c]);
-        ss += v * v;
-      }
-    }
-    ss = warp_sum(ss);
+    const A ss = warp_sum(rms_sumsq<T>(x + row * d, d, lane, 32, vec));
     const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
-    if (vec) {
-#pragma unroll 4
-      for (i64 c = lane * N; c < d; c += 32 * N) {
-        A a[N], g[N];
-        ld16(xr + c, a);
-        ld16(w + c, g);
-#pragma unroll
-        for (int i = 0; i < N; ++i) a[i] = a[i] * r * g[i];
-        st16(y + row * d + c, a);
-      }
-    } else {
-      for (i64 c = lane; c < d; c += 32) stf(&y[row * d + c], ldf(xr[c]) * r * ldf(w[c]));
-    }
+    rms_scale<T>(x + row * d, w, y + row * d, r, d, lane, 32, vec);
   }
 }
 
@@ -60,38 +74,11 @@ __device__ void rms_norm_block(const T* __restrict__ x, const T* __restrict__ w,
                                double eps) {
   typedef typename Acc<T>::t A;
   __shared__ A buf[32];
-  constexpr int N = Vec16<T>::n;
   const bool vec = vec16<T>(d, x, w, y, y);
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row * d;
-    A ss = 0;
-    if (vec) {
-      for (i64 c = (i64)threadIdx.x * N; c < d; c += (i64)blockDim.x * N) {
-        A a[N];
-        ld16(xr + c, a);
-#pragma unroll
-        for (int i = 0; i < N; ++i) ss += a[i] * a[i];
-      }
-    } else {
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-        A v = ldf(xr[c]);
-        ss += v * v;
-      }
-    }
-    ss = block_sum(ss, buf);
+    const A ss = block_sum(rms_sumsq<T>(x + row * d, d, threadIdx.x, blockDim.x, vec), buf);
     const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
-    if (vec) {
-      for (i64 c = (i64)threadIdx.x * N; c < d; c += (i64)blockDim.x * N) {
-        A a[N], g[N];
-        ld16(xr + c, a);
-        ld16(w + c, g);
-#pragma unroll
-        for (int i = 0; i < N; ++i) a[i] = a[i] * r * g[i];
-        st16(y + row * d + c, a);
-      }
-    } else {
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) stf(&y[row * d + c], ldf(xr[c]) * r * ldf(w[c]));
-    }
+    rms_scale<T>(x + row * d, w, y + row * d, r, d, threadIdx.x, blockDim.x, vec);
   }
 }
 
