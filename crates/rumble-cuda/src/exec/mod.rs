@@ -76,6 +76,7 @@ pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;
 pub use probe::{DeviceCost, PROBE_MEMORY_FRACTION, PROBE_RUNS, probe};
+pub use side::SideStream;
 
 // The one executor trait and its figures live in rumble-core; every executor here implements it.
 pub use rumble_core::exec::{BucketStats, DeviceKind, Executor, MemoryStats};

@@ -105,7 +105,8 @@ impl Placed {
         for n in range.clone() {
             // Collectives of several ranks run beside the step until their join (`side.rs`).
             if let Some(s) = &p.side {
-                s.join(main, n, &range)?;
+                // SAFETY: the device's own stream, in the context the side stream was made in.
+                unsafe { s.join(main, n, &range)? };
             }
             if p.is_view_node(n) {
                 continue;
@@ -114,7 +115,8 @@ impl Placed {
             if let (Some(s), Some(crate::launch::Step::Collective(c))) = (&p.side, p.recipes[n].steps.first())
                 && let Some(k) = s.at(n)
             {
-                let stream = s.fork(main)?;
+                // SAFETY: as above.
+                let stream = unsafe { s.fork(main)? };
                 unsafe { c.launch_on(stream, args[0], outs[0])? };
                 s.issued(k)?;
                 continue;
@@ -126,7 +128,8 @@ impl Placed {
         }
         // Every collective of the range is joined by its end (a captured graph ends joined).
         if let Some(s) = &p.side {
-            s.join(main, range.end, &range)?;
+            // SAFETY: as above.
+            unsafe { s.join(main, range.end, &range)? };
         }
         Ok(())
     }

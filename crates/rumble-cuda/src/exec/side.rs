@@ -57,7 +57,10 @@ impl SideStream {
     }
 
     /// Makes the side stream wait for what `main` has enqueued, returns it to launch on.
-    pub fn fork(&self, main: sys::CUstream) -> Result<sys::CUstream> {
+    ///
+    /// # Safety
+    /// `main` must be a live stream of the context the side stream was made in.
+    pub unsafe fn fork(&self, main: sys::CUstream) -> Result<sys::CUstream> {
         unsafe { drv::event::record(self.fork, main) }.map_err(|e| err("cuEventRecord (issuing a collective)", e))?;
         unsafe { drv::stream::wait_event(self.stream, self.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .map_err(|e| err("cuStreamWaitEvent (issuing a collective)", e))?;
@@ -73,7 +76,10 @@ impl SideStream {
     /// Makes `main` wait, before node `n` of a launched `range`, for the collectives of
     /// `range` that `n` joins; at `n == range.end`, for every collective of `range` joined at or
     /// after it.
-    pub fn join(&self, main: sys::CUstream, n: usize, range: &std::ops::Range<usize>) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`SideStream::fork`].
+    pub unsafe fn join(&self, main: sys::CUstream, n: usize, range: &std::ops::Range<usize>) -> Result<()> {
         for &(c, j, ev) in &self.collectives {
             let due = if n == range.end { j >= n } else { j == n };
             if range.contains(&c) && due {
