@@ -565,10 +565,9 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
         // Each rank evaluates its rows of every batch; a batch's loss is the mean over all its
         // targets, as one process counts them (the ranks' means weighted by their targets).
         let mut total = 0.0;
-        for b in &bs {
-            let n = b.targets.iter().filter(|&&t| t != rumble_models::model::IGNORE_INDEX).count() as f64;
-            let loss = if n > 0.0 { f64::from(trainer.eval(std::slice::from_ref(b))?) } else { 0.0 };
-            let s = g.sum(&[loss * n, n])?;
+        for (b, loss) in bs.iter().zip(trainer.eval_losses(&bs)?) {
+            let n = b.counted_targets() as f64;
+            let s = g.sum(&[if n > 0.0 { loss * n } else { 0.0 }, n])?;
             total += s[0] / s[1].max(1.0);
         }
         Ok(Some((total / bs.len() as f64) as f32))

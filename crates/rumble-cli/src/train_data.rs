@@ -4,7 +4,6 @@
 
 use rumble_core::cpu::Rng;
 use rumble_models::data::Batch;
-use rumble_models::model::IGNORE_INDEX;
 use rumble_models::{Corpus, Dataset, Document, Loader, LoaderState, ModelError, Result, Tokenizer, Validation};
 use serde_json::{Value, json};
 
@@ -125,7 +124,7 @@ impl DataSource {
             DataSource::Packed { val: Some(v), .. } => v.all_batches(batch * world).into_iter().take(n).collect(),
             _ => return Ok(None),
         };
-        Ok(Some(global.into_iter().map(|b| rows(b, rank, world)).collect()))
+        global.iter().map(|b| b.rank_rows(rank, world)).collect::<Result<Vec<_>>>().map(Some)
     }
 
     /// Refuses windows of `seq` tokens longer than a byte corpus (packed documents are checked
@@ -155,10 +154,12 @@ impl DataSource {
                 }
             }
         };
-        let counted = |b: &Batch| b.targets.iter().filter(|&&t| t != IGNORE_INDEX).count() as f64;
-        let all = counted(&global);
-        let mine = rows(global, rank, world);
-        let weight = if world == 1 || all == 0.0 { 1.0 } else { counted(&mine) * world as f64 / all };
+        if world == 1 {
+            return Ok((global, 1.0));
+        }
+        let mine = global.rank_rows(rank, world)?;
+        let all = global.counted_targets();
+        let weight = if all == 0 { 1.0 } else { (mine.counted_targets() * world) as f64 / all as f64 };
         Ok((mine, weight))
     }
 
@@ -182,28 +183,9 @@ impl DataSource {
     }
 }
 
-/// Rank `rank`'s rows of a batch split over `world` ranks (its rows a multiple of `world`).
-fn rows(b: Batch, rank: usize, world: usize) -> Batch {
-    if world == 1 {
-        return b;
-    }
-    let per = b.batch / world;
-    let cut = |v: &[i64]| v[rank * per * b.seq..(rank + 1) * per * b.seq].to_vec();
-    Batch { batch: per, seq: b.seq, tokens: cut(&b.tokens), targets: cut(&b.targets) }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ranks_take_their_rows_of_the_global_batch() {
-        let b = Batch { batch: 4, seq: 2, tokens: (0..8).collect(), targets: (10..18).collect() };
-        let r = rows(b.clone(), 1, 2);
-        assert_eq!((r.batch, r.tokens, r.targets), (2, vec![4, 5, 6, 7], vec![14, 15, 16, 17]));
-        assert_eq!(rows(b.clone(), 0, 1), b);
-        assert_eq!(rows(b, 3, 4).tokens, vec![6, 7]);
-    }
 
     #[test]
     fn the_validation_split_is_the_tail() {

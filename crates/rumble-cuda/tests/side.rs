@@ -47,7 +47,7 @@ fn a_side_stream_runs_beside_the_step_and_joins_in_a_captured_graph() {
     );
     for join in [2, 3] {
         // Eagerly: the join node reads the whole copy.
-        let side = SideStream::new(&[(0, join)]).unwrap().expect("one collective");
+        let side = SideStream::new(&[(0, join)], 3).unwrap().expect("one collective");
         assert_eq!((side.at(0), side.at(1)), (Some(0), None));
         a.upload(&dev, 0, &pattern(join)).unwrap();
         enqueue(&side, main, &a, &b, &c, join);
@@ -76,5 +76,7 @@ fn a_side_stream_runs_beside_the_step_and_joins_in_a_captured_graph() {
         }
     }
     // No collective of several ranks: no side stream.
-    assert!(SideStream::new(&[]).unwrap().is_none());
+    assert!(SideStream::new(&[], 3).unwrap().is_none());
+    // A join before its collective is refused.
+    assert!(SideStream::new(&[(2, 1)], 3).is_err());
 }

@@ -28,6 +28,25 @@ impl Batch {
         let targets = model::hf_causal_targets(&tokens, batch, seq);
         Batch { batch, seq, tokens, targets }
     }
+
+    /// Rank `rank`'s rows of this batch split evenly over `world` ranks: a data-parallel rank's
+    /// share of the global batch one process would take (rows `rank * batch / world ..`).
+    pub fn rank_rows(&self, rank: usize, world: usize) -> Result<Batch> {
+        if rank >= world || !self.batch.is_multiple_of(world) {
+            return Err(ModelError::Usage(format!(
+                "rows of rank {rank} of a run of {world} ranks from a batch of {} rows",
+                self.batch
+            )));
+        }
+        let per = self.batch / world;
+        let cut = |v: &[i64]| v[rank * per * self.seq..(rank + 1) * per * self.seq].to_vec();
+        Ok(Batch { batch: per, seq: self.seq, tokens: cut(&self.tokens), targets: cut(&self.targets) })
+    }
+
+    /// Targets the loss counts (those not [`model::IGNORE_INDEX`]).
+    pub fn counted_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != model::IGNORE_INDEX).count()
+    }
 }
 
 /// A corpus of bytes to sample windows from.
@@ -91,6 +110,17 @@ impl Corpus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_take_their_rows_and_targets_are_counted() {
+        let b = Batch { batch: 4, seq: 2, tokens: (0..8).collect(), targets: vec![1, -100, 3, 4, -100, -100, 7, 8] };
+        let r = b.rank_rows(1, 2).unwrap();
+        assert_eq!((r.batch, r.tokens, r.targets), (2, vec![4, 5, 6, 7], vec![-100, -100, 7, 8]));
+        assert_eq!(b.rank_rows(0, 1).unwrap(), b);
+        assert_eq!(b.rank_rows(3, 4).unwrap().tokens, vec![6, 7]);
+        assert_eq!((b.counted_targets(), b.rank_rows(0, 2).unwrap().counted_targets()), (5, 3));
+        assert!(b.rank_rows(0, 3).unwrap_err().to_string().contains("a batch of 4 rows"));
+    }
 
     #[test]
     fn windows_are_shifted_by_one() {

@@ -9,7 +9,8 @@
 //! - [`Group::agree`]: the largest of the ranks' flags, once a step, so a signal or a failed
 //!   write seen by one rank stops every rank after the same step (none is left waiting in a
 //!   collective);
-//! - [`Group::gather`]: every rank's bytes at rank 0 (sharded optimizer state for a checkpoint).
+//! - [`Group::gather`]: every rank's bytes at rank 0 (sharded optimizer state for a checkpoint,
+//!   the flags that shaped each rank's run); [`Group::sum`]: sums of host numbers (validation).
 //!
 //! Every exchange is a frame: a 16-byte header (tag, collective, dtype, 5 zero bytes, payload
 //! length as a little-endian u64), then the payload. Rank 0 checks that every rank sent the
@@ -113,12 +114,6 @@ impl Group {
         let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
         let out = self.collective(CollectiveOp::AllReduce, DType::F64, &bytes)?;
         Ok(out.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
-    }
-
-    /// The mean over ranks of `x`, the same bits on every rank.
-    pub fn mean(&self, x: f64) -> Result<f64> {
-        let s = self.sum(&[x])?;
-        Ok(s.first().copied().unwrap_or(f64::NAN) / self.world as f64)
     }
 
     /// Runs one exchange: every rank sends `mine` as a frame of `kind`; rank 0 checks that they
@@ -268,17 +263,16 @@ mod tests {
     }
 
     #[test]
-    fn agreement_gathers_and_means() {
+    fn agreement_gathers_and_sums() {
         let got = run(4, |g| {
             let r = g.rank() as u64;
             let flag = g.agree(if r == 2 { 15 } else { r }).unwrap();
             let all = g.gather(&vec![r as u8; 3 + r as usize]).unwrap();
-            let mean = g.mean(r as f64).unwrap();
             let sum = g.sum(&[r as f64, 0.5]).unwrap();
-            (flag, all, mean, sum)
+            (flag, all, sum)
         });
-        for (r, (flag, all, mean, sum)) in got.into_iter().enumerate() {
-            assert_eq!((flag, mean, sum), (15, 1.5, vec![6.0, 2.0]));
+        for (r, (flag, all, sum)) in got.into_iter().enumerate() {
+            assert_eq!((flag, sum), (15, vec![6.0, 2.0]));
             assert_eq!(all, (r == 0).then(|| (0..4u8).map(|i| vec![i; 3 + i as usize]).collect::<Vec<_>>()));
         }
     }

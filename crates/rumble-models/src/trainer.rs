@@ -486,11 +486,18 @@ impl Trainer {
     /// current persistent values (copied off the device on CUDA: correct, but slow for a large
     /// model).
     pub fn eval(&mut self, batches: &[Batch]) -> Result<f32> {
+        let losses = self.eval_losses(batches)?;
+        Ok((losses.iter().sum::<f64>() / losses.len() as f64) as f32)
+    }
+
+    /// Each batch's validation loss, as [`Trainer::eval`] averages them (a data-parallel rank
+    /// weighs its batches' losses by their counted targets before the ranks' mean).
+    pub fn eval_losses(&mut self, batches: &[Batch]) -> Result<Vec<f64>> {
         if batches.is_empty() {
             return Err(ModelError::Usage("validation over no batches".into()));
         }
         let mut values: Option<std::collections::HashMap<String, HostTensor>> = None;
-        let mut total = 0.0f64;
+        let mut losses = Vec::with_capacity(batches.len());
         for batch in batches {
             let shape = (batch.batch, batch.seq);
             if batch.tokens.len() != shape.0 * shape.1 || batch.targets.len() != batch.tokens.len() {
@@ -515,7 +522,7 @@ impl Trainer {
                 ];
                 if let Some(outs) = self.exec.eval(&data)? {
                     let loss = outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?;
-                    total += host::item(loss)? as f64;
+                    losses.push(host::item(loss)? as f64);
                     continue;
                 }
             }
@@ -542,10 +549,11 @@ impl Trainer {
                 });
             }
             let outs = rumble_core::cpu::eval(trace, &inputs)?;
-            total += host::item(outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?)?
-                as f64;
+            losses.push(host::item(
+                outs.first().ok_or_else(|| ModelError::Usage("validation returned no loss".into()))?,
+            )? as f64);
         }
-        Ok((total / batches.len() as f64) as f32)
+        Ok(losses)
     }
 
     /// The current parameters as the step keeps them (in the master dtype: f32 under

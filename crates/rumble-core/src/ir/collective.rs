@@ -12,14 +12,19 @@ use super::trace::Trace;
 /// the planner keeps both live until then.
 pub fn collective_joins(trace: &Trace) -> Vec<(usize, usize)> {
     let n = trace.nodes.len();
-    let mut out = Vec::new();
+    // One pass: each collective's result waits for its first reader.
+    let mut waiting: Vec<Option<usize>> = vec![None; trace.num_values()];
+    let mut out: Vec<(usize, usize)> = Vec::new();
     for (i, node) in trace.nodes.iter().enumerate() {
-        if !matches!(node.op, Op::Collective { world, .. } if world > 1) {
-            continue;
+        for a in &node.args {
+            if let Some(k) = waiting[a.index()].take() {
+                out[k].1 = i;
+            }
         }
-        let r = node.outs[0];
-        let join = (i + 1..n).find(|&j| trace.nodes[j].args.contains(&r)).unwrap_or(n);
-        out.push((i, join));
+        if matches!(node.op, Op::Collective { world, .. } if world > 1) {
+            waiting[node.outs[0].index()] = Some(out.len());
+            out.push((i, n));
+        }
     }
     out
 }
@@ -51,6 +56,22 @@ pub(super) fn infer(op: CollectiveOp, world: usize, rank: usize, x: &TensorType)
 mod tests {
     use super::*;
     use crate::ir::{DType, Op};
+
+    #[test]
+    fn a_collective_joins_at_its_first_reader_or_the_end() {
+        use crate::ir::{Graph, OutputRole};
+        let g = Graph::new("joins");
+        let x = g.data("x", DType::F32, &[8]).unwrap();
+        let c =
+            |op, w, t: &crate::ir::Tensor| g.apply(Op::Collective { op, world: w, rank: 0 }, &[t]).unwrap().remove(0);
+        let a = c(CollectiveOp::AllReduce, 2, &x); // node 0
+        let b = c(CollectiveOp::AllReduce, 2, &x); // node 1, never read: joins at the end
+        let y = x.add(&x).unwrap().add(&a).unwrap().mul(&a).unwrap(); // nodes 2, 3 (first reads `a`), 4
+        g.output_with_role(&y, "y", OutputRole::Output).unwrap();
+        g.output_with_role(&b, "b", OutputRole::Output).unwrap();
+        let t = g.finish().unwrap();
+        assert_eq!(collective_joins(&t), vec![(0, 3), (1, t.nodes.len())]);
+    }
 
     #[test]
     fn collective_type_rules() {

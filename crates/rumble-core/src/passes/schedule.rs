@@ -41,7 +41,7 @@ pub fn schedule(trace: &Trace, opts: LifetimeOptions) -> Result<(Trace, PassRepo
     let t0 = Instant::now();
     let before = lifetimes(trace, opts).load().0;
     let g = DepGraph::new(trace);
-    let async_collectives = g.joins.iter().any(|&j| j);
+    let async_collectives = g.join_of.iter().any(Option::is_some);
     // (LOAD, nodes overlapping collectives, name, order): the lowest LOAD, then the most overlap.
     let mut best: (usize, usize, String, Option<Trace>) = (before, overlap(trace), "input order".into(), None);
     let strategies = [
@@ -122,12 +122,11 @@ struct DepGraph {
     glued: Vec<bool>,
     /// Optimizer nodes that (transitively) wait on a backward node.
     eager: Vec<bool>,
-    /// Nodes that read the result of a collective of several ranks.
-    joins: Vec<bool>,
-    /// For such a node, the position (in trace order) of the first collective it reads; for a
-    /// collective node, its own position.
+    /// For a node reading the result of a collective of several ranks, the position (in trace
+    /// order) of the first such collective it reads.
     join_of: Vec<Option<usize>>,
-    collective_at: Vec<Option<usize>>,
+    /// Collectives of several ranks.
+    is_collective: Vec<bool>,
 }
 
 impl DepGraph {
@@ -216,21 +215,21 @@ impl DepGraph {
             })
             .collect();
         // Each collective of several ranks by its position in trace order, and its result.
-        let mut collective_at = vec![None; n];
+        let mut is_collective = vec![false; n];
         let mut result_of: Vec<Option<usize>> = vec![None; nv];
+        let mut k = 0;
         for (i, node) in trace.nodes.iter().enumerate() {
             if matches!(node.op, crate::ir::Op::Collective { world, .. } if world > 1) {
-                let k = collective_at.iter().flatten().count();
-                collective_at[i] = Some(k);
+                is_collective[i] = true;
                 result_of[node.outs[0].index()] = Some(k);
+                k += 1;
             }
         }
         let join_of: Vec<Option<usize>> =
             trace.nodes.iter().map(|nd| nd.args.iter().filter_map(|a| result_of[a.index()]).min()).collect();
         DepGraph {
-            joins: join_of.iter().map(Option::is_some).collect(),
             join_of,
-            collective_at,
+            is_collective,
             glued: preds.iter().map(|p| p.is_empty()).collect(),
             eager: after_backward(trace, &preds),
             preds,
@@ -277,7 +276,7 @@ impl DepGraph {
                 }
             }
             emit(i, &mut order, &mut left, &mut done);
-            if self.collective_at[i].is_some() {
+            if self.is_collective[i] {
                 issued += 1;
             }
             for &su in &self.succs[i] {

@@ -227,7 +227,7 @@ impl Program {
             }
         }
         dev.bind()?;
-        let side = side::SideStream::new(&rumble_core::ir::collective_joins(&trace))?;
+        let side = side::SideStream::new(&rumble_core::ir::collective_joins(&trace), trace.nodes.len())?;
         let p = Program { dev, trace, plan, recipes, scratch_bytes, last_use, prepare_secs: 0.0, side };
         p.check_plan()?;
         Ok(Program { prepare_secs: t0.elapsed().as_secs_f64(), ..p })

@@ -22,6 +22,10 @@ pub struct SideStream {
     /// Per collective of several ranks, in trace order: its node, its join node (the node
     /// count: the step's end) and its event.
     collectives: Vec<(usize, usize, sys::CUevent)>,
+    /// By node: the collective it issues; the collectives it joins (launching reads these, not
+    /// every collective, at each node).
+    issues: Vec<Option<usize>>,
+    joins: Vec<Vec<usize>>,
 }
 
 // The handles are only used by the thread launching the program's steps; CUDA streams and
@@ -34,26 +38,39 @@ fn err(what: &str, e: drv::DriverError) -> CudaError {
 }
 
 impl SideStream {
-    /// For `joins` (`(node, join)` pairs); `None` where there is none. The device's context must
-    /// be current.
-    pub fn new(joins: &[(usize, usize)]) -> Result<Option<SideStream>> {
+    /// For `joins` (`(node, join)` pairs of a trace of `nodes` nodes); `None` where there is
+    /// none. The device's context must be current.
+    pub fn new(joins: &[(usize, usize)], nodes: usize) -> Result<Option<SideStream>> {
         if joins.is_empty() {
             return Ok(None);
         }
         let event =
             || drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| err("cuEventCreate", e));
         let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(|e| err("cuStreamCreate", e))?;
-        let mut side = SideStream { stream, fork: std::ptr::null_mut(), collectives: Vec::new() };
+        let mut side = SideStream {
+            stream,
+            fork: std::ptr::null_mut(),
+            collectives: Vec::new(),
+            issues: vec![None; nodes],
+            joins: vec![Vec::new(); nodes],
+        };
         side.fork = event()?;
-        for &(c, j) in joins {
+        for (k, &(c, j)) in joins.iter().enumerate() {
+            if c >= nodes || j > nodes || j <= c {
+                return Err(CudaError::usage(format!("collective at node {c} joined at {j} of {nodes} nodes")));
+            }
             side.collectives.push((c, j, event()?));
+            side.issues[c] = Some(k);
+            if j < nodes {
+                side.joins[j].push(k);
+            }
         }
         Ok(Some(side))
     }
 
     /// The collective node `n` issues, if it is one of these.
     pub fn at(&self, n: usize) -> Option<usize> {
-        self.collectives.iter().position(|&(c, _, _)| c == n)
+        self.issues.get(n).copied().flatten()
     }
 
     /// Makes the side stream wait for what `main` has enqueued, returns it to launch on.
@@ -80,11 +97,23 @@ impl SideStream {
     /// # Safety
     /// As [`SideStream::fork`].
     pub unsafe fn join(&self, main: sys::CUstream, n: usize, range: &std::ops::Range<usize>) -> Result<()> {
-        for &(c, j, ev) in &self.collectives {
-            let due = if n == range.end { j >= n } else { j == n };
-            if range.contains(&c) && due {
-                unsafe { drv::stream::wait_event(main, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                    .map_err(|e| err("cuStreamWaitEvent (joining a collective)", e))?;
+        let wait = |ev: sys::CUevent| {
+            unsafe { drv::stream::wait_event(main, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(|e| err("cuStreamWaitEvent (joining a collective)", e))
+        };
+        if n == range.end {
+            // Once a range: every collective of it still beside the step.
+            for &(c, j, ev) in &self.collectives {
+                if range.contains(&c) && j >= n {
+                    wait(ev)?;
+                }
+            }
+            return Ok(());
+        }
+        for &k in self.joins.get(n).map_or(&[][..], Vec::as_slice) {
+            let (c, _, ev) = self.collectives[k];
+            if range.contains(&c) {
+                wait(ev)?;
             }
         }
         Ok(())

@@ -193,20 +193,6 @@ impl Loader {
         Batch { batch, seq: self.seq, tokens, targets }
     }
 
-    /// Rank `rank`'s share of the next global batch of a data-parallel run of `world` ranks:
-    /// the global batch is the next `world * batch` windows, exactly as one process would take
-    /// them with `next_batch(world * batch)`, and rank `r` keeps rows `r * batch ..` of it. So
-    /// the ranks together see what one GPU would at the same global batch, and the state (a
-    /// global cursor) resumes on any number of ranks.
-    pub fn next_rank_batch(&mut self, batch: usize, rank: usize, world: usize) -> Result<Batch> {
-        if rank >= world {
-            return Err(ModelError::Usage(format!("data for rank {rank} of a run of {world} ranks")));
-        }
-        let global = self.next_batch(batch * world);
-        let rows = |v: &[i64]| v[rank * batch * self.seq..(rank + 1) * batch * self.seq].to_vec();
-        Ok(Batch { batch, seq: self.seq, tokens: rows(&global.tokens), targets: rows(&global.targets) })
-    }
-
     /// The position, to save.
     pub fn state(&self) -> LoaderState {
         self.state
@@ -397,7 +383,7 @@ mod tests {
         for _ in 0..4 {
             let want = one.next_batch(2 * 3);
             let parts: Vec<Batch> =
-                ranks.iter_mut().enumerate().map(|(r, l)| l.next_rank_batch(3, r, 2).unwrap()).collect();
+                ranks.iter_mut().enumerate().map(|(r, l)| l.next_batch(3 * 2).rank_rows(r, 2).unwrap()).collect();
             assert!(parts.iter().all(|b| b.batch == 3 && b.tokens.len() == 12));
             assert_eq!(parts.iter().flat_map(|b| b.tokens.clone()).collect::<Vec<_>>(), want.tokens);
             assert_eq!(parts.iter().flat_map(|b| b.targets.clone()).collect::<Vec<_>>(), want.targets);
@@ -408,11 +394,16 @@ mod tests {
         let want = one.next_batch(3 * 2);
         let mut three: Vec<Loader> = (0..3).map(|_| Loader::new(s.clone(), 4, 7, "d").unwrap()).collect();
         three.iter_mut().for_each(|l| l.restore(saved).unwrap());
-        let got: Vec<i64> =
-            three.iter_mut().enumerate().flat_map(|(r, l)| l.next_rank_batch(2, r, 3).unwrap().tokens).collect();
+        let got: Vec<i64> = three
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(r, l)| l.next_batch(2 * 3).rank_rows(r, 3).unwrap().tokens)
+            .collect();
         assert_eq!(got, want.tokens);
-        let e = three[0].next_rank_batch(2, 3, 3).unwrap_err().to_string();
+        let e = three[0].next_batch(6).rank_rows(3, 3).unwrap_err().to_string();
         assert!(e.contains("rank 3 of a run of 3 ranks"), "{e}");
+        let e = three[0].next_batch(4).rank_rows(0, 3).unwrap_err().to_string();
+        assert!(e.contains("a batch of 4 rows"), "{e}");
     }
 
     /// The test sentence as a byte-level token stream.
