@@ -9,8 +9,9 @@
 //! runs for a plain matmul; on the H200 it was 12% faster than every cuBLASLt candidate on
 //! seed-llama's 3200x3200x2048 weight gradient), once with no workspace and once with the
 //! capped workspace; and, for a few rows against a transposed `b` (decoding's `x w^T`, M at most
-//! 16), rumble's own kernel (`kernels/gemv.cu`, [`gemv_rows`]), which reads each weight row once
-//! for every row of `x`. Each candidate is timed on scratch buffers and the fastest kept if it beats
+//! 16), rumble's own kernels (`kernels/gemv.cu`, [`gemv_kernels`]: a block of rows sharing
+//! `x`'s loads, or a warp per row or two with many loads in flight), which read each weight row
+//! once for every row of `x`. Each candidate is timed on scratch buffers and the fastest kept if it beats
 //! the heuristic's first choice by more than 2% (`RUMBLE_MATMUL_TUNE=0`: the first choice,
 //! untimed; `RUMBLE_MATMUL_CLASSIC=0`: cuBLASLt only). The choice is written to the disk cache
 //! (beside the compiled kernels, per GPU and cuBLASLt version), so later runs use the same
@@ -82,10 +83,20 @@ pub(crate) enum Algo {
     /// cuBLAS's classic `cublasGemmStridedBatchedEx` with its own heuristic, given the plan's
     /// workspace (which steers that heuristic: 0 rules out split-K).
     Classic,
-    /// rumble's own kernel for a few rows against a transposed `b` (`kernels/gemv.cu`,
-    /// [`gemv_kernel`]), looked up once with the plan: decoding's matmuls. A candidate where
+    /// rumble's own kernels for a few rows against a transposed `b` (`kernels/gemv.cu`,
+    /// [`gemv_kernels`]), looked up once with the plan: decoding's matmuls. Candidates where
     /// [`gemv_rows`] allows.
-    Gemv(crate::compile::Func),
+    Gemv(GemvKernel),
+}
+
+/// One of `kernels/gemv.cu`'s kernels for a shape, with its launch shape: `rows` weight rows a
+/// block of `threads` threads.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvKernel {
+    pub func: crate::compile::Func,
+    pub name: &'static str,
+    pub rows: u32,
+    pub threads: u32,
 }
 
 /// The row bucket of `gemv.cu`'s kernel for `key`, where it applies: one batch, M at most 16,
@@ -102,12 +113,21 @@ pub fn gemv_rows(key: &MatmulKey) -> Option<usize> {
     [1, 4, 8, 16].into_iter().find(|&b| key.m <= b as u64)
 }
 
-/// `gemv.cu`'s kernel for `key` (`gemv_tn_<dtype>_<out>_<rows>`), compiled as every fixed
-/// kernel file is (so the carried kernel cache holds it).
-pub fn gemv_kernel(dev: &Device, key: &MatmulKey) -> Result<crate::compile::Func> {
+/// `gemv.cu`'s kernels for `key`, every way of splitting the work that its row bucket has
+/// (`gemv_tn_<dtype>_<out>_<rows>`: a block of 8 warps owns 4 weight rows; `gemv_wr<R>_...`, for
+/// buckets of 1 and 4 rows: a warp owns R weight rows, 4 warps a block), compiled as every fixed
+/// kernel file is (so the carried kernel cache holds them).
+pub fn gemv_kernels(dev: &Device, key: &MatmulKey) -> Result<Vec<GemvKernel>> {
     let mm = gemv_rows(key).ok_or_else(|| CudaError::usage(format!("no gemv kernel for matmul {key:?}")))?;
-    let name = format!("gemv_tn_{}_{}_{mm}", key.dtype.name(), key.out.name());
-    crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name)
+    let (t, o) = (key.dtype.name(), key.out.name());
+    let get = |name: String| crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name);
+    let mut out = vec![GemvKernel { func: get(format!("gemv_tn_{t}_{o}_{mm}"))?, name: "gemv", rows: 4, threads: 256 }];
+    if mm <= 4 {
+        for (r, name) in [(1, "gemv-warp1"), (2, "gemv-warp2")] {
+            out.push(GemvKernel { func: get(format!("gemv_wr{r}_{t}_{o}_{mm}"))?, name, rows: 4 * r, threads: 128 });
+        }
+    }
+    Ok(out)
 }
 
 /// One algorithm to time: how it runs and the workspace bytes it needs.
@@ -306,10 +326,10 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
     };
     let mut cands: Vec<Candidate> =
         heur.iter().map(|h| Candidate { algo: Algo::Lt(h.algo), workspace: h.workspaceSize }).collect();
-    // rumble's kernel for a few rows (last: remembered choices keep their indices).
+    // rumble's kernels for a few rows (last: remembered choices keep their indices).
     let gemv = match gemv_rows(key) {
-        Some(_) => Some(Candidate { algo: Algo::Gemv(gemv_kernel(dev, key)?), workspace: 0 }),
-        None => None,
+        Some(_) => gemv_kernels(dev, key)?,
+        None => Vec::new(),
     };
     // Classic cuBLAS too, unless `RUMBLE_MATMUL_CLASSIC=0`.
     if knobs.matmul_classic && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
@@ -318,7 +338,7 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             cands.push(Candidate { algo: Algo::Classic, workspace: ws as usize });
         }
     }
-    cands.extend(gemv);
+    cands.extend(gemv.into_iter().map(|g| Candidate { algo: Algo::Gemv(g), workspace: 0 }));
     let mut plan = Plan {
         desc,
         a: x,
@@ -421,7 +441,7 @@ impl Device {
         Ok(match cache.plans[key].algo {
             Algo::Lt(_) => "cublasLt",
             Algo::Classic => "cublas",
-            Algo::Gemv(_) => "gemv",
+            Algo::Gemv(g) => g.name,
         })
     }
 
@@ -437,8 +457,8 @@ impl Device {
         [a, b, c, d, ws]: [dsys::CUdeviceptr; 5],
         beta: f64,
     ) -> Result<()> {
-        if let Algo::Gemv(func) = p.algo {
-            return unsafe { self.launch_gemv(key, func, [a, b, c, d], beta) };
+        if let Algo::Gemv(g) = p.algo {
+            return unsafe { self.launch_gemv(key, &g, [a, b, c, d], beta) };
         }
         let reads_c = beta != 0.0 && c != d;
         let scalars = Scalars::new(beta);
@@ -482,31 +502,36 @@ impl Device {
         })
     }
 
-    /// `d = a b^T + beta * c` through `func`, `kernels/gemv.cu`'s kernel for `key`
-    /// ([`gemv_kernel`]): what the matmul of `key` runs where the tuner picked it; public for the
-    /// GPU tests, which compare it with the CPU whatever the tuner picks.
+    /// `d = a b^T + beta * c` through `g`, one of `kernels/gemv.cu`'s kernels for `key`
+    /// ([`gemv_kernels`]): what the matmul of `key` runs where the tuner picked it; public for
+    /// the GPU tests, which compare each with the CPU whatever the tuner picks.
     ///
     /// # Safety
     /// As [`Device::matmul`].
     pub unsafe fn launch_gemv(
         &self,
         key: &MatmulKey,
-        func: crate::compile::Func,
+        g: &GemvKernel,
         [a, b, c, d]: [dsys::CUdeviceptr; 4],
         beta: f64,
     ) -> Result<()> {
-        // GEMV_ROWS weight rows a block of GEMV_WARPS * 32 threads (kernels/gemv.cu).
-        let (rows, threads) = (4u64, 256u32);
-        let grid =
-            u32::try_from(key.n.div_ceil(rows)).map_err(|_| CudaError::usage(format!("gemv grid of {key:?}")))?;
+        let grid = u32::try_from(key.n.div_ceil(g.rows as u64))
+            .map_err(|_| CudaError::usage(format!("gemv grid of {key:?}")))?;
         let mut words: [u64; 8] = [a, b, c, d, key.m, key.n, key.k, (beta as f32).to_bits() as u64];
         let mut ptrs: [*mut c_void; 8] = std::array::from_fn(|i| &mut words[i] as *mut u64 as *mut c_void);
         unsafe {
-            cudarc::driver::result::launch_kernel(func.0, (grid, 1, 1), (threads, 1, 1), 0, self.stream(), &mut ptrs)
+            cudarc::driver::result::launch_kernel(
+                g.func.0,
+                (grid, 1, 1),
+                (g.threads, 1, 1),
+                0,
+                self.stream(),
+                &mut ptrs,
+            )
         }
         .map_err(|e| CudaError::Launch {
             op: "matmul".into(),
-            kernel: format!("gemv for {key:?}"),
+            kernel: format!("{} for {key:?}", g.name),
             err: crate::error::describe(&e),
         })
     }

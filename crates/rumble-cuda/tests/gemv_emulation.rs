@@ -1,7 +1,8 @@
-//! `gemv_tn` (src/kernels/gemv.cu, decoding's matmuls) on the CPU emulator of tests/flash_emu/
-//! against the product in double precision: each row bucket (M of 1 to 16), bf16 operands
-//! giving bf16 or f32 and f32 operands, ragged N (a block's last rows absent) and K (a warp with
-//! no chunk), an addend read beside the result or in place, and a misaligned operand (the
+//! `gemv_tn` and `gemv_wr` (src/kernels/gemv.cu, decoding's matmuls) on the CPU emulator of
+//! tests/flash_emu/ against the product in double precision: each row bucket (M of 1 to 16,
+//! `gemv_wr` at most 4) and each rows-a-warp of `gemv_wr`, K ending in and past an unrolled
+//! group of chunks, bf16 operands giving bf16 or f32 and f32 operands, ragged N (a block's last
+//! rows absent) and K (a warp with no chunk), an addend read beside the result or in place, and a misaligned operand (the
 //! element-by-element path). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
 
 mod common;
@@ -17,7 +18,7 @@ fn gemv_matches_the_exact_product_on_the_cpu_emulator() {
     let marks = ["// Matrix times a few vectors", "#define GEMV("];
     let bin = common::build_emulator(&here, &dir, &src, marks, "gemv.cuh", "gemv_main.cpp");
     // dtype, out, m, n, k, beta, in place, misaligned
-    let cases: [[&str; 8]; 9] = [
+    let cases: [[&str; 8]; 12] = [
         ["bf16", "bf16", "1", "37", "2048", "0", "0", "0"],
         ["bf16", "bf16", "1", "64", "512", "1", "1", "0"],
         ["bf16", "f32", "3", "21", "1000", "1", "0", "0"],
@@ -27,6 +28,9 @@ fn gemv_matches_the_exact_product_on_the_cpu_emulator() {
         ["f32", "f32", "2", "30", "777", "1", "1", "0"],
         ["f32", "f32", "16", "8", "4096", "0", "0", "0"],
         ["f32", "f32", "1", "5", "64", "0", "0", "1"],
+        ["bf16", "bf16", "1", "515", "8192", "0", "0", "0"],
+        ["bf16", "bf16", "4", "77", "1544", "1", "1", "0"],
+        ["bf16", "f32", "2", "9", "4104", "1", "0", "0"],
     ];
     for args in cases {
         let out = Command::new(&bin).args(args).output().expect("running the emulator");

@@ -509,19 +509,22 @@ fn classic_cublas_matmul_matches_cpu() {
     }
 }
 
-/// `kernels/gemv.cu` (decoding's matmuls, where the tuner finds it faster than cuBLASLt) against
-/// the CPU, whatever the tuner picks: each row bucket, bf16 giving bf16 or f32 and f32, ragged
-/// N and K, an addend beside the result or in place.
+/// `kernels/gemv.cu` (decoding's matmuls, where the tuner finds one faster than cuBLASLt)
+/// against the CPU, every kernel of each shape whatever the tuner picks: each row bucket, bf16
+/// giving bf16 or f32 and f32, ragged N and K (a warp's chunks past an unrolled group), an
+/// addend beside the result or in place.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gemv_matches_cpu() {
-    use rumble_cuda::matmul::{MatmulKey, gemv_kernel};
+    use rumble_cuda::matmul::{MatmulKey, gemv_kernels};
     use rumble_cuda::memory::{DeviceBuffer, download};
     let dev = gpu();
     let mut rng = Rng::new(21);
     for (dtype, out, m, n, k, beta, in_place) in [
         (DType::BF16, DType::BF16, 1, 2048, 2048, 0.0, false),
         (DType::BF16, DType::BF16, 1, 1000, 2056, 1.0, true),
+        (DType::BF16, DType::BF16, 1, 515, 8192, 0.0, false),
+        (DType::BF16, DType::BF16, 4, 77, 1544, 1.0, true),
         (DType::BF16, DType::F32, 3, 517, 896, 1.0, false),
         (DType::BF16, DType::BF16, 16, 130, 4096, 0.0, false),
         (DType::F32, DType::F32, 7, 33, 1001, 1.0, true),
@@ -534,20 +537,25 @@ fn gemv_matches_cpu() {
             .map(|e| (0..k).map(|q| af[(e / n) * k + q] * bf[(e % n) * k + q]).sum::<f64>() + beta * cf[e])
             .collect();
         let key = MatmulKey { out, ..MatmulKey::new(&a.ty, &b.ty, false, true) };
-        let func = gemv_kernel(&dev, &key).unwrap();
+        let kernels = gemv_kernels(&dev, &key).unwrap();
         let buf = |h: &HostTensor| {
             let d = DeviceBuffer::new(&dev, h.bytes.len(), "gemv test").unwrap();
             d.upload(&dev, 0, &h.bytes).unwrap();
             d
         };
-        let (da, db, dc) = (buf(&a), buf(&b), buf(&c));
-        let dd = if in_place { None } else { Some(DeviceBuffer::new(&dev, c.bytes.len(), "gemv test").unwrap()) };
-        let d_ptr = dd.as_ref().map_or(dc.ptr, |d| d.ptr);
-        unsafe { dev.launch_gemv(&key, func, [da.ptr, db.ptr, dc.ptr, d_ptr], beta) }.unwrap();
-        let got =
-            HostTensor { ty: TensorType::new(out, vec![m, n]), bytes: download(&dev, d_ptr, c.bytes.len()).unwrap() };
-        let want = HostTensor::from_f64(out, &[m, n], &want).unwrap();
-        let (rel, _) = compare(&got, &want, tolerance(out)).unwrap_or_else(|e| panic!("gemv {key:?}: {e}"));
-        println!("gemv {dtype} -> {out} M{m} N{n} K{k} beta {beta} in place {in_place}: rel {rel:.2e}");
+        for g in &kernels {
+            let (da, db, dc) = (buf(&a), buf(&b), buf(&c));
+            let dd = if in_place { None } else { Some(DeviceBuffer::new(&dev, c.bytes.len(), "gemv test").unwrap()) };
+            let d_ptr = dd.as_ref().map_or(dc.ptr, |d| d.ptr);
+            unsafe { dev.launch_gemv(&key, g, [da.ptr, db.ptr, dc.ptr, d_ptr], beta) }.unwrap();
+            let got = HostTensor {
+                ty: TensorType::new(out, vec![m, n]),
+                bytes: download(&dev, d_ptr, c.bytes.len()).unwrap(),
+            };
+            let want = HostTensor::from_f64(out, &[m, n], &want).unwrap();
+            let (rel, _) = compare(&got, &want, tolerance(out)).unwrap_or_else(|e| panic!("{} {key:?}: {e}", g.name));
+            println!("{} {dtype} -> {out} M{m} N{n} K{k} beta {beta} in place {in_place}: rel {rel:.2e}", g.name);
+        }
+        assert_eq!(kernels.len(), if m <= 4 { 3 } else { 1 }, "gemv kernels of {key:?}");
     }
 }

@@ -1,16 +1,24 @@
 // Matrix times a few vectors, for the matmuls of decoding (M = the batch, at most GEMV_MAX_M):
 // d[m][n] = sum_k a[m][k] b[n][k] (+ beta c[m][n]), a [M, K] and b [N, K] row-major (b read
-// transposed: the linear layers' [out, in] weights), f32 accumulation, one rounding to O.
-// A block of GEMV_WARPS warps owns GEMV_ROWS neighbouring rows n. Lane l of warp w takes the
-// 16-byte chunks w * 32 + l, + GEMV_WARPS * 32, ... of those rows' K (each b chunk is used for
-// every m, each a chunk for every row), the warp sums its lanes (butterfly), and the block adds
-// its warps' sums in warp order: the order depends only on the shapes. Where K or a pointer
-// does not allow 16-byte loads, element by element in the same pattern. c may be d (the
-// addend in place): each output is read before it is written, by the same thread. The matmul
-// tuner (matmul_tune.rs) times this kernel beside cuBLASLt's algorithms and keeps the faster.
+// transposed: the linear layers' [out, in] weights), f32 accumulation, one rounding to O. Two
+// ways to split the work, each a candidate the matmul tuner (matmul_tune.rs) times beside
+// cuBLASLt's algorithms, keeping the fastest for the shape:
+// - gemv_tn: a block of GEMV_WARPS warps owns GEMV_ROWS neighbouring rows n. Lane l of warp w
+//   takes the 16-byte chunks w * 32 + l, + GEMV_WARPS * 32, ... of those rows' K (each b chunk
+//   is used for every m, each a chunk for every row), the warp sums its lanes (butterfly), and
+//   the block adds its warps' sums in warp order. Suits short rows (K of a few chunks a lane)
+//   and the larger M buckets, where a's chunks are shared by four rows.
+// - gemv_wr: each warp owns R neighbouring rows and all of their K, no shared memory and no
+//   block barrier; a lane takes chunks l, l + 32, ... and issues GEMV_UNROLL of them for every
+//   row before using any, so that many loads are in flight. Suits long rows at M of 1 to 4.
+// In both the order of the sums depends only on the shapes. Where K or a pointer does not allow
+// 16-byte loads, element by element in the same pattern. c may be d (the addend in place):
+// each output is read before it is written, by the same thread.
 #define GEMV_MAX_M 16
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
+#define GEMV_WR_WARPS 4
+#define GEMV_UNROLL 4
 template <typename T, typename O, int MM>
 __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
                         float beta) {
@@ -79,12 +87,120 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const 
   }
 }
 
+template <typename T, typename O, int MM, int R>
+__device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
+                        float beta) {
+  constexpr int V = Vec16<T>::n, U = GEMV_UNROLL;
+  const int lane = threadIdx.x & 31;
+  const i64 n0 = ((i64)blockIdx.x * GEMV_WR_WARPS + (threadIdx.x >> 5)) * R;
+  if (n0 >= n) return;  // the whole warp
+  const bool vec = k % V == 0 && ((unsigned long long)a & 15) == 0 && ((unsigned long long)b & 15) == 0;
+  float acc[MM][R];
+#pragma unroll
+  for (int mm = 0; mm < MM; ++mm)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[mm][r] = 0.0f;
+  if (vec) {
+    const i64 chunks = k / V;
+    i64 ch = lane;
+    // Groups of U chunks a lane, every load of a group issued before the products.
+    for (; ch + 32 * (U - 1) < chunks; ch += 32 * U) {
+      float bv[U][R][V];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (n0 + r < n) {
+            ld16(b + (n0 + r) * k + (ch + 32 * u) * V, bv[u][r]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i) bv[u][r][i] = 0.0f;
+          }
+        }
+#pragma unroll
+      for (int mm = 0; mm < MM; ++mm) {
+        if (mm >= m) break;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float av[V];
+          ld16(a + mm * k + (ch + 32 * u) * V, av);
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[mm][r] += av[i] * bv[u][r][i];
+        }
+      }
+    }
+    // The rest, a chunk at a time.
+    for (; ch < chunks; ch += 32) {
+      float bv[R][V];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (n0 + r < n) {
+          ld16(b + (n0 + r) * k + ch * V, bv[r]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < V; ++i) bv[r][i] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int mm = 0; mm < MM; ++mm) {
+        if (mm >= m) break;
+        float av[V];
+        ld16(a + mm * k + ch * V, av);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[mm][r] += av[i] * bv[r][i];
+      }
+    }
+  } else {
+    for (i64 e = lane; e < k; e += 32) {
+      float bv[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) bv[r] = n0 + r < n ? ld(b[(n0 + r) * k + e]) : 0.0f;
+#pragma unroll
+      for (int mm = 0; mm < MM; ++mm) {
+        if (mm >= m) break;
+        const float av = ld(a[mm * k + e]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[mm][r] += av * bv[r];
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int mm = 0; mm < MM; ++mm)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[mm][r] += __shfl_xor_sync(0xffffffffu, acc[mm][r], o);
+  // Every lane holds every sum; lane mm * R + r writes output (mm, n0 + r).
+#pragma unroll
+  for (int mm = 0; mm < MM; ++mm)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const i64 col = n0 + r;
+      if (lane != mm * R + r || mm >= m || col >= n) continue;
+      float s = acc[mm][r];
+      if (beta != 0.0f) s += beta * ld(c[mm * n + col]);
+      st(&d[mm * n + col], s);
+    }
+}
+
 #define GEMV(T, SUF, O, OSUF, MM)                                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
       gemv_tn_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
     gemv_tn<T, O, MM>(a, b, c, d, m, n, k, beta);                                                          \
   }
-#define GEMV_ALL(T, SUF, O, OSUF) GEMV(T, SUF, O, OSUF, 1) GEMV(T, SUF, O, OSUF, 4) GEMV(T, SUF, O, OSUF, 8) GEMV(T, SUF, O, OSUF, 16)
+#define GEMV_WR(T, SUF, O, OSUF, MM, R)                                                                      \
+  extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32)                                         \
+      gemv_wr##R##_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+    gemv_wr<T, O, MM, R>(a, b, c, d, m, n, k, beta);                                                       \
+  }
+#define GEMV_ALL(T, SUF, O, OSUF)                                                                          \
+  GEMV(T, SUF, O, OSUF, 1) GEMV(T, SUF, O, OSUF, 4) GEMV(T, SUF, O, OSUF, 8) GEMV(T, SUF, O, OSUF, 16)    \
+  GEMV_WR(T, SUF, O, OSUF, 1, 1) GEMV_WR(T, SUF, O, OSUF, 1, 2) GEMV_WR(T, SUF, O, OSUF, 4, 1)           \
+  GEMV_WR(T, SUF, O, OSUF, 4, 2)
 GEMV_ALL(bf16, bf16, bf16, bf16)
 GEMV_ALL(bf16, bf16, float, f32)
 GEMV_ALL(f16, f16, f16, f16)
