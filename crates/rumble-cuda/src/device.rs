@@ -41,6 +41,9 @@ pub struct Device {
     host_ops: Mutex<Vec<String>>,
     /// The environment's settings ([`crate::knobs::process`] at start, [`Device::set_knobs`] later).
     knobs: Mutex<Knobs>,
+    /// Whether rumble's kernels launch with programmatic dependent launch: `Knobs::pdl` on a
+    /// device of compute capability 9.0 or later (read at every launch, so not under the lock).
+    pdl: std::sync::atomic::AtomicBool,
 }
 
 /// A cache that a layer above keeps per device (compiled modules, matmul plans), one per type:
@@ -165,6 +168,7 @@ impl Device {
             status,
             caches: Mutex::new(Vec::new()),
             host_ops: Mutex::new(knobs.host_ops.clone()),
+            pdl: std::sync::atomic::AtomicBool::new(knobs.pdl && major >= 9),
             knobs: Mutex::new(knobs),
         })
     }
@@ -200,6 +204,7 @@ impl Device {
     /// Replaces the settings for the programs prepared from now on (e.g. a test turning the
     /// wgmma flash kernels off). Host ops stay [`Device::set_host_ops`]'s.
     pub fn set_knobs(&self, knobs: Knobs) {
+        self.pdl.store(knobs.pdl && self.capability.0 >= 9, std::sync::atomic::Ordering::Relaxed);
         if let Ok(mut k) = self.knobs.lock() {
             *k = knobs;
         }
@@ -216,6 +221,11 @@ impl Device {
     /// True if nodes of op `name` are to run on the host.
     pub fn is_host_op(&self, name: &str) -> bool {
         self.host_ops.lock().map(|h| h.iter().any(|n| n == name)).unwrap_or(false)
+    }
+
+    /// Whether rumble's kernels launch with programmatic dependent launch (`launch::kernel`).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn stream(&self) -> sys::CUstream {

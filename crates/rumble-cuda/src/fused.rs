@@ -219,6 +219,7 @@ impl Fused {
         let name = format!("ew_{:016x}", fnv1a(&[b"run8", core.as_bytes(), params.join(",").as_bytes()]));
         let src = format!(
             "{prelude}\nextern \"C\" __global__ void {name}({params}, i64 n, int* status, int tag) {{\n  \
+             pdl_enter();\n  \
              const i64 t0 = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;\n  \
              const i64 runs = ({aligned}) ? n / EW_VEC : 0;\n\
              {run_loads_def}  for (i64 r = t0; r < runs; r += stride) {{\n    const i64 i0 = r * EW_VEC;\n\
@@ -413,6 +414,13 @@ mod tests {
         let out = op.infer(&at).unwrap();
         let ot: Vec<&TensorType> = out.iter().collect();
         Fused::of_op(&op, &at, &ot).unwrap()
+    }
+
+    #[test]
+    fn generated_kernels_open_with_pdl_enter() {
+        let t = TensorType::new(DType::BF16, [4, 6]);
+        let (src, _) = one(Op::Binary(BinaryOp::Mul), &[t.clone(), t]).source("").unwrap();
+        assert!(crate::kernels::kernels_without_pdl_enter(&src).is_empty(), "{src}");
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub struct Knobs {
     pub matmul_classic: bool,
     /// `RUMBLE_MATMUL_TUNE=0`: take cuBLASLt's first heuristic instead of timing candidates.
     pub matmul_tune: bool,
+    /// `RUMBLE_PDL=0`: rumble's kernels launch plainly, each after the one before it has
+    /// finished, instead of with programmatic dependent launch (sm_90 on; `launch::kernel`).
+    pub pdl: bool,
 }
 
 impl Default for Knobs {
@@ -62,13 +65,14 @@ impl Default for Knobs {
             matmul_candidates: None,
             matmul_classic: true,
             matmul_tune: true,
+            pdl: true,
         }
     }
 }
 
 /// Every `RUMBLE_*` variable [`Knobs::from_env`] reads (ARCHITECTURE.md's table lists these
 /// and the ones tests and benches read).
-pub const VARIABLES: [&str; 12] = [
+pub const VARIABLES: [&str; 13] = [
     "RUMBLE_ATTENTION",
     "RUMBLE_FLASH_WG",
     "RUMBLE_FLASH_SPLIT",
@@ -81,6 +85,7 @@ pub const VARIABLES: [&str; 12] = [
     "RUMBLE_MATMUL_CANDIDATES",
     "RUMBLE_MATMUL_CLASSIC",
     "RUMBLE_MATMUL_TUNE",
+    "RUMBLE_PDL",
 ];
 
 fn default_cache() -> Option<PathBuf> {
@@ -138,6 +143,7 @@ impl Knobs {
         k.matmul_candidates = count("RUMBLE_MATMUL_CANDIDATES", 1)?;
         k.matmul_classic = switch("RUMBLE_MATMUL_CLASSIC")?.unwrap_or(true);
         k.matmul_tune = switch("RUMBLE_MATMUL_TUNE")?.unwrap_or(true);
+        k.pdl = switch("RUMBLE_PDL")?.unwrap_or(true);
         Ok(k)
     }
 
@@ -165,7 +171,7 @@ mod tests {
     fn unset_variables_give_the_defaults() {
         assert_eq!(with(&[]).unwrap(), Knobs::default());
         let k = Knobs::default();
-        assert!(k.flash_wgmma && !k.attention_naive && !k.tf32 && k.matmul_tune && k.flash_split.is_none());
+        assert!(k.flash_wgmma && !k.attention_naive && !k.tf32 && k.matmul_tune && k.pdl && k.flash_split.is_none());
     }
 
     #[test]
@@ -178,9 +184,10 @@ mod tests {
             ("RUMBLE_CUDA_CACHE", "off"),
             ("RUMBLE_HOST_OPS", "rms_norm, rope,"),
             ("RUMBLE_MATMUL_CANDIDATES", "4"),
+            ("RUMBLE_PDL", "0"),
         ])
         .unwrap();
-        assert!(k.attention_naive && !k.flash_wgmma && k.tf32);
+        assert!(k.attention_naive && !k.flash_wgmma && k.tf32 && !k.pdl);
         assert_eq!((k.flash_split, k.cache, k.matmul_candidates), (Some(3), None, Some(4)));
         assert_eq!(k.host_ops, ["rms_norm", "rope"]);
         assert_eq!(with(&[("RUMBLE_CUDA_CACHE", "/tmp/k")]).unwrap().cache, Some(PathBuf::from("/tmp/k")));

@@ -99,6 +99,48 @@ pub enum Step {
     },
 }
 
+/// Launches `func` on `stream`. With `pdl` (`Device::pdl`: sm_90 on, `RUMBLE_PDL` not 0) the
+/// launch is a programmatic dependent launch: the kernel's blocks may be scheduled before the
+/// kernel ahead of it in the stream has finished (once that kernel's blocks have all started,
+/// or at once after a library kernel), overlapping its launch with the other's tail. That is
+/// safe because every kernel rumble compiles opens with `pdl_enter()` (`kernels/prelude.cuh`),
+/// which waits there until the kernel ahead has finished and its writes are visible; a test
+/// (`tests/compile.rs`) checks that every kernel source does. Stream capture keeps the relation
+/// as a programmatic edge of the graph.
+///
+/// # Safety
+/// As `cuLaunchKernel`: `params` must match the kernel's parameters.
+pub(crate) unsafe fn kernel(
+    func: &Func,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    smem: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+    pdl: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    if !pdl {
+        return unsafe { drv::launch_kernel(func.0, grid, block, smem, stream, params) };
+    }
+    // SAFETY: an all-zero attribute is a valid value of the C union; its id and value are set next.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    unsafe { sys::cuLaunchKernelEx(&config, func.0, params.as_mut_ptr(), std::ptr::null_mut()) }.result()
+}
+
 /// The device address an address-valued [`Arg`] names.
 fn addr(a: &Arg, b: &Buffers) -> Result<sys::CUdeviceptr> {
     Ok(match a {
@@ -244,7 +286,7 @@ impl Recipe {
                         });
                     }
                     let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();
-                    unsafe { drv::launch_kernel(func.0, *grid, (*block, 1, 1), *smem, stream, &mut ptrs) }.map_err(
+                    unsafe { kernel(func, *grid, (*block, 1, 1), *smem, stream, &mut ptrs, dev.pdl()) }.map_err(
                         |e| CudaError::Launch {
                             op: self.op.to_string(),
                             kernel: name.clone(),

@@ -520,14 +520,7 @@ impl Device {
         let mut words: [u64; 8] = [a, b, c, d, key.m, key.n, key.k, (beta as f32).to_bits() as u64];
         let mut ptrs: [*mut c_void; 8] = std::array::from_fn(|i| &mut words[i] as *mut u64 as *mut c_void);
         unsafe {
-            cudarc::driver::result::launch_kernel(
-                g.func.0,
-                (grid, 1, 1),
-                (g.threads, 1, 1),
-                0,
-                self.stream(),
-                &mut ptrs,
-            )
+            crate::launch::kernel(&g.func, (grid, 1, 1), (g.threads, 1, 1), 0, self.stream(), &mut ptrs, self.pdl())
         }
         .map_err(|e| CudaError::Launch {
             op: "matmul".into(),

@@ -231,16 +231,19 @@ __device__ void attn_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, 
 #define ATTN(T, SUF)                                                                                           \
   extern "C" __global__ void attention_##SUF(const T* q, const T* k, const T* v, T* o, Acc<T>::t* lse, AttnDims dm, \
                                              double scale, int causal) {                                       \
+    pdl_enter();                                                                                               \
     attn_fwd<T>(q, k, v, o, lse, dm, scale, causal);                                                           \
   }                                                                                                            \
   extern "C" __global__ void attention_backward_dq_##SUF(const T* q, const T* k, const T* v, const T* o,        \
                                                          const Acc<T>::t* lse, const T* dout, T* dq, double* delta, \
                                                          AttnDims dm, double scale, int causal) {              \
+    pdl_enter();                                                                                               \
     attn_bwd_dq<T>(q, k, v, o, lse, dout, dq, delta, dm, scale, causal);                                       \
   }                                                                                                            \
   extern "C" __global__ void attention_backward_dkdv_##SUF(const T* q, const T* k, const T* v, const Acc<T>::t* lse, \
                                                            const T* dout, const double* delta, T* dk, T* dv,    \
                                                            AttnDims dm, double scale, int causal) {            \
+    pdl_enter();                                                                                               \
     attn_bwd_dkdv<T>(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal);                                    \
   }
 ATTN(float, f32)

@@ -374,24 +374,29 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
 #define DECODE(T, SUF)                                                                                          \
   extern "C" __global__ void rope_at_##SUF(const T* x, const i64* pos, T* y, i64 rows, i64 n1, i64 n2,         \
                                            int seq_first, i64 d, RopeFreqs f) {                                 \
+    pdl_enter();                                                                                                \
     rope_at<T>(x, pos, y, rows, n1, n2, seq_first, d, f);                                                       \
   }                                                                                                             \
   extern "C" __global__ void cache_write_##SUF(T* cache, const T* nw, const i64* pos, i64 b_len, i64 s,         \
                                                i64 t_len, i64 r, int* status, int tag) {                        \
+    pdl_enter();                                                                                                \
     cache_write<T>(cache, nw, pos, b_len, s, t_len, r, status, tag);                                            \
   }                                                                                                             \
   extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
                                                     float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \
                                                     i64 d, i64 gh, i64 gt, i64 splits, i64 chunk,               \
                                                     double scale) {                                             \
+    pdl_enter();                                                                                                \
     attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale);         \
   }                                                                                                             \
   extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \
                                                             i64 splits) {                                       \
+    pdl_enter();                                                                                                \
     attention_cached_combine<T>(part, ml, o, d, splits);                                                        \
   }                                                                                                             \
   extern "C" __global__ void sample_##SUF(const T* x, const i64* key, i64* ids, i64 v, double temperature,      \
                                           i64 top_k, double top_p) {                                            \
+    pdl_enter();                                                                                                \
     sample<T>(x, key, ids, v, temperature, top_k, top_p);                                                       \
   }
 DECODE(float, f32)

@@ -648,6 +648,7 @@ __device__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T
 extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS) flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v,
                                                                        fa::T* o, float* lse, fa::Dims dm, double scale,
                                                                        int causal) {
+  pdl_enter();
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1, [&](i64 blk) {
     if (scale < 0)
       fa::fwd<true>(q, k, v, o, lse, dm, scale, causal, blk, nullptr);
@@ -661,6 +662,7 @@ extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS) flash_fwd(const fa:
 extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS)
     flash_fwd_cached(const fa::T* q, const fa::T* k, const fa::T* v, const i64* pos, fa::T* o, float* lse, fa::Dims dm,
                      double scale) {
+  pdl_enter();
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1, [&](i64 blk) {
     if (scale < 0)
       fa::fwd<true>(q, k, v, o, lse, dm, scale, 1, blk, pos);
@@ -671,12 +673,14 @@ extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS)
 #endif
 extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_delta(const fa::T* o, const fa::T* dout, float* delta,
                                                                          fa::Dims dm) {
+  pdl_enter();
   fa::bwd_delta(o, dout, delta, dm);
 }
 extern "C" __global__ void __launch_bounds__(FA_DKDV_THREADS)
     flash_bwd_dkdv(const fa::T* q, const fa::T* k, const fa::T* v, const float* lse, const fa::T* dout,
                    const float* delta, fa::T* dk, fa::T* dv, float* part, int nsplit, fa::Dims dm, double scale,
                    int causal) {
+  pdl_enter();
   fa::each_block((dm.s + fa::BK - 1) / fa::BK, fa::NCHUNK, [&](i64 blk) {
     fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, part, nsplit, dm, scale, causal, blk);
   });
@@ -686,6 +690,7 @@ extern "C" __global__ void __launch_bounds__(FA_DKDV_THREADS)
 // aligned and each plane a multiple of 4 elements).
 extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkdv_sum(const float* part, fa::T* dk, fa::T* dv,
                                                                         fa::Dims dm, int nsplit) {
+  pdl_enter();
   const i64 d = dm.d, plane = dm.b * dm.hkv * dm.s * d;
   const int W = d % 4 == 0 ? 4 : 1;
   for (i64 e = ((i64)blockIdx.x * fa::NT + threadIdx.x) * W; e < plane; e += (i64)gridDim.x * fa::NT * W) {
@@ -712,6 +717,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkdv_sum(cons
 extern "C" __global__ void __launch_bounds__(FA_DQ_THREADS)
     flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v, const float* lse, const fa::T* dout,
                  const float* delta, fa::T* dq, fa::Dims dm, double scale, int causal) {
+  pdl_enter();
   fa::each_block((dm.t + fa::BR - 1) / fa::BR, 1, [&](i64 blk) {
     fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal, blk);
   });

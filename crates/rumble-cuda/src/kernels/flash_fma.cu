@@ -470,21 +470,25 @@ __device__ void bwd_dq(const float* __restrict__ q, const float* __restrict__ k,
 
 extern "C" __global__ void FA_BOUNDS flash_fwd(const float* q, const float* k, const float* v, float* o, float* lse,
                                                fa::Dims dm, double scale, int causal) {
+  pdl_enter();
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
                  [&](i64 blk) { fa::fwd(q, k, v, o, lse, dm, scale, causal, blk); });
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_delta(const float* o, const float* dout, float* delta, fa::Dims dm) {
+  pdl_enter();
   fa::bwd_delta(o, dout, delta, dm);
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_dkdv(const float* q, const float* k, const float* v, const float* lse,
                                                     const float* dout, const float* delta, float* dk, float* dv,
                                                     fa::Dims dm, double scale, int causal) {
+  pdl_enter();
   fa::each_block((dm.s + fa::BK - 1) / fa::BK, fa::NCH,
                  [&](i64 blk) { fa::bwd_dkdv(q, k, v, lse, dout, delta, dk, dv, dm, scale, causal, blk); });
 }
 extern "C" __global__ void FA_BOUNDS flash_bwd_dq(const float* q, const float* k, const float* v, const float* lse,
                                                   const float* dout, const float* delta, float* dq, fa::Dims dm,
                                                   double scale, int causal) {
+  pdl_enter();
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
                  [&](i64 blk) { fa::bwd_dq(q, k, v, lse, dout, delta, dq, dm, scale, causal, blk); });
 }

@@ -373,6 +373,7 @@ __device__ __forceinline__ void bwd_dq_wg(const T* __restrict__ q, const T* __re
 extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS, 2)
     flash_fwd(const fa::T* q, const fa::T* k, const fa::T* v, fa::T* o, float* lse, fa::Dims dm, double scale,
               int causal) {
+  pdl_enter();
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
                  [&](i64 blk) { fa::fwd_wg(q, k, v, o, lse, dm, scale, causal, blk, nullptr); });
 }
@@ -380,6 +381,7 @@ extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS, 2)
     flash_fwd_cached(const fa::T* q, const fa::T* k, const fa::T* v, const i64* pos, fa::T* o, float* lse, fa::Dims dm,
                      double scale) {
+  pdl_enter();
   fa::each_block((dm.t + fa::FBR - 1) / fa::FBR, 1,
                  [&](i64 blk) { fa::fwd_wg(q, k, v, o, lse, dm, scale, 1, blk, pos); });
 }
@@ -388,6 +390,7 @@ extern "C" __global__ void __launch_bounds__(FA_FWD_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(FA_DQ_THREADS)
     flash_bwd_dq(const fa::T* q, const fa::T* k, const fa::T* v, const float* lse, const fa::T* dout,
                  const float* delta, fa::T* dq, fa::Dims dm, double scale, int causal) {
+  pdl_enter();
   fa::each_block((dm.t + fa::BR - 1) / fa::BR, 1,
                  [&](i64 blk) { fa::bwd_dq_wg(q, k, v, lse, dout, delta, dq, dm, scale, causal, blk); });
 }

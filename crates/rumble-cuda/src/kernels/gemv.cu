@@ -190,11 +190,13 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const 
 #define GEMV(T, SUF, O, OSUF, MM)                                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
       gemv_tn_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+    pdl_enter();                                                                                                 \
     gemv_tn<T, O, MM>(a, b, c, d, m, n, k, beta);                                                          \
   }
 #define GEMV_WR(T, SUF, O, OSUF, MM, R)                                                                      \
   extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32)                                         \
       gemv_wr##R##_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+    pdl_enter();                                                                                                      \
     gemv_wr<T, O, MM, R>(a, b, c, d, m, n, k, beta);                                                       \
   }
 #define GEMV_ALL(T, SUF, O, OSUF)                                                                          \

@@ -118,10 +118,12 @@ __device__ void scatter_sum(const I* __restrict__ ids, const int* __restrict__ l
 
 #define COPY(E, SUF)                                                                                        \
   extern "C" __global__ void copy_##SUF(const E* in, E* out, Strides s, i64 n, i64 in_off, i64 out_off) {  \
+    pdl_enter();                                                                                           \
     strided_copy<E>(in, out, s, n, in_off, out_off);                                                        \
   }
 #define COPY32(E, SUF)                                                                                      \
   extern "C" __global__ void copy32_##SUF(const E* in, E* out, Strides s, i64 n, i64 in_off, i64 out_off) { \
+    pdl_enter();                                                                                            \
     strided_copy32<E>(in, out, s, n, in_off, out_off);                                                      \
   }
 COPY32(u8, 1)
@@ -136,6 +138,7 @@ COPY(unsigned long long, 8)
 #define GATHER(E, SUF, I, ISUF)                                                                             \
   extern "C" __global__ void gather_##SUF##_##ISUF(const E* t, const I* ids, E* out, i64 n, i64 rows, i64 d, \
                                                    int* status, int tag) {                                  \
+    pdl_enter();                                                                                            \
     gather<E, I>(t, ids, out, n, rows, d, status, tag);                                                     \
   }
 GATHER(unsigned short, 2, int, i32)
@@ -147,6 +150,7 @@ GATHER(unsigned long long, 8, i64, i64)
 
 #define SCATTER_LINKS(I, ISUF)                                                                            \
   extern "C" __global__ void scatter_links_##ISUF(const I* ids, int* links, i64 n, i64 rows, int* status, int tag) { \
+    pdl_enter();                                                                                                     \
     scatter_links<I>(ids, links, n, rows, status, tag);                                                      \
   }
 SCATTER_LINKS(int, i32)
@@ -155,6 +159,7 @@ SCATTER_LINKS(i64, i64)
 #define SCATTER(T, SUF, I, ISUF)                                                                          \
   extern "C" __global__ void scatter_sum_##SUF##_##ISUF(const I* ids, const int* links, const T* src, T* out, i64 n, \
                                                         i64 d) {                                          \
+    pdl_enter();                                                                                          \
     scatter_sum<T, I>(ids, links, src, out, n, d);                                                        \
   }
 SCATTER(float, f32, int, i32)

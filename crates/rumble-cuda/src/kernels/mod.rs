@@ -70,3 +70,68 @@ impl KernelFile {
         format!("{PRELUDE}\n{}", self.body())
     }
 }
+
+/// The kernels (`__global__` functions) of `src` whose body does not open with `pdl_enter();`,
+/// by the text that declares them: each would race with the kernel launched before it
+/// (`launch::kernel` launches every kernel with programmatic dependent launch on sm_90).
+pub(crate) fn kernels_without_pdl_enter(src: &str) -> Vec<String> {
+    let mut missing = Vec::new();
+    let mut from = 0;
+    while let Some(i) = src[from..].find("__global__").map(|i| i + from) {
+        from = i + "__global__".len();
+        let line = &src[src[..i].rfind('\n').map_or(0, |l| l + 1)..i];
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        // The body opens at the first `{` outside parentheses (past `__launch_bounds__(..)`
+        // and the parameter list).
+        let (mut depth, mut open, mut params) = (0i32, None, i);
+        for (j, c) in src[i..].char_indices() {
+            match c {
+                '(' => {
+                    if depth == 0 {
+                        params = i + j;
+                    }
+                    depth += 1
+                }
+                ')' => depth -= 1,
+                '{' if depth == 0 => {
+                    open = Some(i + j + 1);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let first = open.map(|o| src[o..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\'));
+        if !first.is_some_and(|f| f.starts_with("pdl_enter();")) {
+            missing.push(src[i..params].split_whitespace().last().unwrap_or("?").to_string());
+        }
+    }
+    missing
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_opens_with_pdl_enter() {
+        let mut sources: Vec<(&str, String)> = KernelFile::ALL.iter().map(|f| (f.name(), f.source())).collect();
+        for (name, text) in [("flash_attn", FLASH_ATTN), ("flash_wg", FLASH_WG), ("flash_fma", FLASH_FMA)] {
+            sources.push((name, text.to_string()));
+        }
+        let mut kernels = 0;
+        for (name, src) in &sources {
+            kernels += src.matches("__global__").count();
+            let missing = kernels_without_pdl_enter(src);
+            assert!(missing.is_empty(), "{name}: kernels without pdl_enter(): {missing:?}");
+        }
+        assert!(kernels >= 57, "{kernels} kernels found");
+        // The checker itself: a kernel without it is named, a comment is not a kernel.
+        let bad =
+            "// a __global__ kernel\nextern \"C\" __global__ void __launch_bounds__(256) k(int* x) {\n  x[0] = 1;\n}";
+        assert_eq!(kernels_without_pdl_enter(bad), ["k"]);
+        let good = "#define K \\\n  extern \"C\" __global__ void k(int* x) { \\\n    pdl_enter(); \\\n  }";
+        assert!(kernels_without_pdl_enter(good).is_empty());
+    }
+}

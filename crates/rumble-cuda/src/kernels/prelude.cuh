@@ -12,6 +12,18 @@ __device__ __forceinline__ bool nan_(float x) { return x != x; }
 __device__ __forceinline__ bool nan_(double x) { return x != x; }
 __device__ __forceinline__ bool inf_(float x) { return x == F32_INF || x == -F32_INF; }
 
+// Programmatic dependent launch (sm_90 on): every kernel's first statement. Where the launch
+// let this kernel start while the one before it in the stream still runs (launch.rs,
+// `Device::pdl`), `griddepcontrol.wait` holds the block until that kernel has finished and its
+// writes are visible, so everything after it reads and writes as if the launches were
+// serialised; `launch_dependents` then lets the next such kernel's blocks be scheduled (to
+// wait in their turn) while this one runs. On a plain launch both are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Overloads of the math the templates use (plain C names exist for each type).
 __device__ __forceinline__ float ex_(float x) { return expf(x); }
 __device__ __forceinline__ double ex_(double x) { return exp(x); }

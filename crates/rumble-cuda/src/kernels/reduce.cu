@@ -211,23 +211,28 @@ __device__ void reduce_int_max(const I* __restrict__ in, I* __restrict__ out, St
 #define REDUCE(T, SUF)                                                                                    \
   extern "C" __global__ void reduce_##SUF(const T* in, T* out, Strides kept, Strides red, i64 n_out, i64 n_red, \
                                           int mode, int contig) {                                         \
+    pdl_enter();                                                                                          \
     reduce_float<T>(in, out, kept, red, n_out, n_red, mode, contig);                                            \
   }
 #define REDUCE_SPLIT(T, SUF)                                                                              \
   extern "C" __global__ void reduce_part_##SUF(const T* in, Acc<T>::t* part, Strides kept, Strides red, i64 n_out, \
                                                i64 n_red, i64 parts, i64 chunk, int mode, int contig) {   \
+    pdl_enter();                                                                                          \
     reduce_part<T>(in, part, kept, red, n_out, n_red, parts, chunk, mode, contig);                         \
   }                                                                                                       \
   extern "C" __global__ void reduce_fin_##SUF(const Acc<T>::t* part, T* out, i64 n_out, i64 n_red, i64 parts, \
                                               int mode) {                                                 \
+    pdl_enter();                                                                                          \
     fold_parts<T>(part, out, n_out, n_red, parts, parts, 1, mode);                                        \
   }                                                                                                       \
   extern "C" __global__ void reduce_cols_part_##SUF(const T* in, Acc<T>::t* part, i64 rows, i64 cols, i64 parts, \
                                                     i64 chunk, int mode) {                                \
+    pdl_enter();                                                                                          \
     reduce_cols_part<T>(in, part, rows, cols, parts, chunk, mode);                                        \
   }                                                                                                       \
   extern "C" __global__ void reduce_cols_fin_##SUF(const Acc<T>::t* part, T* out, i64 cols, i64 n_red, i64 parts, \
                                                    int mode) {                                            \
+    pdl_enter();                                                                                          \
     reduce_cols_fin<T>(part, out, cols, n_red, parts, mode);                                              \
   }
 REDUCE_SPLIT(float, f32)
@@ -239,8 +244,10 @@ REDUCE(double, f64)
 REDUCE(bf16, bf16)
 REDUCE(f16, f16)
 extern "C" __global__ void reduce_max_i32(const int* in, int* out, Strides kept, Strides red, i64 n_out, i64 n_red) {
+  pdl_enter();
   reduce_int_max<int>(in, out, kept, red, n_out, n_red);
 }
 extern "C" __global__ void reduce_max_i64(const i64* in, i64* out, Strides kept, Strides red, i64 n_out, i64 n_red) {
+  pdl_enter();
   reduce_int_max<i64>(in, out, kept, red, n_out, n_red);
 }

@@ -509,18 +509,22 @@ __device__ void ce_split_bwd(const T* __restrict__ x, const I* __restrict__ tg, 
   extern "C" __global__ void ce_split_backward_##SUF##_##OSUF##_##ISUF(                                           \
       const T* x, const I* tg, const Acc<T>::t* lse, const Acc<T>::t* dloss, const int* count, O* dx, i64 rows,   \
       i64 v, i64 splits, i64 span, i64 ignore, int* status, int tag) {                                            \
+    pdl_enter();                                                                                                  \
     ce_split_bwd<T, I, O>(x, tg, lse, dloss, count, dx, rows, v, splits, span, ignore, status, tag);              \
   }
 #define CE_SPLIT(T, SUF, I, ISUF)                                                                                 \
   extern "C" __global__ void ce_split_rows_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* stats,        \
                                                           double* loss, int* valid, Acc<T>::t* lse, i64 rows,     \
                                                           i64 v, i64 splits, i64 ignore, int* status, int tag) {  \
+    pdl_enter();                                                                                                  \
     ce_split_rows<T, I>(x, tg, stats, loss, valid, lse, rows, v, splits, ignore, status, tag);                    \
   }
 extern "C" __global__ void ce_split_stats_f32(const float* x, float* stats, i64 rows, i64 v, i64 splits, i64 span) {
+  pdl_enter();
   ce_split_stats<float>(x, stats, rows, v, splits, span);
 }
 extern "C" __global__ void ce_split_stats_f64(const double* x, double* stats, i64 rows, i64 v, i64 splits, i64 span) {
+  pdl_enter();
   ce_split_stats<double>(x, stats, rows, v, splits, span);
 }
 CE_SPLIT(float, f32, int, i32)
@@ -538,37 +542,47 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
 
 #define ROWS(T, SUF)                                                                                            \
   extern "C" __global__ void rms_norm_##SUF(const T* x, const T* w, T* y, i64 rows, i64 d, double eps) {       \
+    pdl_enter();                                                                                               \
     rms_norm<T>(x, w, y, rows, d, eps);                                                                         \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_block_##SUF(const T* x, const T* w, T* y, i64 rows, i64 d, double eps) { \
+    pdl_enter();                                                                                               \
     rms_norm_block<T>(x, w, y, rows, d, eps);                                                                   \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dx_##SUF(const T* x, const T* w, const T* dy, T* dx,             \
                                                         Acc<T>::t* rstd, i64 rows, i64 d, double eps) {         \
+    pdl_enter();                                                                                                \
     rms_norm_bwd_dx<T, false>(x, w, dy, nullptr, dx, rstd, rows, d, eps);                                       \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dx_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,  \
                                                             T* dx, Acc<T>::t* rstd, i64 rows, i64 d, double eps) { \
+    pdl_enter();                                                                                                   \
     rms_norm_bwd_dx<T, true>(x, w, dy, add, dx, rstd, rows, d, eps);                                            \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dw_part_##SUF(const T* x, const T* dy, const Acc<T>::t* rstd,   \
                                                              Acc<T>::t* part, i64 rows, i64 d) {                \
+    pdl_enter();                                                                                                \
     rms_norm_bwd_dw_part<T>(x, dy, rstd, part, rows, d);                                                        \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dw_sum_##SUF(const Acc<T>::t* part, T* dw, i64 groups, i64 d) {  \
+    pdl_enter();                                                                                                \
     rms_norm_bwd_dw_sum<T>(part, dw, groups, d);                                                                \
   }                                                                                                             \
   extern "C" __global__ void rope_table_##SUF(typename Acc<T>::t* tab, i64 t_len, i64 d, RopeFreqs f, double sign) {  \
+    pdl_enter();                                                                                                      \
     rope_table<T>(tab, t_len, d, f, sign);                                                                          \
   }                                                                                                                 \
   extern "C" __global__ void rope_##SUF(const T* x, T* y, const typename Acc<T>::t* tab, i64 rows, i64 t_len, i64 d, \
                                         i64 per_pos) {                                                          \
+    pdl_enter();                                                                                                \
     rope<T>(x, y, tab, rows, t_len, d, per_pos);                                                                    \
   }                                                                                                             \
   extern "C" __global__ void softmax_##SUF(const T* x, T* y, i64 rows, i64 d, int log_) {                      \
+    pdl_enter();                                                                                               \
     softmax<T>(x, y, rows, d, log_);                                                                            \
   }                                                                                                             \
   extern "C" __global__ void softmax_backward_##SUF(const T* y, const T* dy, T* dx, i64 rows, i64 d, int log_) { \
+    pdl_enter();                                                                                                 \
     softmax_bwd<T>(y, dy, dx, rows, d, log_);                                                                   \
   }                                                                                                             \
   CE(T, SUF, int, i32)                                                                                          \
@@ -577,11 +591,13 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
 #define CE(T, SUF, I, ISUF)                                                                                      \
   extern "C" __global__ void cross_entropy_rows_##SUF##_##ISUF(const T* x, const I* tg, double* loss, int* valid, \
                                                                i64 rows, i64 v, i64 ignore, int* status, int tag) { \
+    pdl_enter();                                                                                                    \
     ce_rows<T, I>(x, tg, loss, valid, rows, v, ignore, status, tag);                                             \
   }                                                                                                              \
   extern "C" __global__ void cross_entropy_backward_##SUF##_##ISUF(const T* x, const I* tg, const Acc<T>::t* dloss,    \
                                                                    const int* count, T* dx, i64 rows, i64 v,     \
                                                                    i64 ignore, int* status, int tag) {           \
+    pdl_enter();                                                                                                 \
     ce_bwd<T, I>(x, tg, dloss, count, dx, rows, v, ignore, status, tag);                                         \
   }
 
@@ -591,15 +607,19 @@ ROWS(bf16, bf16)
 ROWS(f16, f16)
 
 extern "C" __global__ void cross_entropy_mean_f32(const double* loss, const int* valid, float* out, i64 rows) {
+  pdl_enter();
   ce_mean<float>(loss, valid, out, rows);
 }
 extern "C" __global__ void cross_entropy_mean_f64(const double* loss, const int* valid, double* out, i64 rows) {
+  pdl_enter();
   ce_mean<double>(loss, valid, out, rows);
 }
 extern "C" __global__ void cross_entropy_count_i32(const int* tg, int* count, i64 rows, i64 ignore) {
+  pdl_enter();
   ce_count<int>(tg, count, rows, ignore);
 }
 extern "C" __global__ void cross_entropy_count_i64(const i64* tg, int* count, i64 rows, i64 ignore) {
+  pdl_enter();
   ce_count<i64>(tg, count, rows, ignore);
 }
 
@@ -703,9 +723,11 @@ __device__ void swiglu_packed_bwd(const T* __restrict__ x, const T* __restrict__
 }
 #define GLU(T, SUF)                                                                                             \
   extern "C" __global__ void swiglu_packed_##SUF(const T* x, T* y, i64 rows, i64 f) {                          \
+    pdl_enter();                                                                                               \
     swiglu_packed<T>(x, y, rows, f);                                                                            \
   }                                                                                                             \
   extern "C" __global__ void swiglu_packed_backward_##SUF(const T* x, const T* dy, T* dx, i64 rows, i64 f) {   \
+    pdl_enter();                                                                                               \
     swiglu_packed_bwd<T>(x, dy, dx, rows, f);                                                                   \
   }
 GLU(float, f32)
