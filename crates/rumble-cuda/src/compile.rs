@@ -141,6 +141,14 @@ impl Device {
         if let Some(m) = cache.lock().map_err(|_| CudaError::usage("module cache poisoned"))?.0.get(&mkey) {
             return Ok(m.clone());
         }
+        // Every kernel is launched as a programmatic dependent launch (launch::kernel): one that
+        // does not wait for the kernel ahead of it would race with it.
+        let unguarded = crate::kernels::kernels_without_pdl_enter(source);
+        if !unguarded.is_empty() {
+            return Err(CudaError::usage(format!(
+                "module `{name}`: kernels {unguarded:?} do not open with pdl_enter() (kernels/prelude.cuh)"
+            )));
+        }
         let (cubin, _) = cached_cubin(arch, name, source, opts)?;
         self.bind()?;
         let module =

@@ -73,7 +73,8 @@ impl KernelFile {
 
 /// The kernels (`__global__` functions) of `src` whose body does not open with `pdl_enter();`,
 /// by the text that declares them: each would race with the kernel launched before it
-/// (`launch::kernel` launches every kernel with programmatic dependent launch on sm_90).
+/// (`launch::kernel` launches every kernel with programmatic dependent launch on sm_90);
+/// `Device::module` refuses a source that has one.
 pub(crate) fn kernels_without_pdl_enter(src: &str) -> Vec<String> {
     let mut missing = Vec::new();
     let mut from = 0;
