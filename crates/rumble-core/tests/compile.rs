@@ -85,7 +85,7 @@ proptest! {
         let trace = step(n, c, f, v);
         let cost: Cost = Arc::new(Table { seed });
         let opts = CompileOptions { passes: false, cost: Some(cost.clone()), ..Default::default() };
-        // The default: the fastest, unless the leanest is nearly as fast.
+        // The default: the leanest of the plans nearly as fast as the fastest.
         let fast = compile(&trace, &opts).unwrap();
         check(&fast.trace, &fast.plan).unwrap();
         let all = enumerate(&trace, &cost, None);
@@ -137,17 +137,21 @@ fn budgets_parse_and_the_report_names_the_choice() {
 }
 
 #[test]
-fn the_default_keeps_the_leanest_plan_unless_it_is_clearly_slower() {
+fn the_default_takes_the_leanest_of_the_plans_it_cannot_tell_apart() {
     // (seconds, peak)
-    // The leanest (the fastest of the smallest peaks, within 1%) is kept if within 10%.
+    // Within 10% of the fastest the smallest peak wins: the leanest, or one between.
     assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)], LEAN_TOLERANCE), Some(1));
-    // Otherwise the smallest peak among those within 1% of the fastest.
     assert_eq!(fastest_lean(&[(1.0, 1000), (1.005, 800), (1.5, 500)], LEAN_TOLERANCE), Some(1));
-    assert_eq!(fastest_lean(&[(1.0, 1000), (1.02, 800), (1.5, 500)], LEAN_TOLERANCE), Some(0));
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.02, 800), (1.5, 500)], LEAN_TOLERANCE), Some(1));
+    // Peaks within 1% of the smallest count as one: the fastest of them.
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.01, 503), (1.09, 500)], LEAN_TOLERANCE), Some(1));
     assert_eq!(fastest_lean(&[], LEAN_TOLERANCE), None);
-    // With times measured on the device, an 8% gain is trusted: the faster plan is taken.
+    // With times measured on the device, an 8% gain is trusted: the faster plan is taken; a
+    // gain within the probes' noise buys no bytes, whichever way the noise falls.
     assert_eq!(fastest_lean(&[(1.0, 1000), (1.08, 500), (1.2, 496)], MEASURED_LEAN_TOLERANCE), Some(0));
     assert_eq!(fastest_lean(&[(1.0, 1000), (1.015, 500)], MEASURED_LEAN_TOLERANCE), Some(1));
+    assert_eq!(fastest_lean(&[(1.017, 1000), (1.0, 800), (1.03, 500)], MEASURED_LEAN_TOLERANCE), Some(1));
+    assert_eq!(fastest_lean(&[(1.0, 1000), (1.017, 800), (1.05, 500)], MEASURED_LEAN_TOLERANCE), Some(1));
 }
 
 /// `CompileOptions::data_parallel`: the compile entry point makes the rank program before its

@@ -9,11 +9,10 @@
 //! (`cost::trace_seconds`) and its peak is the plan's. The [`Budget`] then picks:
 //!
 //! - [`Budget::Fastest`] (the default): the fastest plan, recomputing nothing, but no bytes
-//!   for speed the model cannot tell apart: the leanest plan (the fastest of those within
-//!   [`PEAK_TOLERANCE`] of the smallest peak) stays if it is within the lean tolerance of the
+//!   for speed the model cannot tell apart: among the plans within the speed tolerance of the
 //!   fastest ([`LEAN_TOLERANCE`] for estimated times, [`MEASURED_LEAN_TOLERANCE`] where the
-//!   cost model measures on the device: `CostModel::is_measured`); otherwise the smallest peak
-//!   among plans within [`SPEED_TOLERANCE`] of the fastest;
+//!   cost model measures on the device: `CostModel::is_measured`), the fastest of those within
+//!   [`PEAK_TOLERANCE`] of their smallest peak;
 //! - [`Budget::Bytes`]: the fastest plan whose peak fits, recomputing where that is what
 //!   makes it fit; an error naming the smallest feasible peak if none does;
 //! - [`Budget::Auto`]: `Bytes` of the device's free memory less [`AUTO_MARGIN`] of it, or
@@ -33,11 +32,9 @@ use crate::{Error, Result};
 
 use super::{CompileOptions, plan};
 
-/// Plans whose predicted time is within this fraction of the fastest count as equally fast.
-pub const SPEED_TOLERANCE: f64 = 0.01;
-/// The leanest plan is kept by `Budget::Fastest` if it is within this fraction of the fastest
-/// (the accuracy asked of the predicted step time: a smaller gain is not trusted, and not
-/// worth any bytes).
+/// `Budget::Fastest` counts plans within this fraction of the fastest as equally fast, and
+/// takes the leanest of them (the accuracy asked of the predicted step time: a smaller gain is
+/// not trusted, and not worth any bytes).
 pub const LEAN_TOLERANCE: f64 = 0.10;
 /// The same for times measured on the device the plan runs on: the variants differ in a few
 /// nodes, each measured alone, so a gain this large is real.
@@ -239,28 +236,20 @@ pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Res
     }
 }
 
-/// The index `Budget::Fastest` picks among `(seconds, peak)` variants (see the module doc),
-/// keeping the leanest if it is within `lean_tolerance` of the fastest.
+/// The index `Budget::Fastest` picks among `(seconds, peak)` variants (see the module doc):
+/// among those within `lean_tolerance` of the fastest, the fastest of the peaks within
+/// [`PEAK_TOLERANCE`] of their smallest.
 pub fn fastest_lean(all: &[(f64, usize)], lean_tolerance: f64) -> Option<usize> {
     let fastest = all.iter().map(|v| v.0).fold(f64::INFINITY, f64::min);
-    let least = all.iter().map(|v| v.1).min()?;
-    // The leanest: the fastest of the plans within PEAK_TOLERANCE of the smallest peak.
-    let lean = all
-        .iter()
-        .enumerate()
+    let near: Vec<(usize, (f64, usize))> =
+        all.iter().copied().enumerate().filter(|v| v.1.0 <= fastest * (1.0 + lean_tolerance)).collect();
+    let least = near.iter().map(|v| v.1.1).min()?;
+    near.into_iter()
         .filter(|v| v.1.1 as f64 <= least as f64 * (1.0 + PEAK_TOLERANCE))
-        .min_by(|x, y| x.1.0.total_cmp(&y.1.0).then(x.1.1.cmp(&y.1.1)))?;
-    if lean.1.0 <= fastest * (1.0 + lean_tolerance) {
-        return Some(lean.0);
-    }
-    all.iter()
-        .enumerate()
-        .filter(|v| v.1.0 <= fastest * (1.0 + SPEED_TOLERANCE))
-        .min_by(|x, y| x.1.1.cmp(&y.1.1).then(x.1.0.total_cmp(&y.1.0)))
+        .min_by(|x, y| x.1.0.total_cmp(&y.1.0).then(x.1.1.cmp(&y.1.1)))
         .map(|v| v.0)
 }
 
-/// Variant `v` of `trace` planned again with `remat`.
 fn variants_one(
     v: &Variant,
     trace: &Trace,
