@@ -493,6 +493,54 @@ fn adds_fold_into_the_norm_backward_they_read() {
     assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
 }
 
+/// `fold_rope_writes`: a decode step's `cache_write(c, rope_at(k, pos), pos)` becomes one
+/// `cache_write` rotating its new rows (`rope`), which reads back from the text form and writes
+/// the same bits (bf16, llama3 scaling, positions that differ per sequence); a rotation read
+/// twice, at other positions, or in the `bhtd` layout stays.
+#[test]
+fn a_key_rotation_folds_into_its_cache_write() {
+    let scaling = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64.0,
+    };
+    let g = Graph::new("rope_write");
+    let cache = g.param("cache", DType::BF16, &[2, 9, 2, 8]).unwrap();
+    let k = g.param("k", DType::BF16, &[2, 3, 2, 8]).unwrap();
+    let pos = g.data("pos", DType::I64, &[2]).unwrap();
+    let other = g.data("other", DType::I64, &[2]).unwrap();
+    let rot = |x: &Tensor, p: &Tensor, l: HeadLayout| x.rope_at_scaled(p, l, 5e5, scaling).unwrap();
+    let folds = cache.cache_write(&rot(&k, &pos, HeadLayout::Bthd), &pos).unwrap();
+    let twice_k = rot(&k, &pos, HeadLayout::Bthd); // a second rotation, also an output: read twice
+    let read_twice = cache.cache_write(&twice_k, &pos).unwrap();
+    let elsewhere = cache.cache_write(&rot(&k, &other, HeadLayout::Bthd), &pos).unwrap();
+    let kb = g.param("kb", DType::BF16, &[2, 2, 3, 8]).unwrap();
+    let bhtd = cache.cache_write(&rot(&kb, &pos, HeadLayout::Bhtd).permute(&[0, 2, 1, 3]).unwrap(), &pos).unwrap();
+    for (v, name) in [(&folds, "a"), (&read_twice, "b"), (&twice_k, "k2"), (&elsewhere, "c"), (&bhtd, "d")] {
+        g.output(v, name).unwrap();
+    }
+    let trace = g.finish().unwrap();
+    let folded = passes::fold_rope_writes(&trace).unwrap();
+    let count = |t: &Trace, name: &str| t.nodes.iter().filter(|n| n.op.name() == name).count();
+    assert_eq!(count(&trace, "rope_at") - count(&folded, "rope_at"), 1, "{folded}");
+    let rotating = folded.nodes.iter().filter(|n| matches!(n.op, Op::CacheWrite { rope: Some(_) })).collect::<Vec<_>>();
+    assert_eq!(rotating.len(), 1, "{folded}");
+    assert_eq!(parse(&folded.to_string()).unwrap(), folded);
+    verify(&folded).unwrap();
+    let rng = &mut Rng::new(9);
+    let mut inputs: Vec<HostTensor> =
+        trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    let at = |name: &str| trace.inputs.iter().position(|i| i.name == name).unwrap();
+    inputs[at("pos")] = HostTensor::from_i64(DType::I64, &[2], &[0, 6]).unwrap();
+    inputs[at("other")] = HostTensor::from_i64(DType::I64, &[2], &[4, 1]).unwrap();
+    let (a, b) = (cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
+    assert_eq!(a, b, "the folded write computes the same bits");
+    // The rows written are rotated: not the raw keys (sequence 0's second row, at position 1).
+    let (written, raw) = (a[0].to_f64(), inputs[at("k")].to_f64());
+    assert_ne!(written[16..32], raw[16..32]);
+}
+
 /// `fold_loss_grad`: the fused loss and its backward become one `linear_cross_entropy_grad`
 /// computing the same bits (the objective's cotangent is a constant); it reads back from the
 /// text form. Where the cotangent depends on the loss (`loss * loss`), or the log-sum-exp is

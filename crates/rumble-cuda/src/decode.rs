@@ -81,11 +81,11 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
             ];
             kernel("rope_at", blocks(rows * d / 2), THREADS, args)?;
         }
-        Op::CacheWrite => {
+        Op::CacheWrite { rope } => {
             let (c, n) = (at[0].dims(), at[1].dims());
             let r = c[2] * c[3];
             let mut s = vec![Step::Copy { src: 0, dst: 0, bytes: at[0].size_in_bytes() }];
-            let args = vec![
+            let mut args = vec![
                 Arg::Out(0),
                 Arg::In(1),
                 Arg::In(2),
@@ -93,10 +93,19 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                 Arg::I64(c[1] as i64),
                 Arg::I64(n[1] as i64),
                 Arg::I64(r as i64),
-                Arg::Status,
-                Arg::Tag,
             ];
-            kernel("cache_write", blocks(at[1].numel()), THREADS, args)?;
+            match rope {
+                // The new rows rotated as they are written: a thread a pair of elements.
+                Some(rope) => {
+                    let freqs = crate::recipe::rope_freqs("cache_write", &rope.scaling.inv_freq(rope.theta, c[3]))?;
+                    args.extend([Arg::I64(c[3] as i64), Arg::Blob(freqs), Arg::Status, Arg::Tag]);
+                    kernel("cache_write_rope", blocks(at[1].numel() / 2), THREADS, args)?;
+                }
+                None => {
+                    args.extend([Arg::Status, Arg::Tag]);
+                    kernel("cache_write", blocks(at[1].numel()), THREADS, args)?;
+                }
+            }
             s.append(&mut steps);
             steps = s;
         }

@@ -1,6 +1,6 @@
 //! The decoding ops' kernels (`kernels/decode.cu`) against the CPU reference, one node at a
 //! time in the planned executor over a poisoned arena: RoPE at positions, the cache write (not
-//! in place here: the copy, then the rows), attention over a cache prefix (caches up to 4096
+//! in place here: the copy, then the rows; also rotating the rows it writes), attention over a cache prefix (caches up to 4096
 //! positions, split one to many ways, grouped heads in one or two blocks), and the sampler
 //! (greedy exactly; with temperature, top-k and top-p the same token on these well-separated
 //! rows). Skipped without a GPU.
@@ -66,8 +66,18 @@ fn decoding_ops_match_cpu() {
             }
         }
         let cache = randn(t(d, &[3, 20, 2, 8]), &mut rng);
-        check(Op::CacheWrite, vec![cache.clone(), randn(t(d, &[3, 4, 2, 8]), &mut rng), ids(&[0, 9, 16])]);
-        check(Op::CacheWrite, vec![cache, randn(t(d, &[3, 1, 2, 8]), &mut rng), ids(&[19, 0, 5])]);
+        let llama3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16.0,
+        };
+        // Plain, and rotating the new rows as they are written (`fold_rope_writes`' result).
+        for rope in [None, Some(rumble_core::ir::RopeNew { theta: 5e5, scaling: llama3 })] {
+            let op = Op::CacheWrite { rope };
+            check(op.clone(), vec![cache.clone(), randn(t(d, &[3, 4, 2, 8]), &mut rng), ids(&[0, 9, 16])]);
+            check(op, vec![cache.clone(), randn(t(d, &[3, 1, 2, 8]), &mut rng), ids(&[19, 0, 5])]);
+        }
         for (tq, hd) in [(1, 64), (3, 64), (1, 1), (2, 128)] {
             let q = randn(t(d, &[2, tq, 6, hd]), &mut rng);
             let (k, v) = (randn(t(d, &[2, 1500, 2, hd]), &mut rng), randn(t(d, &[2, 1500, 2, hd]), &mut rng));

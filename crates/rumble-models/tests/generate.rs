@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use rumble_core::compile::{CompileOptions, plan};
 use rumble_core::cpu::{HostTensor, eval};
+use rumble_core::ir::Op;
 use rumble_core::{DType, Graph};
 use rumble_models::generate::trace::{StepShape, build};
 use rumble_models::generate::{GenConfig, Generator, Sampling};
@@ -205,6 +206,13 @@ fn the_decode_plan_writes_the_cache_in_place() {
     for n in p.trace.nodes.iter().filter(|n| n.op.name() == "cache_write") {
         assert_eq!(p.plan.inplace_of[n.outs[0].index()], Some(n.args[0]), "cache_write over its cache");
     }
+    // Through the passes, each layer's key rotation is folded into its cache write (one launch
+    // fewer a layer); the queries keep theirs, and the caches are still written in place.
+    let c = rumble_core::compile::compile(&t, &CompileOptions::default()).unwrap();
+    let count = |f: &dyn Fn(&Op) -> bool| c.trace.nodes.iter().filter(|n| f(&n.op)).count();
+    assert_eq!(count(&|op| matches!(op, Op::CacheWrite { rope: Some(_) })), cfg.num_hidden_layers);
+    assert_eq!(count(&|op| matches!(op, Op::RopeAt { .. })), cfg.num_hidden_layers);
+    assert!(c.plan.copy_back.is_empty());
 }
 
 /// On a GPU (ignored without one): the graphed prefill and decode (one arena, one persistent

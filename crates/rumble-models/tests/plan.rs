@@ -59,8 +59,9 @@ fn seed_qwen2_fits_one_and_a_half_gigabytes() {
     assert!(remat.detail.contains("matmul"), "matmuls are recomputed: {}", remat.detail);
 }
 
-/// The default policy keeps each preset's peak (within 1%) where the fastest plan would only
-/// gain what the cost model cannot tell apart.
+/// The default policy never raises a preset's peak (within 1%) over its fixed chunking, and
+/// trades at most what the cost model cannot tell apart (`LEAN_TOLERANCE` of the predicted time:
+/// these are estimated, CPU-side) for a lower one.
 #[test]
 fn the_default_policy_keeps_the_presets_peaks() {
     for name in PRESET_NAMES {
@@ -77,7 +78,10 @@ fn the_default_policy_keeps_the_presets_peaks() {
                 chosen.chosen
             );
             assert!(chosen.peak_bytes as f64 <= kept.peak_bytes as f64 * 1.01, "{name}: the default raised the peak");
-            assert!(chosen.predicted_ms <= kept.predicted_ms, "{name}: the default is predicted slower");
+            let (ms, was) = (chosen.predicted_ms.unwrap(), kept.predicted_ms.unwrap());
+            let tolerance = rumble_core::compile::choose::LEAN_TOLERANCE;
+            assert!(ms <= was * (1.0 + tolerance), "{name}: the default is predicted {ms} ms against {was}");
+            assert!(ms <= was || chosen.peak_bytes < kept.peak_bytes, "{name}: slower for no bytes");
         }
     }
 }

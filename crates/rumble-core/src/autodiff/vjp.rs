@@ -249,7 +249,7 @@ pub fn vjp(
             )));
         }
         // Decoding ops: inference only.
-        Op::RopeAt { .. } | Op::CacheWrite | Op::AttentionCached { .. } | Op::Sample { .. } => {
+        Op::RopeAt { .. } | Op::CacheWrite { .. } | Op::AttentionCached { .. } | Op::Sample { .. } => {
             return Err(Error::Autodiff(format!("{}: a decoding op, inference only: no VJP", op.name())));
         }
         Op::RmsNormBackward { .. }

@@ -22,7 +22,7 @@ mod matmul;
 mod random;
 mod reduce;
 
-use crate::ir::{DType, InputRole, Op, OutputRole, TensorType, Trace};
+use crate::ir::{DType, HeadLayout, InputRole, Op, OutputRole, TensorType, Trace};
 use crate::{Error, Result};
 
 pub use convert::{Real, read_float, read_int, round_to, write_float, write_int};
@@ -231,10 +231,19 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let inv_freq = scaling.inv_freq(*theta, layout.bhtd(at[0].dims())[3]);
             one(out(&decode::rope_at::<A>(at[0].dims(), &f(0), &pos, &inv_freq, *layout)?))
         }
-        Op::CacheWrite => {
+        Op::CacheWrite { rope } => {
             let pos = read_int(at[2].dtype, args[2]);
             let esize = at[0].dtype.size_in_bytes();
-            one(decode::cache_write(at[0].dims(), args[0], at[1].dims()[1], args[1], &pos, esize)?)
+            // With `rope`, the rows `rope_at` would give (rounded to the dtype) are written.
+            let rotated = match rope {
+                Some(r) => {
+                    let inv_freq = r.scaling.inv_freq(r.theta, at[1].dims()[3]);
+                    Some(out(&decode::rope_at::<A>(at[1].dims(), &f(1), &pos, &inv_freq, HeadLayout::Bthd)?))
+                }
+                None => None,
+            };
+            let new = rotated.as_deref().unwrap_or(args[1]);
+            one(decode::cache_write(at[0].dims(), args[0], at[1].dims()[1], new, &pos, esize)?)
         }
         Op::AttentionCached { scale } => {
             let pos = read_int(at[3].dtype, args[3]);

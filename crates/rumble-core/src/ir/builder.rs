@@ -411,7 +411,7 @@ impl Tensor {
     /// `self` (a cache `[B, S, H, D]`) with rows `pos[b] .. pos[b] + T` replaced by `new
     /// [B, T, H, D]`.
     pub fn cache_write(&self, new: &Tensor, pos: &Tensor) -> Result<Tensor> {
-        self.graph.apply1(Op::CacheWrite, &[self, new, pos])
+        self.graph.apply1(Op::CacheWrite { rope: None }, &[self, new, pos])
     }
     /// Attention of queries `q [B, T, Hq, D]` over caches `k, v [B, S, Hkv, D]`, query `t` of
     /// sequence `b` seeing keys `0 ..= pos[b] + t`.

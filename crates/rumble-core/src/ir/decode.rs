@@ -3,7 +3,7 @@
 //! doc comments in `op.rs`; messages name the shapes each op expects.
 
 use super::dtype::{DType, TensorType};
-use super::heads::HeadLayout;
+use super::heads::{HeadLayout, RopeScaling};
 use super::op::{float, int, rope_operand};
 
 /// `pos` must be an int `[B]` for a batch of `b`.
@@ -21,8 +21,25 @@ pub(super) fn rope_at(x: &TensorType, pos: &TensorType, layout: HeadLayout) -> R
     Ok(vec![x.clone()])
 }
 
-pub(super) fn cache_write(cache: &TensorType, new: &TensorType, pos: &TensorType) -> Result<Vec<TensorType>, String> {
+/// The RoPE a `cache_write` applies to its new rows before writing them (`Op::CacheWrite`'s
+/// `rope`; `passes::fold_rope_writes` folds a `rope_at` read only by the write into it): the
+/// rotation of `rope_at` with these attributes, layout `bthd`, at the rows' positions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeNew {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+pub(super) fn cache_write(
+    cache: &TensorType,
+    new: &TensorType,
+    pos: &TensorType,
+    rope: bool,
+) -> Result<Vec<TensorType>, String> {
     float(cache)?;
+    if rope {
+        rope_operand(new, HeadLayout::Bthd)?;
+    }
     let (c, n) = (cache.dims(), new.dims());
     if cache.rank() != 4 || new.rank() != 4 || cache.dtype != new.dtype || c[0] != n[0] || c[2..] != n[2..] {
         return Err(format!("needs cache [B, S, H, D] and new [B, T, H, D] of one dtype, got {cache} and {new}"));

@@ -223,8 +223,9 @@ pub enum Op {
     /// rows `pos[b] .. pos[b] + T` of sequence `b` replaced by `new[b]`, every other element
     /// kept. `pos[b] + T > S` is an error (the CPU says so; a device kernel skips such rows).
     /// The planner may compute the result over the cache (`Op::may_overwrite`), and then a
-    /// backend writes the `T` new rows only.
-    CacheWrite,
+    /// backend writes the `T` new rows only. With `rope` the new rows are rotated first, as
+    /// `rope_at` (layout `bthd`, D even) would: `cache_write(c, rope_at(n, pos), pos)` exactly.
+    CacheWrite { rope: Option<super::decode::RopeNew> },
     /// Attention of `T` new queries per sequence over a cache: `(q [B, T, Hq, D],
     /// k [B, S, Hkv, D], v [B, S, Hkv, D], pos int [B]) -> o [B, T, Hq, D]` (sequence-major);
     /// query `t` of sequence `b` sees keys `0 ..= pos[b] + t` (fewer when that passes `S`),
@@ -361,7 +362,7 @@ impl Op {
             Op::AttentionBackward { .. } => "attention_backward",
             Op::Fused(_) => "fused",
             Op::RopeAt { .. } => "rope_at",
-            Op::CacheWrite => "cache_write",
+            Op::CacheWrite { .. } => "cache_write",
             Op::AttentionCached { .. } => "attention_cached",
             Op::Sample { .. } => "sample",
             Op::Collective { op, .. } => op.name(),
@@ -405,7 +406,7 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::SwigluBackward
             | Op::LinearCrossEntropy { .. }
-            | Op::CacheWrite
+            | Op::CacheWrite { .. }
             | Op::Matmul { acc: true, .. }
             | Op::Attention { .. } => 3,
             Op::AttentionCached { .. } | Op::LinearCrossEntropyGrad { .. } | Op::RmsNormBackward { acc: true, .. } => 4,
@@ -430,7 +431,7 @@ impl Op {
     /// The planner does so when the operand dies at this node; kernels must allow it.
     pub fn may_overwrite(&self, i: usize) -> bool {
         match self {
-            Op::CacheWrite => i == 0,
+            Op::CacheWrite { .. } => i == 0,
             Op::Collective { op: CollectiveOp::AllReduce, .. } => i == 0,
             Op::Matmul { acc, .. } => *acc && i == 2,
             Op::RmsNormBackward { acc, .. } => *acc && i == 3,
@@ -756,7 +757,7 @@ impl Op {
                 Ok(vec![q.clone(), k.clone(), v.clone()])
             }
             Op::RopeAt { layout, .. } => super::decode::rope_at(args[0], args[1], *layout),
-            Op::CacheWrite => super::decode::cache_write(args[0], args[1], args[2]),
+            Op::CacheWrite { rope } => super::decode::cache_write(args[0], args[1], args[2], rope.is_some()),
             Op::AttentionCached { .. } => super::decode::attention_cached(args[0], args[1], args[2], args[3]),
             Op::Sample { temperature, top_k: _, top_p } => {
                 super::decode::sample(args[0], args[1], *temperature, *top_p)

@@ -83,7 +83,11 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             vec![("temperature", f(*temperature)), ("top_k", top_k.to_string()), ("top_p", f(*top_p))]
         }
         Op::Collective { world, rank, .. } => vec![("world", world.to_string()), ("rank", rank.to_string())],
-        Op::CacheWrite => vec![],
+        Op::CacheWrite { rope } => rope.map_or_else(Vec::new, |r| {
+            let mut a = vec![("theta", f(r.theta))];
+            a.extend(r.scaling.text().map(|s| ("scaling", s)));
+            a
+        }),
         Op::Unary(_)
         | Op::Binary(_)
         | Op::Compare(_)
@@ -235,7 +239,12 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
             Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")?, layout: a.layout()? }
         }
         "rope_at" => Op::RopeAt { theta: a.f64("theta")?, layout: a.layout()?, scaling: a.rope_scaling()? },
-        "cache_write" => Op::CacheWrite,
+        "cache_write" => Op::CacheWrite {
+            rope: match a.map.contains_key("theta") {
+                true => Some(super::decode::RopeNew { theta: a.f64("theta")?, scaling: a.rope_scaling()? }),
+                false => None,
+            },
+        },
         "attention_cached" => Op::AttentionCached { scale: a.f64("scale")? },
         "sample" => Op::Sample { temperature: a.f64("temperature")?, top_k: a.usize("top_k")?, top_p: a.f64("top_p")? },
         "all_reduce" | "reduce_scatter" | "all_gather" => Op::Collective {

@@ -157,7 +157,7 @@ fn may_overwrite_any(op: &Op) -> bool {
     is_pointwise(op)
         || matches!(
             op,
-            Op::CacheWrite
+            Op::CacheWrite { .. }
                 | Op::Matmul { acc: true, .. }
                 | Op::RmsNormBackward { acc: true, .. }
                 | Op::Collective { op: CollectiveOp::AllReduce, .. }

@@ -41,6 +41,36 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
   }
 }
 
+// cache_write with its new rows rotated first (Op::CacheWrite's `rope`): rope_at's rotation
+// (layout bthd, position pos[b] + t, the same float products) rounded to T, then written; one
+// thread takes frequency j of a head, reading and writing its two elements j and j + d/2.
+template <typename T>
+__device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw, const i64* __restrict__ pos,
+                                 i64 b_len, i64 s, i64 t_len, i64 r, i64 d, const RopeFreqs& f, int* status,
+                                 int tag) {
+  __shared__ float inv[ROPE_MAX_HALF];
+  const i64 half = d / 2, pairs = r / 2;  // r = H * d elements a row
+  stage_rope_freqs(inv, f, half);
+  typedef typename Acc<T>::t A;
+  const i64 total = b_len * t_len * pairs;
+  for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+    const i64 q = e % pairs, t = (e / pairs) % t_len, b = e / (pairs * t_len);
+    const i64 h = q / half, j = q % half, p = pos[b] + t;
+    if (p < 0 || p >= s) {
+      if (q == 0) report(status, tag, 1, p);
+      continue;
+    }
+    const float pf = (float)p;
+    const double ang = (double)(pf * inv[j]);
+    const A c = (A)cos(ang), sn = (A)sin(ang);
+    const T* x = nw + (b * t_len + t) * r + h * d;
+    T* y = cache + (b * s + p) * r + h * d;
+    const A u = ldf(x[j]), v = ldf(x[j + half]);
+    stf(&y[j], u * c - v * sn);
+    stf(&y[j + half], v * c + u * sn);
+  }
+}
+
 // Flash-decoding. Block (group, split), group = (b, run of `gt` query rows, kv head, chunk of
 // `gh` of its query heads): the block's slots (row, head) share every K and V row it reads
 // (several rows: a prefill chunk's). Slot (row t, head h) sees keys [0, pos[b] + t]; the block
@@ -381,6 +411,11 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
                                                i64 t_len, i64 r, int* status, int tag) {                        \
     pdl_enter();                                                                                                \
     cache_write<T>(cache, nw, pos, b_len, s, t_len, r, status, tag);                                            \
+  }                                                                                                             \
+  extern "C" __global__ void cache_write_rope_##SUF(T* cache, const T* nw, const i64* pos, i64 b_len, i64 s,    \
+                                                    i64 t_len, i64 r, i64 d, RopeFreqs f, int* status, int tag) {\
+    pdl_enter();                                                                                                \
+    cache_write_rope<T>(cache, nw, pos, b_len, s, t_len, r, d, f, status, tag);                                 \
   }                                                                                                             \
   extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
                                                     float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \

@@ -147,8 +147,7 @@ impl Generator {
                 "generate: a prefill chunk of {c} position(s); it takes at least 2"
             )));
         }
-        let mut traces =
-            vec![first(opts.prefill_chunk)?, trace::build(cfg, shape(false, 1), &opts.sampling, opts.logits)?];
+        let mut traces = [first(opts.prefill_chunk)?, trace::build(cfg, shape(false, 1), &opts.sampling, opts.logits)?];
         let mut given: HashMap<String, HostTensor> = weights.into_iter().collect();
         for inp in traces[0].inputs.iter().filter(|i| i.role == InputRole::State) {
             given.insert(inp.name.clone(), host::zeros(traces[0].ty(inp.value)));
@@ -197,6 +196,11 @@ impl Generator {
             g.capture(1)?;
             Engine::Cuda(Box::new(g))
         } else {
+            // The traces the CUDA engine would run (through the passes: folds, fusion), so the
+            // CPU checks what the compiler does to them too.
+            let copts = rumble_core::compile::CompileOptions::default();
+            let traces =
+                traces.iter().map(|t| Ok(rumble_core::compile::optimize(t, &copts)?.0)).collect::<Result<Vec<_>>>()?;
             let mut inputs = Vec::new();
             for t in &traces {
                 let mut v: Vec<HostTensor> = t.inputs.iter().map(|i| host::zeros(t.ty(i.value))).collect();
