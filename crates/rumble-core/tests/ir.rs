@@ -493,12 +493,13 @@ fn adds_fold_into_the_norm_backward_they_read() {
     assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
 }
 
-/// `fold_rope_writes`: a decode step's `cache_write(c, rope_at(k, pos), pos)` becomes one
-/// `cache_write` rotating its new rows (`rope`), which reads back from the text form and writes
-/// the same bits (bf16, llama3 scaling, positions that differ per sequence); a rotation read
-/// twice, at other positions, or in the `bhtd` layout stays.
+/// `fold_rope_at`: a decode step's `cache_write(c, rope_at(k, pos), pos)` and
+/// `attention_cached(rope_at(q, pos), k, v, pos)` become the node rotating its rows itself
+/// (`rope`), which reads back from the text form and computes the same bits (bf16, llama3
+/// scaling, positions that differ per sequence); a rotation read twice, at other positions, or
+/// in the `bhtd` layout stays.
 #[test]
-fn a_key_rotation_folds_into_its_cache_write() {
+fn key_and_query_rotations_fold_into_their_readers() {
     let scaling = RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
@@ -517,15 +518,28 @@ fn a_key_rotation_folds_into_its_cache_write() {
     let elsewhere = cache.cache_write(&rot(&k, &other, HeadLayout::Bthd), &pos).unwrap();
     let kb = g.param("kb", DType::BF16, &[2, 2, 3, 8]).unwrap();
     let bhtd = cache.cache_write(&rot(&kb, &pos, HeadLayout::Bhtd).permute(&[0, 2, 1, 3]).unwrap(), &pos).unwrap();
-    for (v, name) in [(&folds, "a"), (&read_twice, "b"), (&twice_k, "k2"), (&elsewhere, "c"), (&bhtd, "d")] {
+    // Queries: 4 heads over the 2 cached ones, attending to the cache just written.
+    let q = g.param("q", DType::BF16, &[2, 3, 4, 8]).unwrap();
+    let attends = Tensor::attention_cached(&rot(&q, &pos, HeadLayout::Bthd), &folds, &folds, &pos, 0.3).unwrap();
+    let q_elsewhere = Tensor::attention_cached(&rot(&q, &other, HeadLayout::Bthd), &folds, &folds, &pos, 0.3).unwrap();
+    for (v, name) in [
+        (&folds, "a"),
+        (&read_twice, "b"),
+        (&twice_k, "k2"),
+        (&elsewhere, "c"),
+        (&bhtd, "d"),
+        (&attends, "o"),
+        (&q_elsewhere, "o2"),
+    ] {
         g.output(v, name).unwrap();
     }
     let trace = g.finish().unwrap();
-    let folded = passes::fold_rope_writes(&trace).unwrap();
+    let folded = passes::fold_rope_at(&trace).unwrap();
     let count = |t: &Trace, name: &str| t.nodes.iter().filter(|n| n.op.name() == name).count();
-    assert_eq!(count(&trace, "rope_at") - count(&folded, "rope_at"), 1, "{folded}");
-    let rotating = folded.nodes.iter().filter(|n| matches!(n.op, Op::CacheWrite { rope: Some(_) })).collect::<Vec<_>>();
-    assert_eq!(rotating.len(), 1, "{folded}");
+    assert_eq!(count(&trace, "rope_at") - count(&folded, "rope_at"), 2, "{folded}");
+    let writes = folded.nodes.iter().filter(|n| matches!(n.op, Op::CacheWrite { rope: Some(_) })).count();
+    let attentions = folded.nodes.iter().filter(|n| matches!(n.op, Op::AttentionCached { rope: Some(_), .. })).count();
+    assert_eq!((writes, attentions), (1, 1), "{folded}");
     assert_eq!(parse(&folded.to_string()).unwrap(), folded);
     verify(&folded).unwrap();
     let rng = &mut Rng::new(9);

@@ -109,13 +109,57 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
             s.append(&mut steps);
             steps = s;
         }
-        Op::AttentionCached { scale } => {
+        Op::AttentionCached { scale, rope } => {
             let (q, k) = (at[0].dims(), at[1].dims());
             let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
+            // The rotation's frequencies (`rope`), or none: the kernel reads them only with it.
+            let freqs = match rope {
+                Some(r) => crate::recipe::rope_freqs("attention_cached", &r.scaling.inv_freq(r.theta, d))?,
+                None => crate::recipe::rope_freqs("attention_cached", &[])?,
+            };
             if t >= FLASH_MIN_ROWS
                 && let Some(r) = crate::flash::cached_recipe(dev, at, *scale)
             {
-                return r;
+                return match rope {
+                    None => r,
+                    // A prefill chunk on the flash kernels: rope_at's kernel rotates the queries
+                    // into scratch first, and the flash kernels read them there.
+                    Some(_) => {
+                        let mut r = r?;
+                        let at_q = r.scratch.next_multiple_of(256);
+                        for step in &mut r.steps {
+                            if let Step::Kernel { args, .. } = step {
+                                for a in args.iter_mut().filter(|a| matches!(a, Arg::In(0))) {
+                                    *a = Arg::Scratch(at_q);
+                                }
+                            }
+                        }
+                        let rows = at[0].numel() / d.max(1);
+                        let args = vec![
+                            Arg::In(0),
+                            Arg::In(3),
+                            Arg::Scratch(at_q),
+                            Arg::I64(rows as i64),
+                            Arg::I64(t as i64),
+                            Arg::I64(hq as i64),
+                            Arg::I32(1),
+                            Arg::I64(d as i64),
+                            Arg::Blob(freqs),
+                        ];
+                        let name = format!("rope_at_{sfx}");
+                        let rotate = Step::Kernel {
+                            func: m.function(&name)?,
+                            name,
+                            grid: (blocks(rows * d / 2), 1, 1),
+                            block: THREADS,
+                            smem: 0,
+                            args,
+                        };
+                        r.steps.insert(0, rotate);
+                        r.scratch = at_q + at[0].size_in_bytes();
+                        Ok(r)
+                    }
+                };
             }
             if d > THREADS as usize {
                 return unsupported(&format!("head size {d} (at most {THREADS})"));
@@ -143,6 +187,8 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                 Arg::I64(plan.splits as i64),
                 Arg::I64(plan.chunk as i64),
                 Arg::F64(*scale),
+                Arg::Blob(freqs),
+                Arg::I32(rope.is_some() as i32),
             ];
             kernel("attention_cached", grid, THREADS, args)?;
             if plan.splits > 1 {

@@ -1,7 +1,8 @@
 //! The decoding ops' kernels (`kernels/decode.cu`) against the CPU reference, one node at a
 //! time in the planned executor over a poisoned arena: RoPE at positions, the cache write (not
-//! in place here: the copy, then the rows; also rotating the rows it writes), attention over a cache prefix (caches up to 4096
-//! positions, split one to many ways, grouped heads in one or two blocks), and the sampler
+//! in place here: the copy, then the rows; also rotating the rows it writes), attention over a
+//! cache prefix (caches up to 4096 positions, split one to many ways, grouped heads in one or
+//! two blocks; also rotating its queries), and the sampler
 //! (greedy exactly; with temperature, top-k and top-p the same token on these well-separated
 //! rows). Skipped without a GPU.
 
@@ -72,7 +73,7 @@ fn decoding_ops_match_cpu() {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 16.0,
         };
-        // Plain, and rotating the new rows as they are written (`fold_rope_writes`' result).
+        // Plain, and rotating the new rows as they are written (`fold_rope_at`'s result).
         for rope in [None, Some(rumble_core::ir::RopeNew { theta: 5e5, scaling: llama3 })] {
             let op = Op::CacheWrite { rope };
             check(op.clone(), vec![cache.clone(), randn(t(d, &[3, 4, 2, 8]), &mut rng), ids(&[0, 9, 16])]);
@@ -81,7 +82,7 @@ fn decoding_ops_match_cpu() {
         for (tq, hd) in [(1, 64), (3, 64), (1, 1), (2, 128)] {
             let q = randn(t(d, &[2, tq, 6, hd]), &mut rng);
             let (k, v) = (randn(t(d, &[2, 1500, 2, hd]), &mut rng), randn(t(d, &[2, 1500, 2, hd]), &mut rng));
-            check(Op::AttentionCached { scale: 0.125 }, vec![q, k, v, ids(&[1200, 37])]);
+            check(Op::AttentionCached { scale: 0.125, rope: None }, vec![q, k, v, ids(&[1200, 37])]);
         }
         // Long caches, split several ways (flash-decoding): (batch, query rows, q heads, kv
         // heads, cache, head size, positions). Positions past the cache see all of it.
@@ -106,7 +107,21 @@ fn decoding_ops_match_cpu() {
             let q = randn(t(d, &[b, tq, hq, hd]), &mut rng);
             let (k, v) = (randn(t(d, &[b, s, hkv, hd]), &mut rng), randn(t(d, &[b, s, hkv, hd]), &mut rng));
             let scale = 1.0 / (hd as f64).sqrt();
-            check(Op::AttentionCached { scale }, vec![q, k, v, ids(pos)]);
+            check(Op::AttentionCached { scale, rope: None }, vec![q, k, v, ids(pos)]);
+        }
+        // The queries rotated by the node itself (`fold_rope_at`'s result): one decode row on
+        // the flash-decoding kernel, a few rows, and prefill chunks on the flash forward (bf16,
+        // f16), whose queries a rope_at step rotates into scratch first.
+        let rope = Some(rumble_core::ir::RopeNew { theta: 5e5, scaling: llama3 });
+        for (dims, pos) in [
+            ([2, 1, 32, 8, 1000, 64], &[999i64, 40][..]),
+            ([2, 3, 6, 2, 1000, 128], &[996, 5]),
+            ([2, 160, 6, 2, 1000, 64], &[800, 5]),
+        ] {
+            let [b, tq, hq, hkv, s, hd] = dims;
+            let q = randn(t(d, &[b, tq, hq, hd]), &mut rng);
+            let (k, v) = (randn(t(d, &[b, s, hkv, hd]), &mut rng), randn(t(d, &[b, s, hkv, hd]), &mut rng));
+            check(Op::AttentionCached { scale: 0.125, rope }, vec![q, k, v, ids(pos)]);
         }
         assert!(splits.len() >= 3 && splits.contains(&1), "split counts covered: {splits:?}");
         // Rows with one clear winner each, so every sampler setting agrees with the CPU.

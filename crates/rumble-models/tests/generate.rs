@@ -206,12 +206,13 @@ fn the_decode_plan_writes_the_cache_in_place() {
     for n in p.trace.nodes.iter().filter(|n| n.op.name() == "cache_write") {
         assert_eq!(p.plan.inplace_of[n.outs[0].index()], Some(n.args[0]), "cache_write over its cache");
     }
-    // Through the passes, each layer's key rotation is folded into its cache write (one launch
-    // fewer a layer); the queries keep theirs, and the caches are still written in place.
+    // Through the passes, each layer's key and query rotations are folded into its cache write
+    // and its attention (two launches fewer a layer), and the caches are still written in place.
     let c = rumble_core::compile::compile(&t, &CompileOptions::default()).unwrap();
     let count = |f: &dyn Fn(&Op) -> bool| c.trace.nodes.iter().filter(|n| f(&n.op)).count();
     assert_eq!(count(&|op| matches!(op, Op::CacheWrite { rope: Some(_) })), cfg.num_hidden_layers);
-    assert_eq!(count(&|op| matches!(op, Op::RopeAt { .. })), cfg.num_hidden_layers);
+    assert_eq!(count(&|op| matches!(op, Op::AttentionCached { rope: Some(_), .. })), cfg.num_hidden_layers);
+    assert_eq!(count(&|op| matches!(op, Op::RopeAt { .. })), 0);
     assert!(c.plan.copy_back.is_empty());
 }
 

@@ -30,8 +30,8 @@ use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned,
 
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
 /// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts and adds
-/// folded into the matmuls (and norm backwards) they read, a decode step's key rotation folded
-/// into its cache write, the fused loss and its backward as one node, elementwise fusion.
+/// folded into the matmuls (and norm backwards) they read, a decode step's rotations folded into
+/// its cache write and attention, the fused loss and its backward as one node, elementwise fusion.
 pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
     ("cse", passes::cse),
@@ -39,7 +39,7 @@ pub const PIPELINE: &[Pass] = &[
     ("fold_casts", passes::fold_casts),
     ("fold_addends", passes::fold_addends),
     ("fold_norm_addends", passes::fold_norm_addends),
-    ("fold_rope_writes", passes::fold_rope_writes),
+    ("fold_rope_at", passes::fold_rope_at),
     ("fold_loss_grad", passes::fold_loss_grad),
     ("fuse", passes::fuse),
 ];

@@ -245,9 +245,18 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let new = rotated.as_deref().unwrap_or(args[1]);
             one(decode::cache_write(at[0].dims(), args[0], at[1].dims()[1], new, &pos, esize)?)
         }
-        Op::AttentionCached { scale } => {
+        Op::AttentionCached { scale, rope } => {
             let pos = read_int(at[3].dtype, args[3]);
-            one(out(&decode::attention_cached::<A>(at[0].dims(), at[1].dims(), &f(0), &f(1), &f(2), &pos, *scale)?))
+            // With `rope`, the queries `rope_at` would give (rounded to the dtype) attend.
+            let q = match rope {
+                Some(r) => {
+                    let inv_freq = r.scaling.inv_freq(r.theta, at[0].dims()[3]);
+                    let rotated = decode::rope_at::<A>(at[0].dims(), &f(0), &pos, &inv_freq, HeadLayout::Bthd)?;
+                    read_float::<A>(at[0].dtype, &out(&rotated))
+                }
+                None => f(0),
+            };
+            one(out(&decode::attention_cached::<A>(at[0].dims(), at[1].dims(), &q, &f(1), &f(2), &pos, *scale)?))
         }
         Op::Sample { temperature, top_k, top_p } => {
             let key = read_int(at[1].dtype, args[1]);

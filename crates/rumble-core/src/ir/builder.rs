@@ -416,7 +416,7 @@ impl Tensor {
     /// Attention of queries `q [B, T, Hq, D]` over caches `k, v [B, S, Hkv, D]`, query `t` of
     /// sequence `b` seeing keys `0 ..= pos[b] + t`.
     pub fn attention_cached(q: &Tensor, k: &Tensor, v: &Tensor, pos: &Tensor, scale: f64) -> Result<Tensor> {
-        q.graph.apply1(Op::AttentionCached { scale }, &[q, k, v, pos])
+        q.graph.apply1(Op::AttentionCached { scale, rope: None }, &[q, k, v, pos])
     }
     /// One token id per row of logits `self [B, V]` (i64 `[B]`), drawn with `key = (seed,
     /// step)` (int `[2]`); see `Op::Sample`.

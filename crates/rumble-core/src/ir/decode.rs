@@ -21,9 +21,10 @@ pub(super) fn rope_at(x: &TensorType, pos: &TensorType, layout: HeadLayout) -> R
     Ok(vec![x.clone()])
 }
 
-/// The RoPE a `cache_write` applies to its new rows before writing them (`Op::CacheWrite`'s
-/// `rope`; `passes::fold_rope_writes` folds a `rope_at` read only by the write into it): the
-/// rotation of `rope_at` with these attributes, layout `bthd`, at the rows' positions.
+/// The RoPE a `cache_write` applies to its new rows before writing them, or `attention_cached`
+/// to its queries before attending (their `rope`; `passes::fold_rope_at` folds a `rope_at` read
+/// only by such a node into it): the rotation of `rope_at` with these attributes, layout
+/// `bthd`, at the rows' positions.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RopeNew {
     pub theta: f64,
@@ -56,8 +57,12 @@ pub(super) fn attention_cached(
     k: &TensorType,
     v: &TensorType,
     pos: &TensorType,
+    rope: bool,
 ) -> Result<Vec<TensorType>, String> {
     float(q)?;
+    if rope {
+        rope_operand(q, HeadLayout::Bthd)?;
+    }
     if q.rank() != 4 || k.rank() != 4 || k != v || q.dtype != k.dtype {
         return Err(format!("needs q [B, T, Hq, D] and k, v [B, S, Hkv, D] of one dtype, got q {q}, k {k}, v {v}"));
     }

@@ -231,7 +231,9 @@ pub enum Op {
     /// query `t` of sequence `b` sees keys `0 ..= pos[b] + t` (fewer when that passes `S`),
     /// query head `h` reads key/value head `h / (Hq / Hkv)`. Scores and softmax in f32 (f64
     /// for f64).
-    AttentionCached { scale: f64 },
+    /// With `rope` the queries are rotated first, as `rope_at` (layout `bthd`) would at the
+    /// same positions: `attention_cached(rope_at(q, pos), k, v, pos)` exactly.
+    AttentionCached { scale: f64, rope: Option<super::decode::RopeNew> },
     /// Draws the next token of each row: `(logits [B, V] float, key int [2]) -> ids i64 [B]`,
     /// `key = (seed, step)`. `temperature == 0`: the argmax (lowest index among equals).
     /// Otherwise, with `z = logits / temperature` and `w = exp(z - max z)`: `top_k > 0` keeps
@@ -758,7 +760,9 @@ impl Op {
             }
             Op::RopeAt { layout, .. } => super::decode::rope_at(args[0], args[1], *layout),
             Op::CacheWrite { rope } => super::decode::cache_write(args[0], args[1], args[2], rope.is_some()),
-            Op::AttentionCached { .. } => super::decode::attention_cached(args[0], args[1], args[2], args[3]),
+            Op::AttentionCached { rope, .. } => {
+                super::decode::attention_cached(args[0], args[1], args[2], args[3], rope.is_some())
+            }
             Op::Sample { temperature, top_k: _, top_p } => {
                 super::decode::sample(args[0], args[1], *temperature, *top_p)
             }

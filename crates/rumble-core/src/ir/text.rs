@@ -78,7 +78,14 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             a.extend(scaling.text().map(|s| ("scaling", s)));
             a
         }
-        Op::AttentionCached { scale } => vec![("scale", f(*scale))],
+        Op::AttentionCached { scale, rope } => {
+            let mut a = vec![("scale", f(*scale))];
+            if let Some(r) = rope {
+                a.push(("theta", f(r.theta)));
+                a.extend(r.scaling.text().map(|s| ("scaling", s)));
+            }
+            a
+        }
         Op::Sample { temperature, top_k, top_p } => {
             vec![("temperature", f(*temperature)), ("top_k", top_k.to_string()), ("top_p", f(*top_p))]
         }
@@ -147,6 +154,13 @@ impl<'a> Attrs<'a> {
                 format!("bad value `{v}` for attribute `scaling` (linear:F or llama3:F:LOW:HIGH:ORIGINAL)")
             }),
         }
+    }
+    /// A decoding op's `rope`: `theta` (and `scaling`) when present, none when absent.
+    fn rope_new(&self) -> Result<Option<super::decode::RopeNew>, String> {
+        if !self.map.contains_key("theta") {
+            return Ok(None);
+        }
+        Ok(Some(super::decode::RopeNew { theta: self.f64("theta")?, scaling: self.rope_scaling()? }))
     }
     /// `layout`, `bhtd` when absent.
     fn layout(&self) -> Result<HeadLayout, String> {
@@ -239,13 +253,8 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
             Op::AttentionBackward { scale: a.f64("scale")?, causal: a.bool("causal")?, layout: a.layout()? }
         }
         "rope_at" => Op::RopeAt { theta: a.f64("theta")?, layout: a.layout()?, scaling: a.rope_scaling()? },
-        "cache_write" => Op::CacheWrite {
-            rope: match a.map.contains_key("theta") {
-                true => Some(super::decode::RopeNew { theta: a.f64("theta")?, scaling: a.rope_scaling()? }),
-                false => None,
-            },
-        },
-        "attention_cached" => Op::AttentionCached { scale: a.f64("scale")? },
+        "cache_write" => Op::CacheWrite { rope: a.rope_new()? },
+        "attention_cached" => Op::AttentionCached { scale: a.f64("scale")?, rope: a.rope_new()? },
         "sample" => Op::Sample { temperature: a.f64("temperature")?, top_k: a.usize("top_k")?, top_p: a.f64("top_p")? },
         "all_reduce" | "reduce_scatter" | "all_gather" => Op::Collective {
             op: CollectiveOp::ALL.into_iter().find(|c| c.name() == name).unwrap_or(CollectiveOp::AllReduce),

@@ -1,7 +1,7 @@
 //! Folds into a matmul what its only reader does to it: a widening cast ([`fold_casts`]) and an
 //! add ([`fold_addends`]); an add into the `rms_norm_backward` whose `dx` it reads
-//! ([`fold_norm_addends`]); and a `rope_at` into the `cache_write` that reads it
-//! ([`fold_rope_writes`]).
+//! ([`fold_norm_addends`]); and a `rope_at` into the `cache_write` or `attention_cached` that
+//! reads it ([`fold_rope_at`]).
 //!
 //! [`fold_casts`] folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
 //! matmul's operands are bf16 or f16 and its result has no other use, becomes one matmul
@@ -123,25 +123,35 @@ pub fn fold_norm_addends(trace: &Trace) -> Result<Trace> {
     super::without(t, &drop)
 }
 
-/// Folds a `rope_at` into the `cache_write` it feeds: `cache_write(c, rope_at(k, pos), pos)`,
-/// where the rotated rows have no other use and the layout is `bthd` (a cache's rows), becomes
-/// `cache_write(c, k, pos)` with the rotation as its `rope` (`Op::CacheWrite`): the same bits,
-/// one launch and one intermediate fewer. These are a decode step's keys.
-pub fn fold_rope_writes(trace: &Trace) -> Result<Trace> {
+/// Folds a `rope_at` into the decoding node it feeds: `cache_write(c, rope_at(k, pos), pos)`
+/// and `attention_cached(rope_at(q, pos), k, v, pos)`, where the rotated rows have no other use
+/// and the layout is `bthd` (a step's rows), become the node reading `k` (`q`) with the rotation
+/// as its `rope` (`Op::CacheWrite`, `Op::AttentionCached`): the same bits, one launch and one
+/// intermediate fewer. These are a decode step's keys and queries.
+pub fn fold_rope_at(trace: &Trace) -> Result<Trace> {
     let (defs, users) = (trace.defs(), trace.users());
     let mut t = trace.clone();
     let mut drop = vec![false; trace.nodes.len()];
     for (c, node) in trace.nodes.iter().enumerate() {
-        let Op::CacheWrite { rope: None } = node.op else { continue };
-        let (new, pos) = (node.args[1], node.args[2]);
-        let Some(Def::Node { node: p, .. }) = defs[new.index()] else { continue };
+        // The operand that may be a rotation, and the positions.
+        let (slot, pos) = match node.op {
+            Op::CacheWrite { rope: None } => (1, node.args[2]),
+            Op::AttentionCached { rope: None, .. } => (0, node.args[3]),
+            _ => continue,
+        };
+        let rows = node.args[slot];
+        let Some(Def::Node { node: p, .. }) = defs[rows.index()] else { continue };
         let r = &trace.nodes[p];
         let Op::RopeAt { theta, layout: crate::ir::HeadLayout::Bthd, scaling } = r.op else { continue };
-        if r.args[1] != pos || !only_use(trace, &users, new, r, node) {
+        if r.args[1] != pos || !only_use(trace, &users, rows, r, node) {
             continue;
         }
-        t.nodes[c].op = Op::CacheWrite { rope: Some(crate::ir::RopeNew { theta, scaling }) };
-        t.nodes[c].args = vec![node.args[0], r.args[0], pos];
+        let rope = Some(crate::ir::RopeNew { theta, scaling });
+        t.nodes[c].op = match node.op {
+            Op::AttentionCached { scale, .. } => Op::AttentionCached { scale, rope },
+            _ => Op::CacheWrite { rope },
+        };
+        t.nodes[c].args[slot] = r.args[0];
         drop[p] = true;
     }
     super::without(t, &drop)

@@ -136,8 +136,9 @@ template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
                                  float* __restrict__ ml, i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, i64 gh,
-                                 i64 gt, i64 splits, i64 chunk, double scale) {
+                                 i64 gt, i64 splits, i64 chunk, double scale, const RopeFreqs& f, int rope) {
   __shared__ float qs[AC_Q];
+  __shared__ float inv[ROPE_MAX_HALF];  // with `rope`: the rotation's frequencies
   __shared__ float sc[AC_H * AC_TK];
   __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
   __shared__ int srow[AC_H];  // slot sl's row within the block: sl / nh
@@ -159,7 +160,25 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   // In 32 bits inside the block (ns * d <= AC_Q): no 64-bit divisions in the loops.
   const int di = (int)d, nsd = (int)(ns * d), nsi = (int)ns;
   const int tk = AC_KV / di < AC_TK ? AC_KV / di : AC_TK;  // keys a tile
-  for (int e = threadIdx.x; e < nsd; e += blockDim.x) qs[e] = ld(q[AC_ROW(e / di) * d + e % di]);
+  if (rope) stage_rope_freqs(inv, f, di / 2);  // `rope` is the same for every thread
+  for (int e = threadIdx.x; e < nsd; e += blockDim.x) {
+    const int sl = e / di, i = e - sl * di;
+    const T* qr = q + AC_ROW(sl) * d;
+    if (!rope) {
+      qs[e] = ld(qr[i]);
+      continue;
+    }
+    // Op::AttentionCached's `rope`: rope_at's rotation at the slot's position (the same float
+    // products), rounded to T as rope_at's result would be.
+    const int half = di / 2, j = i < half ? i : i - half;
+    const float pf = (float)(p0 + sl / nh);
+    const double ang = (double)(pf * inv[j]);
+    const float c = (float)cos(ang), sn = (float)sin(ang);
+    const float u = ld(qr[j]), v = ld(qr[j + half]);
+    T r;
+    st(&r, i < half ? u * c - v * sn : v * c + u * sn);
+    qs[e] = ld(r);
+  }
   if (threadIdx.x < ns) {
     mh[threadIdx.x] = -F32_INF;
     lh[threadIdx.x] = 0.0f;
@@ -420,9 +439,9 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
   extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
                                                     float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \
                                                     i64 d, i64 gh, i64 gt, i64 splits, i64 chunk,               \
-                                                    double scale) {                                             \
+                                                    double scale, RopeFreqs f, int rope) {                      \
     pdl_enter();                                                                                                \
-    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale);         \
+    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope);\
   }                                                                                                             \
   extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \
                                                             i64 splits) {                                       \

@@ -3,10 +3,20 @@
 // is given by tests/decode_emulation.rs as `ac.cuh`, cut from decode.cu.
 //
 // usage: ac B T HQ HKV S D HEADS ROWS SPLITS CHUNK POS...   (exit 1 past 1e-4 of the reference)
+// With AC_ROPE_THETA set, the kernel rotates the queries itself (Op::AttentionCached's `rope`,
+// plain frequencies of that base) and the reference attends with the queries rotated as
+// rope_at does.
 #include "../flash_emu/prelude_emu.h"
 #include <random>
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
+// The prelude's rotation frequencies (src/kernels/prelude.cuh).
+#define ROPE_MAX_HALF 256
+struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
+inline void stage_rope_freqs(float* inv, const RopeFreqs& f, i64 half) {
+  for (i64 j = threadIdx.x; j < half; j += blockDim.x) inv[j] = f.inv[j];
+  __syncthreads();
+}
 #include "ac.cuh"
 int main(int argc, char** argv) {
   i64 b = atoi(argv[1]), t = atoi(argv[2]), hq = atoi(argv[3]), hkv = atoi(argv[4]), s = atoi(argv[5]), d = atoi(argv[6]);
@@ -19,8 +29,24 @@ int main(int argc, char** argv) {
   std::vector<float> part(rows * splits * d, NAN), ml(rows * splits * 2, NAN);
   i64 groups = b * ((t + gt - 1) / gt) * hkv * ((hq / hkv + gh - 1) / gh);
   double scale = 1.0 / sqrt((double)d);
+  RopeFreqs f{};
+  const char* theta = getenv("AC_ROPE_THETA");
+  const int rope = theta != nullptr;
+  if (rope)
+    for (i64 j = 0; j < d / 2; ++j) f.inv[j] = (float)pow(atof(theta), -2.0 * j / d);
+  // The queries the reference attends with: rotated as rope_at would (float products).
+  std::vector<float> qr(q);
+  if (rope)
+    for (i64 bb = 0; bb < b; ++bb) for (i64 tt = 0; tt < t; ++tt) for (i64 h = 0; h < hq; ++h)
+      for (i64 j = 0; j < d / 2; ++j) {
+        float* x = &q[((bb*t+tt)*hq+h)*d];
+        double ang = (double)((float)(pos[bb] + tt) * f.inv[j]);
+        float c = (float)cos(ang), sn = (float)sin(ang);
+        qr[((bb*t+tt)*hq+h)*d+j] = x[j] * c - x[j + d/2] * sn;
+        qr[((bb*t+tt)*hq+h)*d+j+d/2] = x[j + d/2] * c + x[j] * sn;
+      }
   emu::launch({(unsigned)(groups * splits), 1, 1}, 256, 0, [&] {
-    attention_cached<float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale);
+    attention_cached<float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope);
   });
   if (splits > 1) {
     int th = ((d + 31) / 32) * 32; if (th > 256) th = 256;
@@ -31,11 +57,11 @@ int main(int argc, char** argv) {
   for (i64 bb = 0; bb < b; ++bb) for (i64 tt = 0; tt < t; ++tt) for (i64 h = 0; h < hq; ++h) {
     i64 nn = std::min(pos[bb] + tt + 1, s);
     std::vector<double> sc(nn); double m = -1e300;
-    for (i64 j = 0; j < nn; ++j) { double dot = 0; for (i64 c = 0; c < d; ++c) dot += (double)q[((bb*t+tt)*hq+h)*d+c] * k[((bb*s+j)*hkv+h/g_)*d+c]; sc[j] = scale*dot; m = std::max(m, sc[j]); }
+    for (i64 j = 0; j < nn; ++j) { double dot = 0; for (i64 c = 0; c < d; ++c) dot += (double)qr[((bb*t+tt)*hq+h)*d+c] * k[((bb*s+j)*hkv+h/g_)*d+c]; sc[j] = scale*dot; m = std::max(m, sc[j]); }
     double z = 0; for (auto& x : sc) { x = exp(x - m); z += x; }
     for (i64 c = 0; c < d; ++c) { double a = 0; for (i64 j = 0; j < nn; ++j) a += sc[j] * v[((bb*s+j)*hkv+h/g_)*d+c]; a /= z;
       double got = o[((bb*t+tt)*hq+h)*d+c]; err = std::max(err, std::isnan(got) ? 1e9 : fabs(got - a)); ref_norm = std::max(ref_norm, fabs(a)); }
   }
-  printf("b %lld t %lld hq %lld hkv %lld s %lld d %lld gh %lld gt %lld splits %lld: max err %.3e (max |o| %.3f)\n", b, t, hq, hkv, s, d, gh, gt, splits, err, ref_norm);
+  printf("b %lld t %lld hq %lld hkv %lld s %lld d %lld gh %lld gt %lld splits %lld%s: max err %.3e (max |o| %.3f)\n", b, t, hq, hkv, s, d, gh, gt, splits, rope ? " rope" : "", err, ref_norm);
   return err < 1e-4 ? 0 : 1;
 }
