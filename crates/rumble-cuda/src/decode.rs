@@ -68,17 +68,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
             let seq_first = matches!(layout, HeadLayout::Bthd) as i32;
             // The inverse frequencies as `rope`'s recipe passes them (rescaled on the host).
             let freqs = crate::recipe::rope_freqs("rope_at", &scaling.inv_freq(*theta, d))?;
-            let args = vec![
-                Arg::In(0),
-                Arg::In(1),
-                Arg::Out(0),
-                Arg::I64(rows as i64),
-                Arg::I64(x[1] as i64),
-                Arg::I64(x[2] as i64),
-                Arg::I32(seq_first),
-                Arg::I64(d as i64),
-                Arg::Blob(freqs),
-            ];
+            let args = rope_at_args([Arg::In(0), Arg::In(1), Arg::Out(0)], rows, [x[1], x[2]], seq_first, d, freqs);
             kernel("rope_at", blocks(rows * d / 2), THREADS, args)?;
         }
         Op::CacheWrite { rope } => {
@@ -135,17 +125,8 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                             }
                         }
                         let rows = at[0].numel() / d.max(1);
-                        let args = vec![
-                            Arg::In(0),
-                            Arg::In(3),
-                            Arg::Scratch(at_q),
-                            Arg::I64(rows as i64),
-                            Arg::I64(t as i64),
-                            Arg::I64(hq as i64),
-                            Arg::I32(1),
-                            Arg::I64(d as i64),
-                            Arg::Blob(freqs),
-                        ];
+                        let io = [Arg::In(0), Arg::In(3), Arg::Scratch(at_q)];
+                        let args = rope_at_args(io, rows, [t, hq], 1, d, freqs);
                         let name = format!("rope_at_{sfx}");
                         let rotate = Step::Kernel {
                             func: m.function(&name)?,
@@ -220,6 +201,29 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
     }
     let _ = ot;
     Ok(Recipe { op: op.name(), steps, scratch, node_scratch: 0 })
+}
+
+/// The arguments of `rope_at_<dtype>`: `[x, pos, y]`, then `rows` rows of `d` in `[B, n1, n2]`
+/// (the position index is `n1`'s with `seq_first`, else `n2`'s) and the frequencies.
+fn rope_at_args(
+    [x, pos, y]: [Arg; 3],
+    rows: usize,
+    [n1, n2]: [usize; 2],
+    seq_first: i32,
+    d: usize,
+    freqs: Vec<u64>,
+) -> Vec<Arg> {
+    vec![
+        x,
+        pos,
+        y,
+        Arg::I64(rows as i64),
+        Arg::I64(n1 as i64),
+        Arg::I64(n2 as i64),
+        Arg::I32(seq_first),
+        Arg::I64(d as i64),
+        Arg::Blob(freqs),
+    ]
 }
 
 /// How `attention_cached` splits its work (flash-decoding): blocks of `heads` query heads of
