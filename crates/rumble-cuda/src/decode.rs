@@ -150,7 +150,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
             let (part_bytes, ml_at) = plan.scratch(rows, d);
             let grid = u32::try_from(plan.groups * plan.splits)
                 .map_err(|_| CudaError::usage(format!("attention_cached: {} blocks", plan.groups * plan.splits)))?;
-            let args = vec![
+            let mut args = vec![
                 Arg::In(0),
                 Arg::In(1),
                 Arg::In(2),
@@ -171,8 +171,14 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                 Arg::Blob(freqs),
                 Arg::I32(rope.is_some() as i32),
             ];
+            // The last block of each group combines the splits where the device's counters
+            // hold one per group; otherwise a combine kernel of its own does.
+            let counted = plan.splits > 1 && plan.groups <= crate::device::COUNTERS;
+            args.push(if counted { Arg::Counters } else { Arg::I64(0) });
             kernel("attention_cached", grid, THREADS, args)?;
-            if plan.splits > 1 {
+            if counted {
+                scratch = part_bytes;
+            } else if plan.splits > 1 {
                 let args = vec![
                     Arg::Scratch(0),
                     Arg::Scratch(ml_at),

@@ -14,6 +14,11 @@ use cudarc::driver::{result as drv, sys};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::knobs::Knobs;
 
+/// Block counters a device holds beside its status word (`Device::counters_ptr`).
+pub(crate) const COUNTERS: usize = 1 << 16;
+/// Where the counters start in the status allocation.
+const COUNTERS_AT: usize = 256;
+
 /// A CUDA device ready to run kernels.
 pub struct Device {
     pub ordinal: usize,
@@ -149,9 +154,11 @@ impl Device {
             what: "cublasLtCreate".into(),
             err: e.to_string(),
         })?;
-        let status = unsafe { drv::malloc_sync(16) }.ctx(|| "allocating the status word".into())?;
+        // The status word, then the block counters (`Device::counters_ptr`), all zero.
+        let bytes = COUNTERS_AT + 4 * COUNTERS;
+        let status = unsafe { drv::malloc_sync(bytes) }.ctx(|| "allocating the status word".into())?;
         // On the stream (non-blocking: a legacy-stream memset might land after its kernels).
-        unsafe { drv::memset_d8_async(status, 0, 16, stream) }.ctx(|| "clearing the status word".into())?;
+        unsafe { drv::memset_d8_async(status, 0, bytes, stream) }.ctx(|| "clearing the status word".into())?;
         unsafe { drv::stream::synchronize(stream) }.ctx(|| "cuStreamSynchronize".into())?;
         Ok(Device {
             ordinal,
@@ -261,6 +268,14 @@ impl Device {
 
     pub(crate) fn status_ptr(&self) -> sys::CUdeviceptr {
         self.status
+    }
+
+    /// [`COUNTERS`] 32-bit counters, zero between kernels: a kernel whose blocks count their
+    /// arrivals in them (the last to arrive finishing the work of all) sets its counters back to
+    /// zero before it ends. Kernels on the device's stream run one after another, so they share
+    /// these.
+    pub(crate) fn counters_ptr(&self) -> sys::CUdeviceptr {
+        self.status + COUNTERS_AT as u64
     }
 
     /// `(free, total)` bytes of device memory now (cuMemGetInfo).

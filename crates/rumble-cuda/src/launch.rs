@@ -31,6 +31,8 @@ pub enum Arg {
     OutAt(usize, usize),
     /// The device status word (see [`Device::check_status`]).
     Status,
+    /// The device's block counters (`Device::counters_ptr`).
+    Counters,
     /// The node's tag (its index + 1), written into the status word on bad data.
     Tag,
     I64(i64),
@@ -278,6 +280,7 @@ impl Recipe {
                                 vec![addr(a, b)?]
                             }
                             Arg::Status => vec![dev.status_ptr()],
+                            Arg::Counters => vec![dev.counters_ptr()],
                             Arg::Tag => vec![tag as u64],
                             Arg::I64(v) => vec![*v as u64],
                             Arg::I32(v) => vec![*v as u32 as u64],

@@ -3,9 +3,10 @@
 //! tests/flash_emu/ against attention in double precision, with the split plans
 //! `AttentionSplit` makes for devices of several SM counts: one to many runs of keys, empty
 //! runs (a position before the last run), positions past the cache, grouped heads in one block
-//! or two, head sizes 1 to 256, several query rows; five of them also with the queries rotated
-//! by the kernel (`Op::AttentionCached`'s `rope`). No GPU needed; needs `g++` (C++20), else
-//! prints "skipped: no g++".
+//! or two, head sizes 1 to 256, several query rows; the splits combined by each group's last
+//! block (counting in the device's counters, which it leaves at zero); five cases also by the
+//! combine kernel, and with the queries rotated by the kernel (`Op::AttentionCached`'s `rope`).
+//! No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
 
 mod common;
 
@@ -35,8 +36,8 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
         ([1, 16, 4, 4, 200, 32], 132, &[150]),
     ];
     let (mut splits, mut rows) = (std::collections::BTreeSet::new(), Vec::new());
-    // The cases also run with the queries rotated by the kernel.
-    const ROPE_CASES: [usize; 5] = [0, 4, 5, 9, 11];
+    // These cases also run with the combine kernel and with the queries rotated by the kernel.
+    const FEW_CASES: [usize; 5] = [0, 4, 5, 9, 11];
     for (case_index, (dims, sms, pos)) in cases.into_iter().enumerate() {
         let p = AttentionSplit::new(dims, sms);
         splits.insert(p.splits);
@@ -44,12 +45,19 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
         let mut args: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
         args.extend([p.heads, p.rows, p.splits, p.chunk].map(|x| x.to_string()));
         args.extend(pos.iter().map(|x| x.to_string()));
-        // Plain; and, for a few cases (splits, head sizes, several rows), rotating the queries
-        // itself (`rope`).
-        let rotates = ROPE_CASES.contains(&(case_index));
-        let ropes: &[Option<&str>] = if rotates { &[None, Some("10000")] } else { &[None] };
-        for rope in ropes {
+        // Combined by the groups' last blocks (the device's counters); for a few cases (splits,
+        // head sizes, several rows) also by the combine kernel, and rotating the queries itself
+        // (`rope`).
+        let runs: &[(bool, Option<&str>)] = if FEW_CASES.contains(&case_index) {
+            &[(true, None), (false, None), (true, Some("10000"))]
+        } else {
+            &[(true, None)]
+        };
+        for &(counted, rope) in runs {
             let mut cmd = Command::new(&bin);
+            if counted {
+                cmd.env("AC_COUNTERS", "1");
+            }
             if let Some(theta) = rope {
                 cmd.env("AC_ROPE_THETA", theta);
             }
@@ -57,7 +65,10 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
             let text = String::from_utf8_lossy(&out.stdout);
             print!("{text}");
             let err = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{dims:?} on {sms} SMs ({p:?}, rope {rope:?}): {text}{err}");
+            assert!(
+                out.status.success(),
+                "{dims:?} on {sms} SMs ({p:?}, counted {counted}, rope {rope:?}): {text}{err}"
+            );
         }
     }
     assert!(splits.len() >= 4 && splits.contains(&1), "split counts covered: {splits:?}");

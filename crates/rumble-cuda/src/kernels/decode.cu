@@ -80,8 +80,9 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
 // one round trip a tile), a warp per key computes the scores of all its slots (ac_scores),
 // a warp per slot the online softmax, then the tile's V rows take the same buffer and a thread
 // per (slot, column) accumulates p.v in f32. With one split the output is written normalised;
-// otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part` for
-// attention_cached_combine. A split past a slot's visible keys leaves (-inf, 0) and zeros.
+// otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part`, and
+// the group's last block to finish combines them (counting in `counters`; without counters,
+// attention_cached_combine does, a launch of its own). A split past a slot's visible keys leaves (-inf, 0) and zeros.
 // d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H, blockDim.x = 256.
 #define AC_Q 2048
 #define AC_H 16
@@ -132,11 +133,29 @@ __device__ __forceinline__ void ac_scores(float* sc, const float* qs, const floa
         if (hh < ns) sc[hh * AC_TK + jj] = j0 + jj <= p0 + srow[hh] ? fs * dot[hh] : -F32_INF;
   }
 }
+// Output row `row`, column c: the splits' partials rescaled to their common max and summed in
+// split order (read through L2: written by other blocks of the launch, or of the one before); a
+// row that saw no key is zero.
+template <typename T>
+__device__ __forceinline__ void ac_combine(const float* part, const float* ml, T* __restrict__ o, i64 row, i64 c,
+                                           i64 d, i64 splits) {
+  const float* m = ml + row * splits * 2;
+  float mx = -F32_INF;
+  for (i64 i = 0; i < splits; ++i) mx = fmaxf(mx, __ldcg(m + 2 * i));
+  float l = 0.0f;
+  if (mx != -F32_INF)
+    for (i64 i = 0; i < splits; ++i) l += __ldcg(m + 2 * i + 1) * expf(__ldcg(m + 2 * i) - mx);
+  float a = 0.0f;
+  if (l > 0.0f)
+    for (i64 i = 0; i < splits; ++i) a += __ldcg(part + (row * splits + i) * d + c) * expf(__ldcg(m + 2 * i) - mx);
+  stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? a / l : 0.0f));
+}
 template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
                                  float* __restrict__ ml, i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, i64 gh,
-                                 i64 gt, i64 splits, i64 chunk, double scale, const RopeFreqs& f, int rope) {
+                                 i64 gt, i64 splits, i64 chunk, double scale, const RopeFreqs& f, int rope,
+                                 int* __restrict__ counters) {
   __shared__ float qs[AC_Q];
   __shared__ float inv[ROPE_MAX_HALF];  // with `rope`: the rotation's frequencies
   __shared__ float sc[AC_H * AC_TK];
@@ -261,29 +280,32 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
       }
     }
   }
+  if (splits == 1 || counters == nullptr) return;
+  // The group's last block to finish combines every split's partials (no combine launch): each
+  // block makes its partials visible, then counts itself in; the one that counts `splits`
+  // reads the others' through L2 (ld.cg) and puts the counter back to zero for the next kernel.
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&counters[grp], 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < nsd; e += blockDim.x) {
+    const int hh = e / di, c = e - hh * di;
+    ac_combine(part, ml, o, AC_ROW(hh), c, d, splits);
+  }
+  if (threadIdx.x == 0) counters[grp] = 0;
 }
 
 #undef AC_ROW
 #undef AC_SEES
 
-// One block per output row: the splits' partials rescaled to their common max and summed in
-// split order; a row that saw no key is zero.
+// One block per output row (where the attention kernel was given no counters).
 template <typename T>
 __device__ void attention_cached_combine(const float* __restrict__ part, const float* __restrict__ ml,
                                          T* __restrict__ o, i64 d, i64 splits) {
-  i64 row = blockIdx.x;
-  const float* m = ml + row * splits * 2;
-  float mx = -F32_INF;
-  for (i64 i = 0; i < splits; ++i) mx = fmaxf(mx, m[2 * i]);
-  float l = 0.0f;
-  if (mx != -F32_INF)
-    for (i64 i = 0; i < splits; ++i) l += m[2 * i + 1] * expf(m[2 * i] - mx);
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-    float a = 0.0f;
-    if (l > 0.0f)
-      for (i64 i = 0; i < splits; ++i) a += part[(row * splits + i) * d + c] * expf(m[2 * i] - mx);
-    stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? a / l : 0.0f));
-  }
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) ac_combine(part, ml, o, (i64)blockIdx.x, c, d, splits);
 }
 
 // SplitMix64's finaliser and the sampler's uniform number (cpu::decode::uniform).
@@ -439,9 +461,10 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
   extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
                                                     float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \
                                                     i64 d, i64 gh, i64 gt, i64 splits, i64 chunk,               \
-                                                    double scale, RopeFreqs f, int rope) {                      \
+                                                    double scale, RopeFreqs f, int rope, int* counters) {       \
     pdl_enter();                                                                                                \
-    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope);\
+    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, \
+                        counters);                                                                              \
   }                                                                                                             \
   extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \
                                                             i64 splits) {                                       \

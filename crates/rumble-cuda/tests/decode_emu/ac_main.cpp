@@ -3,13 +3,18 @@
 // is given by tests/decode_emulation.rs as `ac.cuh`, cut from decode.cu.
 //
 // usage: ac B T HQ HKV S D HEADS ROWS SPLITS CHUNK POS...   (exit 1 past 1e-4 of the reference)
-// With AC_ROPE_THETA set, the kernel rotates the queries itself (Op::AttentionCached's `rope`,
+// With AC_COUNTERS set, the last block of each group combines the splits. With AC_ROPE_THETA set, the kernel rotates the queries itself (Op::AttentionCached's `rope`,
 // plain frequencies of that base) and the reference attends with the queries rotated as
 // rope_at does.
 #include "../flash_emu/prelude_emu.h"
 #include <random>
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
+// Blocks run one after another here: an atomic is a plain update, a fence nothing, and a
+// load through L2 a load.
+inline int atomicAdd(int* p, int v) { int old = *p; *p += v; return old; }
+inline void __threadfence() {}
+inline float __ldcg(const float* p) { return *p; }
 // The prelude's rotation frequencies (src/kernels/prelude.cuh).
 #define ROPE_MAX_HALF 256
 struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
@@ -45,13 +50,19 @@ int main(int argc, char** argv) {
         qr[((bb*t+tt)*hq+h)*d+j] = x[j] * c - x[j + d/2] * sn;
         qr[((bb*t+tt)*hq+h)*d+j+d/2] = x[j + d/2] * c + x[j] * sn;
       }
+  // With AC_COUNTERS set, the group's last block combines the splits (the counters must be
+  // zero again after); otherwise attention_cached_combine does.
+  const bool counted = getenv("AC_COUNTERS") != nullptr;
+  std::vector<int> counters(groups, 0);
   emu::launch({(unsigned)(groups * splits), 1, 1}, 256, 0, [&] {
-    attention_cached<float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope);
+    attention_cached<float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, counted ? counters.data() : nullptr);
   });
-  if (splits > 1) {
+  if (splits > 1 && !counted) {
     int th = ((d + 31) / 32) * 32; if (th > 256) th = 256;
     emu::launch({(unsigned)rows, 1, 1}, th, 0, [&] { attention_cached_combine<float>(part.data(), ml.data(), o.data(), d, splits); });
   }
+  for (int c : counters)
+    if (c != 0) { printf("FAIL a counter left at %d\n", c); return 1; }
   double err = 0, ref_norm = 0;
   i64 g_ = hq / hkv;
   for (i64 bb = 0; bb < b; ++bb) for (i64 tt = 0; tt < t; ++tt) for (i64 h = 0; h < hq; ++h) {
@@ -62,6 +73,6 @@ int main(int argc, char** argv) {
     for (i64 c = 0; c < d; ++c) { double a = 0; for (i64 j = 0; j < nn; ++j) a += sc[j] * v[((bb*s+j)*hkv+h/g_)*d+c]; a /= z;
       double got = o[((bb*t+tt)*hq+h)*d+c]; err = std::max(err, std::isnan(got) ? 1e9 : fabs(got - a)); ref_norm = std::max(ref_norm, fabs(a)); }
   }
-  printf("b %lld t %lld hq %lld hkv %lld s %lld d %lld gh %lld gt %lld splits %lld%s: max err %.3e (max |o| %.3f)\n", b, t, hq, hkv, s, d, gh, gt, splits, rope ? " rope" : "", err, ref_norm);
+  printf("b %lld t %lld hq %lld hkv %lld s %lld d %lld gh %lld gt %lld splits %lld%s%s: max err %.3e (max |o| %.3f)\n", b, t, hq, hkv, s, d, gh, gt, splits, rope ? " rope" : "", counted ? " counted" : "", err, ref_norm);
   return err < 1e-4 ? 0 : 1;
 }
