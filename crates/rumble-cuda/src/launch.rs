@@ -106,9 +106,10 @@ pub enum Step {
 /// kernel ahead of it in the stream has finished (once that kernel's blocks have all started,
 /// or at once after a library kernel), overlapping its launch with the other's tail. That is
 /// safe because every kernel rumble compiles opens with `pdl_enter()` (`kernels/prelude.cuh`),
-/// which waits there until the kernel ahead has finished and its writes are visible; a test
-/// (`tests/compile.rs`) checks that every kernel source does. Stream capture keeps the relation
-/// as a programmatic edge of the graph.
+/// which waits there until the kernel ahead has finished and its writes are visible;
+/// `Device::module` refuses a source with a kernel that does not
+/// (`kernels::kernels_without_pdl_enter`). Stream capture keeps the relation as a programmatic
+/// edge of the graph.
 ///
 /// # Safety
 /// As `cuLaunchKernel`: `params` must match the kernel's parameters.

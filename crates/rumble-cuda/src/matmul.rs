@@ -121,6 +121,8 @@ pub fn gemv_kernels(dev: &Device, key: &MatmulKey) -> Result<Vec<GemvKernel>> {
     let mm = gemv_rows(key).ok_or_else(|| CudaError::usage(format!("no gemv kernel for matmul {key:?}")))?;
     let (t, o) = (key.dtype.name(), key.out.name());
     let get = |name: String| crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name);
+    // Launch shapes: gemv.cu's GEMV_ROWS rows a block of GEMV_WARPS warps; GEMV_WR_WARPS warps
+    // of R rows each.
     let mut out = vec![GemvKernel { func: get(format!("gemv_tn_{t}_{o}_{mm}"))?, name: "gemv", rows: 4, threads: 256 }];
     if mm <= 4 {
         for (r, name) in [(1, "gemv-warp1"), (2, "gemv-warp2")] {

@@ -1,6 +1,6 @@
-//! `attention_cached`'s flash-decoding kernels (src/kernels/decode.cu, cut from its
-//! "Flash-decoding" comment to the sampler's) run in f32 on the CPU emulator of
-//! tests/flash_emu/ against attention in double precision, with the split plans
+//! `attention_cached`'s flash-decoding kernels (src/kernels/decode.cu, cut from its rotation
+//! helper to the sampler) run in f32 on the CPU emulator of tests/flash_emu/ against attention
+//! in double precision, with the split plans
 //! `AttentionSplit` makes for devices of several SM counts: one to many runs of keys, empty
 //! runs (a position before the last run), positions past the cache, grouped heads in one block
 //! or two, head sizes 1 to 256, several query rows; the splits combined by each group's last
@@ -17,8 +17,14 @@ use rumble_cuda::decode::{AttentionSplit, source};
 #[test]
 fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
     let Some((here, dir)) = common::emulator("decode_emu", "ac_main.cpp") else { return };
-    let bin =
-        common::build_emulator(&here, &dir, &source(), ["// Flash-decoding", "// SplitMix64"], "ac.cuh", "ac_main.cpp");
+    let bin = common::build_emulator(
+        &here,
+        &dir,
+        &source(),
+        ["// rope_at's rotation of one pair", "// SplitMix64"],
+        "ac.cuh",
+        "ac_main.cpp",
+    );
     // ([b, t, hq, hkv, s, d], SMs, positions)
     let cases: [([usize; 6], usize, &[i64]); 12] = [
         ([1, 1, 32, 8, 300, 64], 132, &[200]),

@@ -250,6 +250,7 @@ pub fn fastest_lean(all: &[(f64, usize)], lean_tolerance: f64) -> Option<usize> 
         .map(|v| v.0)
 }
 
+/// Variant `v` of `trace` planned again with `remat`.
 fn variants_one(
     v: &Variant,
     trace: &Trace,

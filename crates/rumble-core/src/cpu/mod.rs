@@ -123,6 +123,13 @@ pub fn run_op(op: &Op, arg_types: &[&TensorType], args: &[&[u8]], out_types: &[&
     if wide { dispatch::<f64>(op, arg_types, args, out_types) } else { dispatch::<f32>(op, arg_types, args, out_types) }
 }
 
+/// What `rope_at` (layout `bthd`) gives for `x` of type `ty` at positions `pos`, stored in the
+/// dtype: the rows a decoding node with `rope` (`fold_rope_at`) reads in their place.
+fn rotate_rows<A: Real>(ty: &TensorType, x: &[A], pos: &[i64], r: &crate::ir::RopeNew) -> Result<Vec<u8>> {
+    let inv_freq = r.scaling.inv_freq(r.theta, ty.dims()[3]);
+    Ok(write_float(ty.dtype, &decode::rope_at::<A>(ty.dims(), x, pos, &inv_freq, HeadLayout::Bthd)?))
+}
+
 fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorType]) -> Result<Vec<Vec<u8>>> {
     let one = |b: Vec<u8>| Ok(vec![b]);
     let f = |i: usize| read_float::<A>(at[i].dtype, args[i]);
@@ -234,12 +241,9 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         Op::CacheWrite { rope } => {
             let pos = read_int(at[2].dtype, args[2]);
             let esize = at[0].dtype.size_in_bytes();
-            // With `rope`, the rows `rope_at` would give (rounded to the dtype) are written.
+            // With `rope`, the rows `rope_at` would give are written.
             let rotated = match rope {
-                Some(r) => {
-                    let inv_freq = r.scaling.inv_freq(r.theta, at[1].dims()[3]);
-                    Some(out(&decode::rope_at::<A>(at[1].dims(), &f(1), &pos, &inv_freq, HeadLayout::Bthd)?))
-                }
+                Some(r) => Some(rotate_rows::<A>(at[1], &f(1), &pos, r)?),
                 None => None,
             };
             let new = rotated.as_deref().unwrap_or(args[1]);
@@ -247,13 +251,9 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         }
         Op::AttentionCached { scale, rope } => {
             let pos = read_int(at[3].dtype, args[3]);
-            // With `rope`, the queries `rope_at` would give (rounded to the dtype) attend.
+            // With `rope`, the queries `rope_at` would give attend.
             let q = match rope {
-                Some(r) => {
-                    let inv_freq = r.scaling.inv_freq(r.theta, at[0].dims()[3]);
-                    let rotated = decode::rope_at::<A>(at[0].dims(), &f(0), &pos, &inv_freq, HeadLayout::Bthd)?;
-                    read_float::<A>(at[0].dtype, &out(&rotated))
-                }
+                Some(r) => read_float::<A>(at[0].dtype, &rotate_rows::<A>(at[0], &f(0), &pos, r)?),
                 None => f(0),
             };
             one(out(&decode::attention_cached::<A>(at[0].dims(), at[1].dims(), &q, &f(1), &f(2), &pos, *scale)?))

@@ -1,6 +1,18 @@
 // The decoding ops (specs in rumble_core's ir/op.rs, CPU reference in cpu/decode.rs):
 // rope_at, cache_write, attention_cached and sample. Positions and sampling keys are i64.
 
+// rope_at's rotation of one pair (u, v) = (x[j], x[j + d/2]) of a row at position p: the angle
+// p * inv[j] in float, its cosine and sine in double rounded to A. The one formula of the three
+// kernels that rotate (rope_at, cache_write_rope, attention_cached's queries), so that a
+// rotation folded into a reader (`fold_rope_at`) gives rope_at's bits.
+template <typename A>
+__device__ __forceinline__ void rope_pair(float p, float inv_j, A u, A v, A& y0, A& y1) {
+  const double ang = (double)(p * inv_j);
+  const A c = (A)cos(ang), s = (A)sin(ang);
+  y0 = u * c - v * s;
+  y1 = v * c + u * s;
+}
+
 // RoPE at per-sequence positions: rows of d, row r = ((b * n1 + i1) * n2 + i2) with the position
 // index t = i1 (layout bthd: n1 = T, n2 = H) or i2 (bhtd: n1 = H, n2 = T); position pos[b] + t.
 // The inverse frequencies are rope's (RopeFreqs in the prelude, rescaled on the host as the
@@ -15,12 +27,11 @@ __device__ void rope_at(const T* __restrict__ x, const i64* __restrict__ pos, T*
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
     i64 row = e / half, j = e % half;
     i64 i2 = row % n2, i1 = (row / n2) % n1, b = row / (n1 * n2);
-    float p = (float)(pos[b] + (seq_first ? i1 : i2));
-    double ang = (double)(p * inv[j]);
-    A c = (A)cos(ang), s = (A)sin(ang);
-    A u = ldf(x[row * d + j]), v = ldf(x[row * d + j + half]);
-    stf(&y[row * d + j], u * c - v * s);
-    stf(&y[row * d + j + half], v * c + u * s);
+    A y0, y1;
+    const float p = (float)(pos[b] + (seq_first ? i1 : i2));
+    rope_pair(p, inv[j], ldf(x[row * d + j]), ldf(x[row * d + j + half]), y0, y1);
+    stf(&y[row * d + j], y0);
+    stf(&y[row * d + j + half], y1);
   }
 }
 
@@ -42,8 +53,8 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
 }
 
 // cache_write with its new rows rotated first (Op::CacheWrite's `rope`): rope_at's rotation
-// (layout bthd, position pos[b] + t, the same float products) rounded to T, then written; one
-// thread takes frequency j of a head, reading and writing its two elements j and j + d/2.
+// (layout bthd, position pos[b] + t; rope_pair) rounded to T, then written; one thread takes
+// frequency j of a head, reading and writing its two elements j and j + d/2.
 template <typename T>
 __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw, const i64* __restrict__ pos,
                                  i64 b_len, i64 s, i64 t_len, i64 r, i64 d, const RopeFreqs& f, int* status,
@@ -60,14 +71,12 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
       if (q == 0) report(status, tag, 1, p);
       continue;
     }
-    const float pf = (float)p;
-    const double ang = (double)(pf * inv[j]);
-    const A c = (A)cos(ang), sn = (A)sin(ang);
     const T* x = nw + (b * t_len + t) * r + h * d;
     T* y = cache + (b * s + p) * r + h * d;
-    const A u = ldf(x[j]), v = ldf(x[j + half]);
-    stf(&y[j], u * c - v * sn);
-    stf(&y[j + half], v * c + u * sn);
+    A y0, y1;
+    rope_pair((float)p, inv[j], ldf(x[j]), ldf(x[j + half]), y0, y1);
+    stf(&y[j], y0);
+    stf(&y[j + half], y1);
   }
 }
 
@@ -82,7 +91,8 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
 // per (slot, column) accumulates p.v in f32. With one split the output is written normalised;
 // otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part`, and
 // the group's last block to finish combines them (counting in `counters`; without counters,
-// attention_cached_combine does, a launch of its own). A split past a slot's visible keys leaves (-inf, 0) and zeros.
+// attention_cached_combine does, a launch of its own). A split past a slot's visible keys
+// leaves (-inf, 0) and zeros.
 // d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H, blockDim.x = 256.
 #define AC_Q 2048
 #define AC_H 16
@@ -187,15 +197,13 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
       qs[e] = ld(qr[i]);
       continue;
     }
-    // Op::AttentionCached's `rope`: rope_at's rotation at the slot's position (the same float
-    // products), rounded to T as rope_at's result would be.
+    // Op::AttentionCached's `rope`: rope_at's rotation at the slot's position (rope_pair),
+    // rounded to T as rope_at's result would be.
     const int half = di / 2, j = i < half ? i : i - half;
-    const float pf = (float)(p0 + sl / nh);
-    const double ang = (double)(pf * inv[j]);
-    const float c = (float)cos(ang), sn = (float)sin(ang);
-    const float u = ld(qr[j]), v = ld(qr[j + half]);
+    float y0, y1;
+    rope_pair((float)(p0 + sl / nh), inv[j], ld(qr[j]), ld(qr[j + half]), y0, y1);
     T r;
-    st(&r, i < half ? u * c - v * sn : v * c + u * sn);
+    st(&r, i < half ? y0 : y1);
     qs[e] = ld(r);
   }
   if (threadIdx.x < ns) {

@@ -87,6 +87,38 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const 
   }
 }
 
+// gemv_wr's chunks ch, ch + 32, ..., ch + 32 (U - 1) (16-byte chunks of K) of its R rows from
+// n0 against every row of a: every load of the group issued before the products.
+template <int U, typename T, int MM, int R>
+__device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T* __restrict__ b, i64 m, i64 n,
+                                               i64 k, i64 n0, i64 ch, float (&acc)[MM][R]) {
+  constexpr int V = Vec16<T>::n;
+  float bv[U][R][V];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (n0 + r < n) {
+        ld16(b + (n0 + r) * k + (ch + 32 * u) * V, bv[u][r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) bv[u][r][i] = 0.0f;
+      }
+    }
+#pragma unroll
+  for (int mm = 0; mm < MM; ++mm) {
+    if (mm >= m) break;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float av[V];
+      ld16(a + mm * k + (ch + 32 * u) * V, av);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[mm][r] += av[i] * bv[u][r][i];
+    }
+  }
+}
 template <typename T, typename O, int MM, int R>
 __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
                         float beta) {
@@ -103,57 +135,9 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const 
   if (vec) {
     const i64 chunks = k / V;
     i64 ch = lane;
-    // Groups of U chunks a lane, every load of a group issued before the products.
-    for (; ch + 32 * (U - 1) < chunks; ch += 32 * U) {
-      float bv[U][R][V];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (n0 + r < n) {
-            ld16(b + (n0 + r) * k + (ch + 32 * u) * V, bv[u][r]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < V; ++i) bv[u][r][i] = 0.0f;
-          }
-        }
-#pragma unroll
-      for (int mm = 0; mm < MM; ++mm) {
-        if (mm >= m) break;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          float av[V];
-          ld16(a + mm * k + (ch + 32 * u) * V, av);
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int i = 0; i < V; ++i) acc[mm][r] += av[i] * bv[u][r][i];
-        }
-      }
-    }
-    // The rest, a chunk at a time.
-    for (; ch < chunks; ch += 32) {
-      float bv[R][V];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (n0 + r < n) {
-          ld16(b + (n0 + r) * k + ch * V, bv[r]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < V; ++i) bv[r][i] = 0.0f;
-        }
-      }
-#pragma unroll
-      for (int mm = 0; mm < MM; ++mm) {
-        if (mm >= m) break;
-        float av[V];
-        ld16(a + mm * k + ch * V, av);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[mm][r] += av[i] * bv[r][i];
-      }
-    }
+    // Groups of U chunks a lane, then the rest a chunk at a time.
+    for (; ch + 32 * (U - 1) < chunks; ch += 32 * U) gemv_wr_chunks<U>(a, b, m, n, k, n0, ch, acc);
+    for (; ch < chunks; ch += 32) gemv_wr_chunks<1>(a, b, m, n, k, n0, ch, acc);
   } else {
     for (i64 e = lane; e < k; e += 32) {
       float bv[R];

@@ -15,6 +15,8 @@ inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, s
 inline int atomicAdd(int* p, int v) { int old = *p; *p += v; return old; }
 inline void __threadfence() {}
 inline float __ldcg(const float* p) { return *p; }
+// The status word's report (src/kernels/prelude.cuh), for cache_write's rows out of the cache.
+inline void report(int*, int, int, i64) {}
 // The prelude's rotation frequencies (src/kernels/prelude.cuh).
 #define ROPE_MAX_HALF 256
 struct RopeFreqs { float inv[ROPE_MAX_HALF]; };
