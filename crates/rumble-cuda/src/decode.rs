@@ -9,8 +9,11 @@
 //! - `attention_cached` is flash-decoding: a block takes all query heads of one kv head (so K
 //!   and V are read once) and one run of the visible keys, a tile at a time with an online
 //!   softmax in f32; the run count ([`AttentionSplit`]) brings a decode step's few groups to
-//!   two waves of blocks. With several runs each leaves its (max, sum, p.v) in the recipe's
-//!   scratch and `attention_cached_combine` rescales and sums them, a block per row. A prefill
+//!   two waves of blocks. A decode step's attention is latency-bound, so the kernel issues a
+//!   tile's K and V loads together, before it reads the queries. With several runs each leaves
+//!   its (max, sum, p.v) in the recipe's scratch and the last block of its group to finish
+//!   rescales and sums them (counting in the device's counters; `attention_cached_combine`, a
+//!   block per row, where the groups outnumber the counters). A prefill
 //!   chunk (at least `FLASH_MIN_ROWS` query rows, bf16 or f16) runs on the flash forward
 //!   instead (`flash::cached_recipe`: causal at each sequence's cache position).
 //! - `sample`: one block of 1024 threads per row; greedy is one argmax pass, top-k and top-p
@@ -249,11 +252,11 @@ pub struct AttentionSplit {
     pub chunk: usize,
 }
 
-/// Keys a split holds at least: one tile of the kernel (`AC_TK` keys at head sizes up to 64),
+/// Keys a split holds at least: one tile of the kernel (`AC_TK` keys at bf16 head sizes up to 64),
 /// so a block's fixed costs (its query rows, the combine's partials) stay small beside its
 /// reads.
 const MIN_SPLIT_KEYS: usize = 64;
-/// Splits at most (the combine kernel reads every split's partial).
+/// Splits at most (the combine reads every split's partial; `AC_MAX_SPLITS` in `decode.cu`).
 const MAX_SPLITS: usize = 64;
 
 impl AttentionSplit {
@@ -317,6 +320,8 @@ mod tests {
             let p = AttentionSplit::new([1, 1, 4, 4, s, 32], 100);
             assert!((p.splits - 1) * p.chunk < s && p.splits * p.chunk >= s, "s {s}: {p:?}");
         }
+        // The kernel's combine buffers hold MAX_SPLITS splits.
+        assert!(super::source().contains(&format!("#define AC_MAX_SPLITS {}\n", super::MAX_SPLITS)));
         let p = AttentionSplit::new([1, 1, 4, 1, 4096, 64], 132);
         let (bytes, ml) = p.scratch(4, 64);
         assert!(ml >= 4 * p.splits * 64 * 4 && bytes == ml + 4 * p.splits * 8);

@@ -84,51 +84,86 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
 // `gh` of its query heads): the block's slots (row, head) share every K and V row it reads
 // (several rows: a prefill chunk's). Slot (row t, head h) sees keys [0, pos[b] + t]; the block
 // reads up to its last row's. Split `sp` takes the visible keys [sp * chunk, (sp + 1) * chunk),
-// a tile of tk = min(AC_TK, AC_KV / d) keys at a time: the block copies the tile's K rows into
-// shared memory together (16-byte loads where the layout allows: every load in flight at once,
-// one round trip a tile), a warp per key computes the scores of all its slots (ac_scores),
-// a warp per slot the online softmax, then the tile's V rows take the same buffer and a thread
-// per (slot, column) accumulates p.v in f32. With one split the output is written normalised;
-// otherwise each (row, split) leaves (max, sum) in `ml` and the unnormalised p.v in `part`, and
-// the group's last block to finish combines them (counting in `counters`; without counters,
-// attention_cached_combine does, a launch of its own). A split past a slot's visible keys
-// leaves (-inf, 0) and zeros.
-// d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H, blockDim.x = 256.
+// a tile of tk keys at a time (as many as AC_KVB bytes hold of K and V rows together, at most
+// AC_TK). A decode step is latency-bound, so the kernel keeps its round trips to memory few:
+// - the tile's K and V rows are copied into shared memory as stored, every thread's 16-byte
+//   loads of both issued before any is used (ac_stage), and the first tile's loads before the
+//   queries are read and rotated;
+// - a warp per key computes the scores of all the block's slots (ac_scores), a warp per slot
+//   the online softmax in f32, then a thread per (slot, column) accumulates p.v;
+// - with one split the output is written normalised. Otherwise each (row, split) leaves (max,
+//   sum) in `ml` and the unnormalised p.v in `part`, and the group's last block to finish
+//   combines them (counting in `counters`; without counters, attention_cached_combine does, a
+//   launch of its own): both through ac_combine, which reads every split's (max, sum) in one
+//   round trip, weighs the splits once a row, then sums the partials. A split past a slot's
+//   visible keys leaves (-inf, 0) and zeros.
+// d <= 256, gt * gh * d <= AC_Q, gt * gh <= AC_H, splits <= AC_MAX_SPLITS (decode.rs's
+// MAX_SPLITS), blockDim.x = 256.
 #define AC_Q 2048
 #define AC_H 16
 #define AC_TK 64
-#define AC_KV 4096
-// Rows [j0, j0 + n) of a cache head (rows `stride` apart from `base`), d elements each, into
-// `dst` ([n][d] floats) by the whole block.
+#define AC_KVB 16384
+#define AC_MAX_SPLITS 64
+#define AC_THREADS 256
+// 16-byte chunks of one tile's K (or V) rows a thread copies at most: AC_KVB / 2 bytes over
+// AC_THREADS threads.
+#define AC_PER (AC_KVB / 2 / 16 / AC_THREADS)
+// A tile of cache rows [j0, j0 + n) of one head (rows `stride` apart from kb and vb; d elements
+// each) into ks and vs ([n][d], as stored): with `vec`, every thread's 16-byte loads of K and V
+// are issued before the first is stored (ac_load, then ac_store); otherwise element by element.
 template <typename T>
-__device__ __forceinline__ void ac_stage(float* dst, const T* base, i64 j0, int n, int d, i64 stride, bool vec) {
-  if (vec) {
-    constexpr int V = Vec16<T>::n;
-    const int per = d / V;  // 16-byte chunks a row
-    for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
+struct AcTile {
+  uint4 k[AC_PER], v[AC_PER];
+};
+template <typename T>
+__device__ __forceinline__ void ac_load(AcTile<T>& r, const T* kb, const T* vb, i64 j0, int n, int d, i64 stride) {
+  constexpr int V = Vec16<T>::n;
+  const int per = d / V, total = n * per;  // 16-byte chunks a row, a tile
+#pragma unroll
+  for (int u = 0; u < AC_PER; ++u) {
+    const int e = threadIdx.x + u * AC_THREADS;
+    if (e < total) {
       const int jj = e / per, c = (e - jj * per) * V;
-      ld16(base + (j0 + jj) * stride + c, dst + jj * d + c);
-    }
-  } else {
-    for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
-      const int jj = e / d, c = e - jj * d;
-      dst[e] = ld(base[(j0 + jj) * stride + c]);
+      r.k[u] = *reinterpret_cast<const uint4*>(kb + (j0 + jj) * stride + c);
+      r.v[u] = *reinterpret_cast<const uint4*>(vb + (j0 + jj) * stride + c);
     }
   }
 }
-// The scores of a tile's keys (K rows in `kvs`) for the block's ns <= NS slots: a warp per key,
+template <typename T>
+__device__ __forceinline__ void ac_store(const AcTile<T>& r, T* ks, T* vs, int n, int d) {
+  constexpr int V = Vec16<T>::n;
+  const int total = n * (d / V);
+#pragma unroll
+  for (int u = 0; u < AC_PER; ++u) {
+    const int e = threadIdx.x + u * AC_THREADS;
+    if (e < total) {
+      *reinterpret_cast<uint4*>(ks + e * V) = r.k[u];
+      *reinterpret_cast<uint4*>(vs + e * V) = r.v[u];
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ void ac_stage_scalar(T* ks, T* vs, const T* kb, const T* vb, i64 j0, int n, int d,
+                                                i64 stride) {
+  for (int e = threadIdx.x; e < n * d; e += blockDim.x) {
+    const int jj = e / d, c = e - jj * d;
+    ks[e] = kb[(j0 + jj) * stride + c];
+    vs[e] = vb[(j0 + jj) * stride + c];
+  }
+}
+// The scores of a tile's keys (K rows in `ks`) for the block's ns <= NS slots: a warp per key,
 // lanes over d; the NS slots' dot products first, then their warp sums interleaved (the
 // shuffle chains of different slots overlap). Masked keys (past a slot's row) get -inf.
-template <int NS>
-__device__ __forceinline__ void ac_scores(float* sc, const float* qs, const float* kvs, int tn, int di, int ns, i64 j0,
+template <int NS, typename T>
+__device__ __forceinline__ void ac_scores(float* sc, const float* qs, const T* ks, int tn, int di, int ns, i64 j0,
                                           i64 p0, const int* srow, float fs, int warp, int nw, int lane) {
   for (int jj = warp; jj < tn; jj += nw) {
-    const float* kr = kvs + jj * di;
+    const T* kr = ks + jj * di;
     float dot[NS];
 #pragma unroll
     for (int hh = 0; hh < NS; ++hh) dot[hh] = 0.0f;
     for (int e = lane; e < di; e += 32) {
-      const float x = kr[e];
+      const float x = ldf(kr[e]);
 #pragma unroll
       for (int hh = 0; hh < NS; ++hh)
         if (hh < ns) dot[hh] += qs[hh * di + e] * x;
@@ -143,22 +178,48 @@ __device__ __forceinline__ void ac_scores(float* sc, const float* qs, const floa
         if (hh < ns) sc[hh * AC_TK + jj] = j0 + jj <= p0 + srow[hh] ? fs * dot[hh] : -F32_INF;
   }
 }
-// Output row `row`, column c: the splits' partials rescaled to their common max and summed in
-// split order (read through L2: written by other blocks of the launch, or of the one before); a
-// row that saw no key is zero.
+// Output rows rows[0..nrows) (d columns each) from the splits' partials, by the whole block:
+// every split's (max, sum) of every row read at once (through L2: written by other blocks of
+// the launch, or of the one before), a thread per row weighing its splits by their softmax
+// rescaling exp(max_i - max), then a thread per (row, column) summing the weighted partials in
+// split order over their weighted sum; a row that saw no key is zero. `buf`: shared memory of
+// nrows * (3 * splits + 1) floats.
 template <typename T>
-__device__ __forceinline__ void ac_combine(const float* part, const float* ml, T* __restrict__ o, i64 row, i64 c,
-                                           i64 d, i64 splits) {
-  const float* m = ml + row * splits * 2;
-  float mx = -F32_INF;
-  for (i64 i = 0; i < splits; ++i) mx = fmaxf(mx, __ldcg(m + 2 * i));
-  float l = 0.0f;
-  if (mx != -F32_INF)
-    for (i64 i = 0; i < splits; ++i) l += __ldcg(m + 2 * i + 1) * expf(__ldcg(m + 2 * i) - mx);
-  float a = 0.0f;
-  if (l > 0.0f)
-    for (i64 i = 0; i < splits; ++i) a += __ldcg(part + (row * splits + i) * d + c) * expf(__ldcg(m + 2 * i) - mx);
-  stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? a / l : 0.0f));
+__device__ __forceinline__ void ac_combine(const float* part, const float* ml, T* __restrict__ o, const i64* rows,
+                                           int nrows, int d, int splits, float* buf) {
+  float* mls = buf;                       // [nrows][splits][2]
+  float* w = buf + nrows * splits * 2;    // [nrows][splits]
+  float* ls = w + nrows * splits;         // [nrows]
+  for (int e = threadIdx.x; e < nrows * splits * 2; e += blockDim.x) {
+    const int sl = e / (2 * splits);
+    mls[e] = __ldcg(ml + rows[sl] * splits * 2 + (e - sl * 2 * splits));
+  }
+  __syncthreads();
+  for (int sl = threadIdx.x; sl < nrows; sl += blockDim.x) {
+    const float* m = mls + sl * splits * 2;
+    float mx = -F32_INF;
+    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, m[2 * i]);
+    float l = 0.0f;
+    for (int i = 0; i < splits; ++i) {
+      const float wi = mx == -F32_INF ? 0.0f : expf(m[2 * i] - mx);
+      w[sl * splits + i] = wi;
+      l += m[2 * i + 1] * wi;
+    }
+    ls[sl] = l;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < nrows * d; e += blockDim.x) {
+    const int sl = e / d, c = e - sl * d;
+    const float l = ls[sl];
+    float a = 0.0f;
+    if (l > 0.0f) {
+      const float* p = part + rows[sl] * splits * d + c;
+      const float* ws = w + sl * splits;
+#pragma unroll 8
+      for (int i = 0; i < splits; ++i) a += __ldcg(p + (i64)i * d) * ws[i];
+    }
+    stf(&o[rows[sl] * d + c], (typename Acc<T>::t)(l > 0.0f ? a / l : 0.0f));
+  }
 }
 template <typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -171,7 +232,9 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   __shared__ float sc[AC_H * AC_TK];
   __shared__ float mh[AC_H], lh[AC_H], ch[AC_H];
   __shared__ int srow[AC_H];  // slot sl's row within the block: sl / nh
-  __shared__ float kvs[AC_KV];  // the tile's K rows, then its V rows
+  __shared__ i64 rws[AC_H];   // slot sl's output row
+  // The tile's K rows, then its V rows, as stored; the combine's buffer after the last tile.
+  __shared__ __align__(16) unsigned char kvb[AC_KVB];
   i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
   i64 g = hq / hkv, hchunks = (g + gh - 1) / gh, tchunks = (t_len + gt - 1) / gt;
   i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, tc = (grp / (hchunks * hkv)) % tchunks;
@@ -185,34 +248,12 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   if (n < 0) n = 0;
   i64 lo = sp * chunk, hi = lo + chunk < n ? lo + chunk : n;
 #define AC_ROW(sl) ((b * t_len + t0 + (sl) / nh) * hq + h0 + (sl) % nh)
-#define AC_SEES(sl, j) ((j) <= p0 + srow[sl])
   // In 32 bits inside the block (ns * d <= AC_Q): no 64-bit divisions in the loops.
   const int di = (int)d, nsd = (int)(ns * d), nsi = (int)ns;
-  const int tk = AC_KV / di < AC_TK ? AC_KV / di : AC_TK;  // keys a tile
-  if (rope) stage_rope_freqs(inv, f, di / 2);  // `rope` is the same for every thread
-  for (int e = threadIdx.x; e < nsd; e += blockDim.x) {
-    const int sl = e / di, i = e - sl * di;
-    const T* qr = q + AC_ROW(sl) * d;
-    if (!rope) {
-      qs[e] = ld(qr[i]);
-      continue;
-    }
-    // Op::AttentionCached's `rope`: rope_at's rotation at the slot's position (rope_pair),
-    // rounded to T as rope_at's result would be.
-    const int half = di / 2, j = i < half ? i : i - half;
-    float y0, y1;
-    rope_pair((float)(p0 + sl / nh), inv[j], ld(qr[j]), ld(qr[j + half]), y0, y1);
-    T r;
-    st(&r, i < half ? y0 : y1);
-    qs[e] = ld(r);
-  }
-  if (threadIdx.x < ns) {
-    mh[threadIdx.x] = -F32_INF;
-    lh[threadIdx.x] = 0.0f;
-    srow[threadIdx.x] = (int)threadIdx.x / (int)nh;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int fit = AC_KVB / (2 * di * (int)sizeof(T));
+  const int tk = fit < AC_TK ? fit : AC_TK;  // keys a tile
+  T* ks = reinterpret_cast<T*>(kvb);
+  T* vs = ks + tk * di;
   const i64 kstride = hkv * d;
   const T* kb = k + (b * s * hkv + kvh) * d;
   const T* vb = v + (b * s * hkv + kvh) * d;
@@ -220,20 +261,66 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   constexpr int VW = Vec16<T>::n;
   const bool vec = di % VW == 0 && (kstride * (i64)sizeof(T)) % 16 == 0 && ((unsigned long long)kb & 15) == 0 &&
                    ((unsigned long long)vb & 15) == 0;
+  // The first tile's loads go out before the queries are read.
+  AcTile<T> tile;
+  int tn = hi - lo < tk ? (int)(hi - lo) : tk;
+  if (tn < 0) tn = 0;
+  if (vec) ac_load(tile, kb, vb, lo, tn, di, kstride);
+  if (rope) stage_rope_freqs(inv, f, di / 2);  // `rope` is the same for every thread
+  if (!rope) {
+    for (int e = threadIdx.x; e < nsd; e += blockDim.x) {
+      const int sl = e / di;
+      qs[e] = ld(q[AC_ROW(sl) * d + (e - sl * di)]);
+    }
+  } else {
+    // Op::AttentionCached's `rope`: rope_at's rotation at the slot's position (rope_pair),
+    // rounded to T as rope_at's result would be; a thread a pair (j, j + d/2).
+    const int half = di / 2;
+    for (int e = threadIdx.x; e < nsi * half; e += blockDim.x) {
+      const int sl = e / half, j = e - sl * half;
+      const T* qr = q + AC_ROW(sl) * d;
+      float y0, y1;
+      rope_pair((float)(p0 + sl / nh), inv[j], ld(qr[j]), ld(qr[j + half]), y0, y1);
+      T r0, r1;
+      st(&r0, y0);
+      st(&r1, y1);
+      qs[sl * di + j] = ld(r0);
+      qs[sl * di + j + half] = ld(r1);
+    }
+  }
+  if (threadIdx.x < ns) {
+    mh[threadIdx.x] = -F32_INF;
+    lh[threadIdx.x] = 0.0f;
+    srow[threadIdx.x] = (int)threadIdx.x / (int)nh;
+    rws[threadIdx.x] = AC_ROW((i64)threadIdx.x);
+  }
+  if (vec)
+    ac_store(tile, ks, vs, tn, di);
+  else
+    ac_stage_scalar(ks, vs, kb, vb, lo, tn, di, kstride);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   float acc[8];
 #pragma unroll
   for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
   const float fs = (float)scale;
   for (i64 j0 = lo; j0 < hi; j0 += tk) {
-    const int tn = hi - j0 < tk ? (int)(hi - j0) : tk;
-    ac_stage(kvs, kb, j0, tn, di, kstride, vec);
-    __syncthreads();
+    tn = hi - j0 < tk ? (int)(hi - j0) : tk;
+    if (j0 != lo) {  // the first tile is in place
+      if (vec) {
+        ac_load(tile, kb, vb, j0, tn, di, kstride);
+        ac_store(tile, ks, vs, tn, di);
+      } else {
+        ac_stage_scalar(ks, vs, kb, vb, j0, tn, di, kstride);
+      }
+      __syncthreads();
+    }
     if (nsi <= 4)
-      ac_scores<4>(sc, qs, kvs, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
+      ac_scores<4>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
     else if (nsi <= 8)
-      ac_scores<8>(sc, qs, kvs, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
+      ac_scores<8>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
     else
-      ac_scores<AC_H>(sc, qs, kvs, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
+      ac_scores<AC_H>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
     __syncthreads();
     for (int hh = warp; hh < nsi; hh += nw) {
       float mt = -F32_INF;
@@ -255,8 +342,6 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
         mh[hh] = mn;
       }
     }
-    // The V rows take the K rows' place (every score is read: the barrier above).
-    ac_stage(kvs, vb, j0, tn, di, kstride, vec);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
@@ -265,7 +350,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
         const int hh = e / di, c = e - hh * di;
         const float* p = sc + hh * AC_TK;
         float a = acc[r] * ch[hh];
-        for (int jj = 0; jj < tn; ++jj) a += p[jj] * kvs[jj * di + c];
+        for (int jj = 0; jj < tn; ++jj) a += p[jj] * ldf(vs[jj * di + c]);
         acc[r] = a;
       }
     }
@@ -275,7 +360,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   for (int r = 0; r < 8; ++r) {
     i64 e = threadIdx.x + (i64)r * blockDim.x;
     if (e < ns * d) {
-      i64 hh = e / d, c = e % d, row = AC_ROW(hh);
+      i64 hh = e / d, c = e % d, row = rws[hh];
       if (splits == 1) {
         float l = lh[hh];
         stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? acc[r] / l : 0.0f));
@@ -299,21 +384,21 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int e = threadIdx.x; e < nsd; e += blockDim.x) {
-    const int hh = e / di, c = e - hh * di;
-    ac_combine(part, ml, o, AC_ROW(hh), c, d, splits);
-  }
+  ac_combine(part, ml, o, rws, nsi, di, (int)splits, reinterpret_cast<float*>(kvb));
   if (threadIdx.x == 0) counters[grp] = 0;
 }
 
 #undef AC_ROW
-#undef AC_SEES
 
 // One block per output row (where the attention kernel was given no counters).
 template <typename T>
 __device__ void attention_cached_combine(const float* __restrict__ part, const float* __restrict__ ml,
                                          T* __restrict__ o, i64 d, i64 splits) {
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) ac_combine(part, ml, o, (i64)blockIdx.x, c, d, splits);
+  __shared__ float buf[3 * AC_MAX_SPLITS + 1];
+  __shared__ i64 row;
+  if (threadIdx.x == 0) row = blockIdx.x;
+  __syncthreads();
+  ac_combine(part, ml, o, &row, 1, (int)d, (int)splits, buf);
 }
 
 // SplitMix64's finaliser and the sampler's uniform number (cpu::decode::uniform).
@@ -327,6 +412,28 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 __device__ __forceinline__ unsigned fkey(float f) {
   unsigned u = __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Calls f(i, z) for each element i of the row xr (v elements) that this thread owns, z its value
+// in float: 16-byte chunks t, t + blockDim.x, ... where the row allows (loads in flight
+// together), else elements t, t + blockDim.x, ... Only for passes whose result does not depend
+// on the order the elements are met in (maxima, the argmax with its lowest-index rule, counts):
+// each thread still meets its own elements in index order.
+template <typename T, typename F>
+__device__ __forceinline__ void sample_each(const T* xr, i64 v, F f) {
+  constexpr int V = Vec16<T>::n;
+  if (v % V == 0 && ((unsigned long long)xr & 15) == 0) {
+    const i64 chunks = v / V;
+#pragma unroll 4
+    for (i64 c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float z[V];
+      ld16(xr + c * V, z);
+#pragma unroll
+      for (int i = 0; i < V; ++i) f(c * V + i, z[i]);
+    }
+  } else {
+    for (i64 i = threadIdx.x; i < v; i += blockDim.x) f(i, ldf(xr[i]));
+  }
 }
 
 // One block per row of logits [rows, v]. Greedy: the argmax, lowest index among equals.
@@ -344,11 +451,12 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
   if (temperature == 0.0) {
     float best = -F32_INF;
     i64 bi = v;
-    for (i64 i = threadIdx.x; i < v; i += blockDim.x) {
-      float z = ld(xr[i]);
-      if (z != z) continue;
-      if (bi == v || z > best) { best = z; bi = i; }
-    }
+    sample_each(xr, v, [&](i64 i, float z) {
+      if (z == z && (bi == v || z > best)) {
+        best = z;
+        bi = i;
+      }
+    });
     __shared__ float bv[1024];
     __shared__ i64 bx[1024];
     bv[threadIdx.x] = best;
@@ -370,7 +478,7 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
   }
   float inv_t = (float)(1.0 / temperature);
   float m = -F32_INF;
-  for (i64 i = threadIdx.x; i < v; i += blockDim.x) m = fmaxf(m, ld(xr[i]) * inv_t);
+  sample_each(xr, v, [&](i64, float z) { m = fmaxf(m, z * inv_t); });
   m = block_max(m, fbuf);
   // Top-k: the largest key kk with at least k values at or above it.
   unsigned kk = 0;
@@ -378,7 +486,7 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
     for (int bit = 31; bit >= 0; --bit) {
       unsigned cand = kk | (1u << bit);
       float cnt = 0.0f;
-      for (i64 i = threadIdx.x; i < v; i += blockDim.x) cnt += fkey(ld(xr[i]) * inv_t) >= cand ? 1.0f : 0.0f;
+      sample_each(xr, v, [&](i64, float z) { cnt += fkey(z * inv_t) >= cand ? 1.0f : 0.0f; });
       cnt = block_sum(cnt, fbuf);
       if (cnt >= (float)top_k) kk = cand;
     }
