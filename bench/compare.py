@@ -117,7 +117,7 @@ def suite(rows):
         # With `gpu` (rumble's line names its GPU), only lines of that GPU: a ratio is between
         # runs on one kind of card.
         hits = [r for r in rows if r["case"] == c and pred(r.get("executor", ""))
-                and (gpu is None or r.get("gpu") == gpu)]
+                and not budgeted(r) and (gpu is None or r.get("gpu") == gpu)]
         return hits[-1] if hits else None
 
     def cell(r):
@@ -180,6 +180,36 @@ def suite(rows):
                   f"differs from rumble's {mine_flops(rows, r['case']):.4g}")
 
 
+def budgeted(r):
+    """A rumble line run under an explicit --memory-budget (scripts/gpu's RO_BUDGETS)."""
+    return r.get("ro_fraction") is not None or r.get("memory_budget") not in (None, "fastest")
+
+
+def budget_runs(rows):
+    """rumble under a memory budget beside its default plan and RO, per case."""
+    runs = [r for r in rows if budgeted(r)]
+    if not runs:
+        return
+    print("\n### suite under a memory budget\n")
+    print("| case | budget | rumble ms | rumble GB | step / RO | step / default | chosen |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for r in runs:
+        c = r["case"]
+        if r.get("failed") or r.get("error"):
+            print(f"| {c} | {r.get('ro_fraction', '')}x RO | error: {str(r.get('error', 'failed'))[:120]} | | | | |")
+            continue
+        gpu = r.get("gpu")
+        same = [x for x in rows if x["case"] == c and not budgeted(x) and not x.get("failed")
+                and (gpu is None or x.get("gpu") == gpu)]
+        ro = [x for x in same if x.get("executor") == "torch-compile-ro"]
+        mine = [x for x in same if x.get("executor", "").startswith("rumble")]
+        ms = r.get("median_step_ms")
+        vs_ro = f"{ms / ro[-1]['median_step_ms']:.2f}" if ro and ms else ""
+        vs_def = f"{ms / mine[-1]['median_step_ms']:.2f}" if mine and ms else ""
+        print(f"| {c} | {r.get('memory_budget')} | {fmt(ms, digits=2)} | {fmt(peak(r), GB, 2)} | {vs_ro} "
+              f"| {vs_def} | {r.get('chosen', '')} |")
+
+
 def mine_flops(rows, case):
     r = next((r for r in rows if r.get("case") == case and r.get("executor", "").startswith("rumble")
               and r.get("flops_per_step")), None)
@@ -201,6 +231,7 @@ def main():
         presets(preset_rows)
     if suite_rows:
         suite(suite_rows)
+        budget_runs(suite_rows)
 
 
 if __name__ == "__main__":
