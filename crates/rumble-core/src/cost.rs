@@ -275,6 +275,15 @@ impl Roofline {
                 // The addend is read once more, by the same kernel.
                 t + if *acc { args[2].size_in_bytes() as f64 / self.rates.memory } else { 0.0 }
             }
+            // The matmul of the prologue's rows (one kernel: its operands are read once more,
+            // and an addend).
+            Op::MatmulPre { pre, .. } => {
+                let w = args[pre.operands()];
+                let rows = TensorType::new(w.dtype, [args[0].dims()[0], w.dims()[1]]);
+                let t = matmul(&MatmulShape::of(&rows, w, false, true));
+                let others: f64 = args.iter().filter(|a| *a != &w).map(|a| a.size_in_bytes() as f64).sum();
+                t + others / self.rates.memory
+            }
             Op::Attention { .. } | Op::AttentionBackward { .. } => {
                 let rate = self.rates.matmul_rate(args[0].dtype) * self.rates.attention_efficiency;
                 let launches = if matches!(op, Op::AttentionBackward { .. }) { 3 } else { 1 };

@@ -555,6 +555,52 @@ fn key_and_query_rotations_fold_into_their_readers() {
     assert_ne!(written[16..32], raw[16..32]);
 }
 
+/// `fold_prologues`: in a decode step (a row or two), the norm read by three projections and the
+/// swiglu read by the down projection (itself added to the stream: `acc`) become `matmul_pre`
+/// nodes, which read back from the text form and compute the same bits (bf16); a norm also read
+/// by another op, one of more than `PROLOGUE_ROWS` rows, and a norm read as a matmul's right
+/// operand stay.
+#[test]
+fn norms_and_swiglus_fold_into_the_projections_they_feed() {
+    let g = Graph::new("prologues");
+    let x = g.param("x", DType::BF16, &[2, 16]).unwrap();
+    let gw = g.param("g", DType::BF16, &[16]).unwrap();
+    let [wq, wk, wv] = ["wq", "wk", "wv"].map(|n| g.param(n, DType::BF16, &[24, 16]).unwrap());
+    let gu_w = g.param("w_gate_up", DType::BF16, &[40, 16]).unwrap();
+    let down = g.param("w_down", DType::BF16, &[16, 20]).unwrap();
+    let h = x.rms_norm(&gw, 1e-5).unwrap();
+    let [q, k, v] = [&wq, &wk, &wv].map(|w| h.matmul_t(w).unwrap());
+    let gate_up = h.matmul_t(&gu_w).unwrap();
+    let y = x.add(&gate_up.swiglu_packed().unwrap().matmul_t(&down).unwrap()).unwrap();
+    // Stays: a norm also read elementwise, a norm of 5 rows, a norm as the right operand.
+    let h2 = x.rms_norm(&gw, 1e-6).unwrap();
+    let shared = h2.matmul_t(&wq).unwrap().sum(&[0, 1], false).unwrap().add(&h2.sum(&[0, 1], false).unwrap()).unwrap();
+    let x5 = g.param("x5", DType::BF16, &[5, 16]).unwrap();
+    let tall = x5.rms_norm(&gw, 1e-5).unwrap().matmul_t(&wq).unwrap();
+    let right = wq.matmul_t(&x.rms_norm(&gw, 1e-4).unwrap()).unwrap();
+    for (t, name) in [(&q, "q"), (&k, "k"), (&v, "v"), (&y, "y"), (&shared, "s"), (&tall, "t"), (&right, "r")] {
+        g.output(t, name).unwrap();
+    }
+    // The residual add folds first (`fold_addends`, as the pipeline runs them): its matmul reads
+    // the swiglu.
+    let trace = passes::fold_addends(&g.finish().unwrap()).unwrap();
+    let folded = passes::fold_prologues(&trace).unwrap();
+    let count = |t: &Trace, name: &str| t.nodes.iter().filter(|n| n.op.name() == name).count();
+    assert_eq!(count(&folded, "matmul_pre"), 5, "{folded}");
+    assert_eq!((count(&folded, "rms_norm"), count(&folded, "swiglu_packed")), (3, 0), "{folded}");
+    assert!(folded.to_string().contains("pre=swiglu_packed acc=true"), "{folded}");
+    assert_eq!(parse(&folded.to_string()).unwrap(), folded);
+    verify(&folded).unwrap();
+    let rng = &mut Rng::new(13);
+    let inputs: Vec<HostTensor> =
+        trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
+    assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
+    // A weight of another width is refused, naming the op and the shapes.
+    let text = folded.to_string();
+    let e = parse_err(&text.replace("bf16[40,16]", "bf16[40,15]"));
+    assert!(e.contains("matmul_pre") || e.contains("matmul"), "{e}");
+}
+
 /// `fold_loss_grad`: the fused loss and its backward become one `linear_cross_entropy_grad`
 /// computing the same bits (the objective's cotangent is a constant); it reads back from the
 /// text form. Where the cotangent depends on the loss (`loss * loss`), or the log-sum-exp is

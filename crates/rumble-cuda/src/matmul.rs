@@ -132,6 +132,28 @@ pub fn gemv_kernels(dev: &Device, key: &MatmulKey) -> Result<Vec<GemvKernel>> {
     Ok(out)
 }
 
+/// The kernel of `kernels/gemv.cu` that runs `matmul_pre` with prologue `pre` (`norm` or
+/// `swiglu`) for `key`, the plain matmul of the rows it makes: the way of splitting the work the
+/// tuner chose for `key` (timed as that matmul), where it chose one of gemv.cu's kernels and
+/// the bucket has prologue kernels (at most 4 rows, the operands' dtype out). `None` where it
+/// did not: cuBLAS is faster on that shape, or there is no such kernel.
+pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Option<GemvKernel>> {
+    let Some(mm) = gemv_rows(key).filter(|&mm| mm <= 4 && key.out == key.dtype) else { return Ok(None) };
+    let split = match dev.matmul_algorithm(key)? {
+        "gemv" => ("gemv_tn", 4, 256),
+        "gemv-warp1" => ("gemv_wr1", 4, 128),
+        "gemv-warp2" => ("gemv_wr2", 8, 128),
+        _ => return Ok(None),
+    };
+    let (name, rows, threads) = split;
+    let func = crate::recipe::kernel(
+        dev,
+        crate::kernels::KernelFile::Gemv,
+        &format!("{name}_{pre}_{}_{mm}", key.dtype.name()),
+    )?;
+    Ok(Some(GemvKernel { func, name: "gemv-pre", rows, threads }))
+}
+
 /// One algorithm to time: how it runs and the workspace bytes it needs.
 #[derive(Clone, Copy)]
 pub(crate) struct Candidate {

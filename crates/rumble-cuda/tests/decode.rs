@@ -4,7 +4,8 @@
 //! cache prefix (caches up to 4096 positions, split one to many ways, grouped heads in one or
 //! two blocks; also rotating its queries), and the sampler
 //! (greedy exactly; with temperature, top-k and top-p the same token on these well-separated
-//! rows). Skipped without a GPU.
+//! rows); and `matmul_pre` (a norm or swiglu folded into a projection) on both of its paths.
+//! Skipped without a GPU.
 
 mod common;
 
@@ -149,4 +150,49 @@ fn decoding_ops_match_cpu() {
     let key = HostTensor::from_i64(DType::I64, &[2], &[0, 0]).unwrap();
     let (got, _) = one_node(&dev, Op::Sample { temperature: 0.0, top_k: 0, top_p: 1.0 }, &[tied, key]);
     assert_eq!(got.to_i64(), [7]);
+}
+
+/// `matmul_pre` against the CPU: each prologue, with and without an addend, on gemv.cu's
+/// prologue kernels where the tuner runs the plain matmul there, and on the prologue's kernel
+/// then cuBLAS where it does not (8 rows: no prologue kernel).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn matmul_pre_matches_cpu() {
+    use rumble_core::ir::Prologue;
+    use rumble_cuda::matmul::{MatmulKey, gemv_pre_kernel};
+    let dev = gpu();
+    let mut rng = Rng::new(12);
+    let t = |d: DType, dims: &[usize]| TensorType::new(d, dims.to_vec());
+    let mut paths = std::collections::BTreeSet::new();
+    for d in [DType::F32, DType::BF16, DType::F16] {
+        let tol = tolerance(d).max(if d == DType::F32 { 1e-5 } else { 0.0 });
+        // (rows, K, N): a decode row against a wide and a narrow weight, a few rows, a ragged K.
+        for (m, k, n) in [(1, 2048, 4096), (1, 896, 128), (3, 1000, 77), (1, 200, 9), (8, 512, 64)] {
+            for pre in [Prologue::RmsNorm { eps: 1e-5 }, Prologue::SwigluPacked] {
+                for acc in [false, true] {
+                    let kx = if pre == Prologue::SwigluPacked { 2 * k } else { k };
+                    let mut inputs = vec![randn(t(d, &[m, kx]), &mut rng)];
+                    if let Prologue::RmsNorm { .. } = pre {
+                        inputs.push(randn(t(d, &[k]), &mut rng));
+                    }
+                    inputs.push(randn(t(d, &[n, k]), &mut rng));
+                    if acc {
+                        inputs.push(randn(t(d, &[m, n]), &mut rng));
+                    }
+                    let key = MatmulKey::new(&t(d, &[m, k]), &t(d, &[n, k]), false, true);
+                    let name = if pre == Prologue::SwigluPacked { "swiglu" } else { "norm" };
+                    let path = match gemv_pre_kernel(&dev, &key, name).unwrap() {
+                        Some(_) => "gemv.cu prologue kernel",
+                        None => "prologue kernel, then the tuned matmul",
+                    };
+                    paths.insert(path);
+                    let (got, want) = one_node(&dev, Op::MatmulPre { pre, acc }, &inputs);
+                    let r = compare(&got, &want, tol)
+                        .unwrap_or_else(|e| panic!("matmul_pre {pre:?} acc {acc} {d} {m}x{n}x{k} ({path}): {e}"));
+                    println!("matmul_pre {name:<6} acc {acc:<5} {d:<5} {m}x{n}x{k}: {path}, rel {:.2e}", r.0);
+                }
+            }
+        }
+    }
+    assert_eq!(paths.len(), 2, "both paths taken: {paths:?}");
 }

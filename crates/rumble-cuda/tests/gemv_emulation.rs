@@ -3,7 +3,8 @@
 //! `gemv_wr` at most 4) and each rows-a-warp of `gemv_wr`, K ending in and past an unrolled
 //! group of chunks, bf16 operands giving bf16 or f32 and f32 operands, ragged N (a block's last
 //! rows absent) and K (a warp with no chunk), an addend read beside the result or in place, and a misaligned operand (the
-//! element-by-element path). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
+//! element-by-element path); and `matmul_pre`'s prologues (a row's rms_norm, swiglu of a
+//! packed row) against the product of the rows the unfolded op would store. No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
 
 mod common;
 
@@ -32,8 +33,20 @@ fn gemv_matches_the_exact_product_on_the_cpu_emulator() {
         ["bf16", "bf16", "4", "77", "1544", "1", "1", "0"],
         ["bf16", "f32", "2", "9", "4104", "1", "0", "0"],
     ];
-    for args in cases {
-        let out = Command::new(&bin).args(args).output().expect("running the emulator");
+    // matmul_pre's prologues: dtype, m, n, k, beta, in place, misaligned, prologue.
+    let pre: [[&str; 8]; 8] = [
+        ["bf16", "1", "37", "2048", "0", "0", "0", "norm"],
+        ["bf16", "3", "21", "1000", "1", "1", "0", "norm"],
+        ["f32", "1", "30", "777", "1", "0", "0", "norm"],
+        ["bf16", "1", "9", "200", "0", "0", "1", "norm"],
+        ["bf16", "1", "64", "8192", "1", "1", "0", "swiglu"],
+        ["bf16", "4", "13", "1544", "0", "0", "0", "swiglu"],
+        ["f32", "2", "17", "333", "1", "0", "0", "swiglu"],
+        ["bf16", "1", "5", "100", "0", "0", "1", "swiglu"],
+    ];
+    let pre = pre.map(|[t, m, n, k, b, i, mis, p]| [t, t, m, n, k, b, i, mis, p]);
+    for args in cases.iter().map(|c| c.to_vec()).chain(pre.iter().map(|c| c.to_vec())) {
+        let out = Command::new(&bin).args(&args).output().expect("running the emulator");
         let text = String::from_utf8_lossy(&out.stdout);
         print!("{text}");
         assert!(out.status.success(), "{args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));

@@ -249,7 +249,11 @@ pub fn vjp(
             )));
         }
         // Decoding ops: inference only.
-        Op::RopeAt { .. } | Op::CacheWrite { .. } | Op::AttentionCached { .. } | Op::Sample { .. } => {
+        Op::RopeAt { .. }
+        | Op::CacheWrite { .. }
+        | Op::AttentionCached { .. }
+        | Op::Sample { .. }
+        | Op::MatmulPre { .. } => {
             return Err(Error::Autodiff(format!("{}: a decoding op, inference only: no VJP", op.name())));
         }
         Op::RmsNormBackward { .. }

@@ -1,5 +1,5 @@
-//! Type rules of the decoding ops (`rope_at`, `cache_write`, `attention_cached`, `sample`):
-//! the ops a generation step needs on top of the training ops. Their specs are the variants'
+//! Type rules of the decoding ops (`rope_at`, `cache_write`, `attention_cached`, `sample`,
+//! `matmul_pre`): the ops a generation step needs on top of the training ops. Their specs are the variants'
 //! doc comments in `op.rs`; messages name the shapes each op expects.
 
 use super::dtype::{DType, TensorType};
@@ -102,4 +102,50 @@ pub(super) fn sample(
         return Err(format!("top_p must be in (0, 1], got {top_p}"));
     }
     Ok(vec![TensorType::new(DType::I64, [logits.dims()[0]])])
+}
+
+/// What `matmul_pre` does to its rows before the products (`passes::fold_prologues` folds such
+/// a node into the decode-step projections it feeds): `rms_norm` with its weight (operands
+/// `x [M, K]`, `g [K]`), or `swiglu_packed` (operand `x [M, 2K]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Prologue {
+    RmsNorm { eps: f64 },
+    SwigluPacked,
+}
+
+impl Prologue {
+    /// The op whose rows this prologue gives (its text name too).
+    pub fn op(self) -> super::Op {
+        match self {
+            Prologue::RmsNorm { eps } => super::Op::RmsNorm { eps },
+            Prologue::SwigluPacked => super::Op::SwigluPacked,
+        }
+    }
+    /// Operands before the weight: the rows, and the norm's weight.
+    pub fn operands(self) -> usize {
+        match self {
+            Prologue::RmsNorm { .. } => 2,
+            Prologue::SwigluPacked => 1,
+        }
+    }
+}
+
+/// `matmul_pre`'s operands: the prologue's (`x [M, Kx]` and its weight), `w [N, K]`, and with
+/// `acc` an addend `[M, N]`; all of one float dtype.
+pub(super) fn matmul_pre(pre: Prologue, args: &[&TensorType], acc: bool) -> Result<Vec<TensorType>, String> {
+    let x = args[0];
+    float(x)?;
+    let w = args[pre.operands()];
+    if x.rank() != 2 || w.rank() != 2 || w.dtype != x.dtype {
+        return Err(format!("needs rows x [M, K] and a weight w [N, K] of one dtype, got x {x} and w {w}"));
+    }
+    let rows = pre.op().infer(&args[..pre.operands()])?.remove(0);
+    if rows.dims()[1] != w.dims()[1] {
+        return Err(format!("{} of x {x} gives rows {rows}, whose width differs from w {w}", pre.op().name()));
+    }
+    let out = TensorType::new(x.dtype, [x.dims()[0], w.dims()[0]]);
+    if acc && *args[pre.operands() + 1] != out {
+        return Err(format!("the addend {} must be the result's type {out}", args[pre.operands() + 1]));
+    }
+    Ok(vec![out])
 }

@@ -1,5 +1,9 @@
 //! How attention and RoPE read their rank-4 operands (`HeadLayout`) and how RoPE's frequencies
-//! are rescaled for a longer context (`RopeScaling`): attributes of those ops in `op.rs`.
+//! are rescaled for a longer context (`RopeScaling`): attributes of those ops in `op.rs`;
+//! and attention's type rule, which speaks of the layout.
+
+use super::dtype::TensorType;
+use super::op::{float, stat_dtype};
 
 /// Where the sequence axis sits in the rank-4 operands of attention and RoPE: `[B, H, T, D]`
 /// (`Bhtd`, head-major, the default) or `[B, T, H, D]` (`Bthd`, sequence-major: what a linear
@@ -145,4 +149,56 @@ impl HeadLayout {
             HeadLayout::Bthd => (d, h * d),
         }
     }
+}
+
+/// Checks attention's q, k, v in `layout`; returns the type of the log-sum-exp `[B, Hq, T]`.
+/// Messages name the layout and the shapes it expects.
+pub(super) fn attention_operands(
+    q: &TensorType,
+    k: &TensorType,
+    v: &TensorType,
+    causal: bool,
+    layout: HeadLayout,
+) -> Result<TensorType, String> {
+    float(q)?;
+    let l = layout.name();
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        return Err(format!(
+            "layout {l} needs q {}, k and v {}; got q {}, k {}, v {}",
+            layout.pattern("Hq", "T"),
+            layout.pattern("Hkv", "S"),
+            q.shape,
+            k.shape,
+            v.shape
+        ));
+    }
+    if q.dtype != k.dtype || q.dtype != v.dtype {
+        return Err(format!("q, k, v dtypes differ: {}, {}, {}", q.dtype, k.dtype, v.dtype));
+    }
+    if k.dims() != v.dims() {
+        return Err(format!("k {} and v {} differ", k.shape, v.shape));
+    }
+    let ([b, hq, t, d], [kb, hkv, s, kd]) = (layout.bhtd(q.dims()), layout.bhtd(k.dims()));
+    if b != kb || d != kd {
+        return Err(format!(
+            "batch or head size differ: q {} vs k {} (layout {l}: q {}, k {})",
+            q.shape,
+            k.shape,
+            layout.pattern("Hq", "T"),
+            layout.pattern("Hkv", "S")
+        ));
+    }
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(format!(
+            "{hq} query heads are not a multiple of {hkv} key/value heads (q {}, k {}, layout {l})",
+            q.shape, k.shape
+        ));
+    }
+    if causal && t != s {
+        return Err(format!(
+            "causal attention needs equal lengths, got {t} and {s} (q {}, k {}, layout {l})",
+            q.shape, k.shape
+        ));
+    }
+    Ok(TensorType::new(stat_dtype(q.dtype), [b, hq, t]))
 }

@@ -13,7 +13,7 @@ mod verify;
 
 pub use builder::{Graph, Tensor};
 pub use collective::collective_joins;
-pub use decode::RopeNew;
+pub use decode::{Prologue, RopeNew};
 pub use dtype::{DType, MAX_BYTES, Shape, SizeOverflow, TensorType, mul_size, total_bytes};
 pub use fused::{FusedBody, FusedInstr};
 pub use heads::{HeadLayout, RopeScaling};

@@ -10,7 +10,7 @@
 
 use super::dtype::{DType, Shape, TensorType};
 use super::fused::FusedBody;
-use super::heads::{HeadLayout, RopeScaling};
+use super::heads::{HeadLayout, RopeScaling, attention_operands};
 
 /// The elementwise ops ([`Op::is_elementwise`]) as one pattern, for matches that treat them
 /// alike and stay exhaustive: `match op { elementwise_ops!() | Op::Full { .. } => ..., ... }`.
@@ -234,6 +234,12 @@ pub enum Op {
     /// With `rope` the queries are rotated first, as `rope_at` (layout `bthd`) would at the
     /// same positions: `attention_cached(rope_at(q, pos), k, v, pos)` exactly.
     AttentionCached { scale: f64, rope: Option<super::decode::RopeNew> },
+    /// A projection of rows made by `pre` (see [`super::Prologue`]): `(x, [g,] w [N, K][, c])
+    /// -> pre(x) w^T (+ c)`, `[M, N]`, exactly `matmul(pre(x), w, tb=true)` with the prologue's
+    /// rows rounded to the dtype as that op's result is (and `acc` as `matmul`'s). Made by
+    /// `passes::fold_prologues` for a decode step's few rows: the norm or swiglu's launch and
+    /// intermediate are gone.
+    MatmulPre { pre: super::Prologue, acc: bool },
     /// Draws the next token of each row: `(logits [B, V] float, key int [2]) -> ids i64 [B]`,
     /// `key = (seed, step)`. `temperature == 0`: the argmax (lowest index among equals).
     /// Otherwise, with `z = logits / temperature` and `w = exp(z - max z)`: `top_k > 0` keeps
@@ -367,6 +373,7 @@ impl Op {
             Op::CacheWrite { .. } => "cache_write",
             Op::AttentionCached { .. } => "attention_cached",
             Op::Sample { .. } => "sample",
+            Op::MatmulPre { .. } => "matmul_pre",
             Op::Collective { op, .. } => op.name(),
         }
     }
@@ -375,6 +382,7 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Full { .. } => 0,
+            Op::MatmulPre { pre, acc } => pre.operands() + 1 + *acc as usize,
             Op::SwigluPacked => 1,
             Op::SwigluPackedBackward => 2,
             Op::Unary(_)
@@ -436,6 +444,7 @@ impl Op {
             Op::CacheWrite { .. } => i == 0,
             Op::Collective { op: CollectiveOp::AllReduce, .. } => i == 0,
             Op::Matmul { acc, .. } => *acc && i == 2,
+            Op::MatmulPre { pre, acc } => *acc && i == pre.operands() + 1,
             Op::RmsNormBackward { acc, .. } => *acc && i == 3,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),
         }
@@ -461,6 +470,10 @@ impl Op {
                     Op::LinearCrossEntropyBackward { .. } => 2 * logits + a(4),
                     _ => 2 * logits + a(4) + a(n * 8) + a(n * 4) + a(n * ssz),
                 }
+            }
+            // The prologue's rows, where a backend makes them before a library matmul.
+            Op::MatmulPre { pre, .. } => {
+                (args[0].dims()[0] * args[pre.operands()].dims()[1] * args[0].dtype.size_in_bytes()).div_ceil(256) * 256
             }
             _ => 0,
         }
@@ -766,6 +779,7 @@ impl Op {
             Op::Sample { temperature, top_k: _, top_p } => {
                 super::decode::sample(args[0], args[1], *temperature, *top_p)
             }
+            Op::MatmulPre { pre, acc } => super::decode::matmul_pre(*pre, args, *acc),
             Op::Collective { op, world, rank } => super::collective::infer(*op, *world, *rank, args[0]),
         }
     }
@@ -798,7 +812,7 @@ pub(super) fn int(t: &TensorType) -> Result<(), String> {
     if t.dtype.is_int() { Ok(()) } else { Err(format!("indices must be i32 or i64, got {}", t.dtype)) }
 }
 
-fn same_type(a: &TensorType, b: &TensorType) -> Result<(), String> {
+pub(super) fn same_type(a: &TensorType, b: &TensorType) -> Result<(), String> {
     if a == b { Ok(()) } else { Err(format!("operand types differ: {a} vs {b}")) }
 }
 
@@ -830,56 +844,4 @@ fn linear_ce_operands(x: &TensorType, w: &TensorType, t: &TensorType, chunk: usi
         return Err("chunk must be at least 1 row".into());
     }
     Ok(TensorType::new(stat_dtype(x.dtype), [x.dims()[0]]))
-}
-
-/// Checks attention's q, k, v in `layout`; returns the type of the log-sum-exp `[B, Hq, T]`.
-/// Messages name the layout and the shapes it expects.
-fn attention_operands(
-    q: &TensorType,
-    k: &TensorType,
-    v: &TensorType,
-    causal: bool,
-    layout: HeadLayout,
-) -> Result<TensorType, String> {
-    float(q)?;
-    let l = layout.name();
-    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
-        return Err(format!(
-            "layout {l} needs q {}, k and v {}; got q {}, k {}, v {}",
-            layout.pattern("Hq", "T"),
-            layout.pattern("Hkv", "S"),
-            q.shape,
-            k.shape,
-            v.shape
-        ));
-    }
-    if q.dtype != k.dtype || q.dtype != v.dtype {
-        return Err(format!("q, k, v dtypes differ: {}, {}, {}", q.dtype, k.dtype, v.dtype));
-    }
-    if k.dims() != v.dims() {
-        return Err(format!("k {} and v {} differ", k.shape, v.shape));
-    }
-    let ([b, hq, t, d], [kb, hkv, s, kd]) = (layout.bhtd(q.dims()), layout.bhtd(k.dims()));
-    if b != kb || d != kd {
-        return Err(format!(
-            "batch or head size differ: q {} vs k {} (layout {l}: q {}, k {})",
-            q.shape,
-            k.shape,
-            layout.pattern("Hq", "T"),
-            layout.pattern("Hkv", "S")
-        ));
-    }
-    if hkv == 0 || !hq.is_multiple_of(hkv) {
-        return Err(format!(
-            "{hq} query heads are not a multiple of {hkv} key/value heads (q {}, k {}, layout {l})",
-            q.shape, k.shape
-        ));
-    }
-    if causal && t != s {
-        return Err(format!(
-            "causal attention needs equal lengths, got {t} and {s} (q {}, k {}, layout {l})",
-            q.shape, k.shape
-        ));
-    }
-    Ok(TensorType::new(stat_dtype(q.dtype), [b, hq, t]))
 }

@@ -51,6 +51,16 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             a
         }
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps, acc: false } => vec![("eps", f(*eps))],
+        Op::MatmulPre { pre, acc } => {
+            let mut a = vec![("pre", pre.op().name().to_string())];
+            if let super::Prologue::RmsNorm { eps } = pre {
+                a.push(("eps", f(*eps)));
+            }
+            if *acc {
+                a.push(("acc", "true".into()));
+            }
+            a
+        }
         Op::RmsNormBackward { eps, acc: true } => vec![("eps", f(*eps)), ("acc", "true".into())],
         Op::Rope { theta, inverse, layout, scaling } => {
             let mut a = vec![("theta", f(*theta)), ("inverse", inverse.to_string())];
@@ -220,6 +230,14 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
             acc: a.map.contains_key("acc") && a.bool("acc")?,
         },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
+        "matmul_pre" => Op::MatmulPre {
+            pre: match a.get("pre")? {
+                "rms_norm" => super::Prologue::RmsNorm { eps: a.f64("eps")? },
+                "swiglu_packed" => super::Prologue::SwigluPacked,
+                v => return Err(format!("bad value `{v}` for attribute `pre` (rms_norm or swiglu_packed)")),
+            },
+            acc: a.map.contains_key("acc") && a.bool("acc")?,
+        },
         "rms_norm_backward" => {
             Op::RmsNormBackward { eps: a.f64("eps")?, acc: a.map.contains_key("acc") && a.bool("acc")? }
         }

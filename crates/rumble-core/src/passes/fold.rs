@@ -1,7 +1,8 @@
 //! Folds into a matmul what its only reader does to it: a widening cast ([`fold_casts`]) and an
 //! add ([`fold_addends`]); an add into the `rms_norm_backward` whose `dx` it reads
 //! ([`fold_norm_addends`]); and a `rope_at` into the `cache_write` or `attention_cached` that
-//! reads it ([`fold_rope_at`]).
+//! reads it ([`fold_rope_at`]); a decode step's `rms_norm` or `swiglu_packed` into the
+//! projections that read it ([`fold_prologues`]).
 //!
 //! [`fold_casts`] folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
 //! matmul's operands are bf16 or f16 and its result has no other use, becomes one matmul
@@ -152,6 +153,59 @@ pub fn fold_rope_at(trace: &Trace) -> Result<Trace> {
             _ => Op::CacheWrite { rope },
         };
         t.nodes[c].args[slot] = r.args[0];
+        drop[p] = true;
+    }
+    super::without(t, &drop)
+}
+
+/// The most rows a prologue folds for ([`fold_prologues`]): a decode step of a few sequences,
+/// whose projections are matrix-vector products bound by reading the weights, so that the
+/// prologue's own launch is a large share of each and recomputing it per projection is free.
+pub const PROLOGUE_ROWS: usize = 4;
+
+/// Folds a decode step's `rms_norm` or `swiglu_packed` of at most [`PROLOGUE_ROWS`] rows into
+/// the projections that read it: where every reader of its result is a `matmul(h, w, tb=true)`
+/// (with or without `acc`) taking it as `h`, in the same phase, and the result is no output,
+/// each reader becomes `matmul_pre` (`Op::MatmulPre`) on the prologue's operands, and the
+/// prologue goes. A norm read by the query, key and value projections is then made by each of
+/// the three, inside its kernel: a launch and an intermediate fewer, the same values (the rows
+/// are rounded to the dtype as the prologue's result was). Training steps keep theirs: the
+/// backward reads the rows too.
+pub fn fold_prologues(trace: &Trace) -> Result<Trace> {
+    let users = trace.users();
+    let mut t = trace.clone();
+    let mut drop = vec![false; trace.nodes.len()];
+    for (p, node) in trace.nodes.iter().enumerate() {
+        let pre = match node.op {
+            Op::RmsNorm { eps } => crate::ir::Prologue::RmsNorm { eps },
+            Op::SwigluPacked => crate::ir::Prologue::SwigluPacked,
+            _ => continue,
+        };
+        let h = node.outs[0];
+        let ty = trace.ty(h);
+        let readers = &users[h.index()];
+        let folds = ty.rank() == 2
+            && ty.dims()[0] <= PROLOGUE_ROWS
+            && !readers.is_empty()
+            && !trace.outputs.iter().any(|o| o.value == h)
+            && readers.iter().all(|&r| {
+                let m = &trace.nodes[r];
+                matches!(m.op, Op::Matmul { ta: false, tb: true, out: None, .. })
+                    && m.phase == node.phase
+                    && m.args[0] == h
+                    && m.args[1..].iter().all(|&a| a != h)
+            });
+        if !folds {
+            continue;
+        }
+        for &r in readers {
+            let m = &trace.nodes[r];
+            let Op::Matmul { acc, .. } = m.op else { unreachable!() };
+            let mut args = node.args.clone();
+            args.extend_from_slice(&m.args[1..]);
+            t.nodes[r].op = Op::MatmulPre { pre, acc };
+            t.nodes[r].args = args;
+        }
         drop[p] = true;
     }
     super::without(t, &drop)

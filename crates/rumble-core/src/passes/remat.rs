@@ -48,6 +48,7 @@ pub fn is_cheap(op: &Op) -> bool {
     !matches!(
         op,
         Op::Matmul { .. }
+            | Op::MatmulPre { .. }
             | Op::Attention { .. }
             | Op::AttentionBackward { .. }
             | Op::CrossEntropy { .. }
@@ -106,6 +107,8 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
             let k = if *ta { a[a.len() - 2] } else { a[a.len() - 1] };
             2 * out * k as u64
         }
+        // The products over w [N, K], and the prologue's rows.
+        Op::MatmulPre { pre, .. } => 2 * out * args[pre.operands()].dims()[1] as u64 + 5 * inp,
         Op::Attention { causal, layout, .. } | Op::AttentionBackward { causal, layout, .. } => {
             let ([b, hq, t, d], [_, _, s, _]) = (layout.bhtd(args[0].dims()), layout.bhtd(args[1].dims()));
             let f = 4 * (b * hq * t * s * d) as u64;

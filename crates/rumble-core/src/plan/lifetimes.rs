@@ -159,6 +159,7 @@ fn may_overwrite_any(op: &Op) -> bool {
             op,
             Op::CacheWrite { .. }
                 | Op::Matmul { acc: true, .. }
+                | Op::MatmulPre { acc: true, .. }
                 | Op::RmsNormBackward { acc: true, .. }
                 | Op::Collective { op: CollectiveOp::AllReduce, .. }
         )

@@ -626,18 +626,8 @@ extern "C" __global__ void cross_entropy_count_i64(const i64* tg, int* count, i6
 // Swiglu of rows [gate | up] (width 2f), as one projection to 2f gives them: y = silu(g) * u,
 // and its gradient back into [dgate | dup]. One thread per (row, column < f), or per N
 // neighbouring columns with 16-byte loads and stores where the rows allow (32-bit index
-// arithmetic where the count fits). The arithmetic in the accumulator type, rounded once; for
-// 2-byte outputs the sigmoid uses the fast exponential and reciprocal, whose error (a few f32
-// ulps) is far below the output's resolution.
-template <typename T>
-__device__ __forceinline__ typename Acc<T>::t sigmoid_(typename Acc<T>::t g) {
-  typedef typename Acc<T>::t A;
-  if constexpr (sizeof(T) == 2) {
-    return __frcp_rn(1.0f + __expf(-g));
-  } else {
-    return (A)1 / ((A)1 + ex_(-g));
-  }
-}
+// arithmetic where the count fits). The arithmetic in the accumulator type, rounded once
+// (sigmoid_ in vec16.cuh: gemv.cu's swiglu prologue computes the same).
 
 template <typename T, typename I>
 __device__ __forceinline__ void swiglu_packed_vec(const T* __restrict__ x, T* __restrict__ y, I rows, I f) {

@@ -2,7 +2,8 @@
 // this file to the prelude; the CPU emulators of tests/decode_emu and tests/gemv_emu include it
 // beside their stand-ins for the prelude's Acc, ldf and stf): Vec16<T>::n elements a 16-byte
 // chunk, whether rows of d elements at some pointers can be read so (vec16), and one chunk
-// loaded into (ld16) or stored from (st16) the arithmetic type.
+// loaded into (ld16) or stored from (st16) the arithmetic type. Also swiglu's sigmoid, which
+// rows.cu and gemv.cu's prologue both compute.
 template <typename T> struct Vec16 { static const int n = 16 / sizeof(T); };
 template <typename T> union Pack16 {
   uint4 u;
@@ -28,4 +29,15 @@ __device__ __forceinline__ void st16(T* p, const typename Acc<T>::t* a) {
 #pragma unroll
   for (int i = 0; i < Vec16<T>::n; ++i) stf(&k.e[i], a[i]);
   *reinterpret_cast<uint4*>(p) = k.u;
+}
+// The sigmoid of swiglu's gate in the arithmetic type; for 2-byte storage types the fast
+// exponential and reciprocal, whose error (a few f32 ulps) is far below the result's resolution.
+template <typename T>
+__device__ __forceinline__ typename Acc<T>::t sigmoid_(typename Acc<T>::t g) {
+  typedef typename Acc<T>::t A;
+  if constexpr (sizeof(T) == 2) {
+    return __frcp_rn(1.0f + __expf(-g));
+  } else {
+    return (A)1 / ((A)1 + ex_(-g));
+  }
 }

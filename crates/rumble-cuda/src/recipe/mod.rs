@@ -12,7 +12,7 @@ mod rows;
 
 pub(crate) use rows::rope_freqs;
 
-use rumble_core::ir::{DType, Op, TensorType};
+use rumble_core::ir::{DType, Op, Prologue, TensorType};
 
 use crate::compile::Options;
 use crate::device::Device;
@@ -167,6 +167,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                 b.steps.push(Step::Matmul { key, a, b: bm, c, addend, ws: 0, ws_bytes: ws, beta: 0.0 });
             }
         }
+        Op::MatmulPre { pre, acc } => matmul_pre(&mut b, *pre, *acc, at, ot)?,
         Op::RmsNorm { .. }
         | Op::RmsNormBackward { .. }
         | Op::Rope { .. }
@@ -197,6 +198,76 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         )));
     }
     Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch, node_scratch: b.node })
+}
+
+/// `matmul_pre`: one of gemv.cu's prologue kernels where the tuner runs the plain matmul of the
+/// made rows (`key`) on gemv.cu ([`crate::matmul::gemv_pre_kernel`]); otherwise the prologue's
+/// own kernel into the node's scratch, then that matmul reading it.
+fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, at: &[&TensorType], ot: &[&TensorType]) -> Result<()> {
+    let w = pre.operands();
+    let (m, dt) = (at[0].dims()[0], at[0].dtype);
+    let rows = TensorType::new(dt, [m, at[w].dims()[1]]);
+    let key = MatmulKey::new(&rows, at[w], false, true);
+    if ot[0].numel() == 0 {
+        return Ok(());
+    }
+    let addend = acc.then_some(Arg::In(w + 1));
+    let (pname, g, eps) = match pre {
+        Prologue::RmsNorm { eps } => ("norm", Arg::In(1), eps),
+        Prologue::SwigluPacked => ("swiglu", Arg::I64(0), 0.0),
+    };
+    if key.k > 0
+        && let Some(k) = crate::matmul::gemv_pre_kernel(b.dev, &key, pname)?
+    {
+        let grid = u32::try_from(key.n.div_ceil(k.rows as u64))
+            .map_err(|_| CudaError::usage(format!("matmul_pre grid of {key:?}")))?;
+        let c = addend.clone().unwrap_or(Arg::Out(0));
+        let beta = if acc { 1.0 } else { 0.0 };
+        let args = [vec![Arg::In(0), g, Arg::In(w), c, Arg::Out(0)], Arg::i64s(&[m, key.n as usize, key.k as usize])]
+            .concat()
+            .into_iter()
+            .chain([Arg::F64(beta), Arg::F64(eps)])
+            .collect();
+        let name = format!("{}:{pname}", k.name);
+        b.steps.push(Step::Kernel { func: k.func, name, grid: (grid, 1, 1), block: k.threads, smem: 0, args });
+        return Ok(());
+    }
+    // The rows into node scratch, as the prologue's op would make them.
+    let node = b.node(rows.size_in_bytes());
+    let (x, s) = (Arg::In(0), sfx(dt));
+    let k = key.k as usize;
+    match pre {
+        Prologue::RmsNorm { eps } => {
+            let args = vec![x, Arg::In(1), Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64), Arg::F64(eps)];
+            let name = format!("rms_norm_block_{s}");
+            b.k(KernelFile::Rows, name, (m.max(1) as u32, 1, 1), 256, 0, args)?;
+        }
+        Prologue::SwigluPacked => {
+            let args = vec![x, Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64)];
+            b.k(KernelFile::Rows, format!("swiglu_packed_{s}"), grid_for(b.dev, m * k, 256), 256, 0, args)?;
+        }
+    }
+    if k == 0 {
+        let bytes = ot[0].size_in_bytes();
+        b.steps.push(match addend {
+            Some(_) => Step::Copy { src: w + 1, dst: 0, bytes },
+            None => Step::ZeroOut { out: 0, bytes },
+        });
+        return Ok(());
+    }
+    let ws = b.dev.matmul_workspace(&key)?;
+    b.scratch = ws;
+    b.steps.push(Step::Matmul {
+        key,
+        a: Arg::Node(node),
+        b: Arg::In(w),
+        c: Arg::Out(0),
+        addend,
+        ws: 0,
+        ws_bytes: ws,
+        beta: 0.0,
+    });
+    Ok(())
 }
 
 /// The recipe of an elementwise expression (one kernel).

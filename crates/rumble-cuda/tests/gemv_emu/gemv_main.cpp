@@ -2,23 +2,41 @@
 // the CPU emulator of tests/flash_emu/emu.h, each against the product in double precision. The kernel's text is given by tests/gemv_emulation.rs as
 // `gemv.cuh`, cut from gemv.cu (its entry points left out).
 //
-// usage: gemv DTYPE OUT M N K BETA [INPLACE [MISALIGN]]   (DTYPE, OUT: bf16 or f32; exit 1 past
-// the tolerance). INPLACE 1: c and d are one buffer; MISALIGN 1: a starts 2 bytes into its
-// buffer (the element-by-element path).
+// usage: gemv DTYPE OUT M N K BETA [INPLACE [MISALIGN [PRE]]]   (DTYPE, OUT: bf16 or f32; exit 1
+// past the tolerance). INPLACE 1: c and d are one buffer; MISALIGN 1: a starts 2 bytes into its
+// buffer (the element-by-element path); PRE: none, norm or swiglu, the prologue of matmul_pre
+// (OUT = DTYPE), the reference then taking the made rows as the unfolded op rounds them.
 #include "../flash_emu/prelude_emu.h"
 #include <random>
 #include <string>
 #include "gemv.cuh"
 
-template <typename T, typename O, int MM>
+template <typename T, typename O, int MM, int PRE>
 static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
   std::mt19937 g(7); std::normal_distribution<float> nd(0, 1);
-  std::vector<T> abuf(m * k + 8), b(n * k);
+  const int ka = PRE == PRE_SWIGLU ? 2 * k : k;  // a's row length
+  std::vector<T> abuf(m * ka + 8), b(n * k), gbuf(k + 8);
   std::vector<O> c(m * n), d(m * n);
   T* a = abuf.data() + (misalign ? 1 : 0);
+  T* gw = gbuf.data() + (misalign ? 1 : 0);
   auto mk = [&](T* p, float f) { st(p, f); };
-  for (int i = 0; i < m * k; ++i) mk(&a[i], nd(g));
+  for (int i = 0; i < m * ka; ++i) mk(&a[i], nd(g));
+  for (int i = 0; i < k; ++i) mk(&gw[i], 1.0f + 0.5f * nd(g));
   for (auto& x : b) mk(&x, nd(g));
+  // The rows the products take: a itself, or what rms_norm / swiglu_packed would store.
+  std::vector<double> rows(m * k);
+  for (int i = 0; i < m; ++i) {
+    double ss = 0;
+    for (int q = 0; q < k; ++q) ss += (double)ld(a[i * ka + q]) * ld(a[i * ka + q]);
+    const float r = (float)(1.0 / std::sqrt(ss / k + 1e-5));
+    for (int q = 0; q < k; ++q) {
+      const float x = ld(a[i * ka + q]);
+      float v = x;
+      if (PRE == PRE_NORM) v = rnd_as<T>(x * r * ld(gw[q]));
+      if (PRE == PRE_SWIGLU) v = rnd_as<T>((x / (1.0f + std::exp(-x))) * ld(a[i * ka + k + q]));
+      rows[i * k + q] = v;
+    }
+  }
   for (auto& x : c) st(&x, nd(g));
   const std::vector<O> c0 = c;
   O* dd = inplace ? c.data() : d.data();
@@ -26,7 +44,7 @@ static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
   for (int i = 0; i < m; ++i)
     for (int j = 0; j < n; ++j) {
       double s = 0;
-      for (int q = 0; q < k; ++q) s += (double)ld(a[i * k + q]) * ld(b[j * k + q]);
+      for (int q = 0; q < k; ++q) s += rows[i * k + q] * ld(b[j * k + q]);
       want[i * n + j] = s + (beta != 0 ? beta * (double)ld(c[i * n + j]) : 0.0);
     }
   int fails = 0;
@@ -37,13 +55,13 @@ static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
       for (int i = 0; i < m * n; ++i) c[i] = c0[i];
     if (variant == 0)
       emu::launch({(unsigned)((n + GEMV_ROWS - 1) / GEMV_ROWS), 1, 1}, GEMV_WARPS * 32, 0,
-                  [&] { gemv_tn<T, O, MM>(a, b.data(), c.data(), dd, m, n, k, beta); });
+                  [&] { gemv_tn<T, O, MM, PRE>(a, gw, b.data(), c.data(), dd, m, n, k, beta, 1e-5); });
     else if (variant == 1)
       emu::launch({(unsigned)((n + GEMV_WR_WARPS - 1) / GEMV_WR_WARPS), 1, 1}, GEMV_WR_WARPS * 32, 0,
-                  [&] { gemv_wr<T, O, MM, 1>(a, b.data(), c.data(), dd, m, n, k, beta); });
+                  [&] { gemv_wr<T, O, MM, 1, PRE>(a, gw, b.data(), c.data(), dd, m, n, k, beta, 1e-5); });
     else
       emu::launch({(unsigned)((n + 2 * GEMV_WR_WARPS - 1) / (2 * GEMV_WR_WARPS)), 1, 1}, GEMV_WR_WARPS * 32, 0,
-                  [&] { gemv_wr<T, O, MM, 2>(a, b.data(), c.data(), dd, m, n, k, beta); });
+                  [&] { gemv_wr<T, O, MM, 2, PRE>(a, gw, b.data(), c.data(), dd, m, n, k, beta, 1e-5); });
     double num = 0, den = 0;
     bool unwritten = false;
     for (int i = 0; i < m * n; ++i) {
@@ -54,20 +72,27 @@ static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
     }
     if (unwritten) { ++fails; continue; }
     double rel = std::sqrt(num / den), tol = sizeof(O) == 4 ? 1e-5 : 1e-2;
-    printf("%s %s M%d N%d K%d beta %g%s%s mm %d: rel %.2e\n", rel <= tol ? "ok  " : "FAIL",
-           variant == 0 ? "tn " : variant == 1 ? "wr1" : "wr2", m, n, k, beta, inplace ? " in place" : "",
-           misalign ? " misaligned" : "", MM, rel);
+    printf("%s %s%s M%d N%d K%d beta %g%s%s mm %d: rel %.2e\n", rel <= tol ? "ok  " : "FAIL",
+           variant == 0 ? "tn " : variant == 1 ? "wr1" : "wr2",
+           PRE == PRE_NORM ? " norm" : PRE == PRE_SWIGLU ? " swiglu" : "", m, n, k, beta,
+           inplace ? " in place" : "", misalign ? " misaligned" : "", MM, rel);
     fails += rel <= tol ? 0 : 1;
   }
   return fails ? 1 : 0;
 }
 
-template <typename T, typename O>
+template <typename T, typename O, int PRE>
 static int bucket(int m, int n, int k, float beta, bool inplace, bool misalign) {
-  if (m <= 1) return run<T, O, 1>(m, n, k, beta, inplace, misalign);
-  if (m <= 4) return run<T, O, 4>(m, n, k, beta, inplace, misalign);
-  if (m <= 8) return run<T, O, 8>(m, n, k, beta, inplace, misalign);
-  return run<T, O, 16>(m, n, k, beta, inplace, misalign);
+  if (m <= 1) return run<T, O, 1, PRE>(m, n, k, beta, inplace, misalign);
+  if (m <= 4) return run<T, O, 4, PRE>(m, n, k, beta, inplace, misalign);
+  if (m <= 8) return run<T, O, 8, PRE>(m, n, k, beta, inplace, misalign);
+  return run<T, O, 16, PRE>(m, n, k, beta, inplace, misalign);
+}
+template <typename T, typename O>
+static int pre(const std::string& p, int m, int n, int k, float beta, bool inplace, bool misalign) {
+  if (p == "norm") return bucket<T, O, PRE_NORM>(m, n, k, beta, inplace, misalign);
+  if (p == "swiglu") return bucket<T, O, PRE_SWIGLU>(m, n, k, beta, inplace, misalign);
+  return bucket<T, O, PRE_NONE>(m, n, k, beta, inplace, misalign);
 }
 
 int main(int argc, char** argv) {
@@ -76,9 +101,10 @@ int main(int argc, char** argv) {
   int m = atoi(argv[3]), n = atoi(argv[4]), k = atoi(argv[5]);
   float beta = atof(argv[6]);
   bool inplace = argc > 7 && atoi(argv[7]), misalign = argc > 8 && atoi(argv[8]);
-  if (dt == "bf16" && out == "bf16") return bucket<bf16, bf16>(m, n, k, beta, inplace, misalign);
-  if (dt == "bf16" && out == "f32") return bucket<bf16, float>(m, n, k, beta, inplace, misalign);
-  if (dt == "f32" && out == "f32") return bucket<float, float>(m, n, k, beta, inplace, misalign);
+  std::string p = argc > 9 ? argv[9] : "none";
+  if (dt == "bf16" && out == "bf16") return pre<bf16, bf16>(p, m, n, k, beta, inplace, misalign);
+  if (dt == "bf16" && out == "f32" && p == "none") return pre<bf16, float>(p, m, n, k, beta, inplace, misalign);
+  if (dt == "f32" && out == "f32") return pre<float, float>(p, m, n, k, beta, inplace, misalign);
   fprintf(stderr, "unknown types %s %s\n", dt.c_str(), out.c_str());
   return 2;
 }
