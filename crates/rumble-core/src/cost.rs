@@ -277,11 +277,11 @@ impl Roofline {
             }
             // The matmul of the prologue's rows (one kernel: its operands are read once more,
             // and an addend).
-            Op::MatmulPre { pre, .. } => {
-                let w = args[pre.operands()];
-                let rows = TensorType::new(w.dtype, [args[0].dims()[0], w.dims()[1]]);
-                let t = matmul(&MatmulShape::of(&rows, w, false, true));
-                let others: f64 = args.iter().filter(|a| *a != &w).map(|a| a.size_in_bytes() as f64).sum();
+            Op::MatmulPre { pre, outs, .. } => {
+                let ws = &args[pre.operands()..pre.operands() + outs];
+                let rows = TensorType::new(args[0].dtype, [args[0].dims()[0], ws[0].dims()[1]]);
+                let t: f64 = ws.iter().map(|w| matmul(&MatmulShape::of(&rows, w, false, true))).sum();
+                let others = bytes(args) - bytes(ws);
                 t + others / self.rates.memory
             }
             Op::Attention { .. } | Op::AttentionBackward { .. } => {

@@ -559,7 +559,9 @@ fn key_and_query_rotations_fold_into_their_readers() {
 /// swiglu read by the down projection (itself added to the stream: `acc`) become `matmul_pre`
 /// nodes, which read back from the text form and compute the same bits (bf16); a norm also read
 /// by another op, one of more than `PROLOGUE_ROWS` rows, and a norm read as a matmul's right
-/// operand stay.
+/// operand stay. `fold_projections` then joins the three projections of the norm (and the
+/// gate/up one, which reads the same rows) into one node of four results, placed where the last
+/// stood with the readers of the others after it: the same bits again.
 #[test]
 fn norms_and_swiglus_fold_into_the_projections_they_feed() {
     let g = Graph::new("prologues");
@@ -595,10 +597,16 @@ fn norms_and_swiglus_fold_into_the_projections_they_feed() {
     let inputs: Vec<HostTensor> =
         trace.inputs.iter().map(|i| HostTensor::randn(trace.ty(i.value).clone(), 1.0, rng)).collect();
     assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&folded, &inputs).unwrap());
+    let joined = passes::fold_projections(&folded).unwrap();
+    assert_eq!(count(&joined, "matmul_pre"), 2, "{joined}");
+    assert!(joined.to_string().contains("outs=4"), "{joined}");
+    assert_eq!(parse(&joined.to_string()).unwrap(), joined);
+    verify(&joined).unwrap();
+    assert_eq!(cpu::eval(&trace, &inputs).unwrap(), cpu::eval(&joined, &inputs).unwrap());
     // A weight of another width is refused, naming the op and the shapes.
-    let text = folded.to_string();
+    let text = joined.to_string();
     let e = parse_err(&text.replace("bf16[40,16]", "bf16[40,15]"));
-    assert!(e.contains("matmul_pre") || e.contains("matmul"), "{e}");
+    assert!(e.contains("matmul_pre") && e.contains("weight 3 must be bf16[N, 16], got bf16[40,15]"), "{e}");
 }
 
 /// `fold_loss_grad`: the fused loss and its backward become one `linear_cross_entropy_grad`

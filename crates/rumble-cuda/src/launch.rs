@@ -40,6 +40,12 @@ pub enum Arg {
     F64(f64),
     /// A struct passed by value, as 8-byte words.
     Blob(Vec<u64>),
+    /// A struct passed by value, as 8-byte words, with the address of each `(i, arg)`'s
+    /// operand or result written into word `i` at launch (`matmul_pre`'s set of projections).
+    Struct {
+        words: Vec<u64>,
+        addrs: Vec<(usize, Arg)>,
+    },
 }
 
 impl Arg {
@@ -297,6 +303,13 @@ impl Recipe {
                             Arg::I32(v) => vec![*v as u32 as u64],
                             Arg::F64(v) => vec![v.to_bits()],
                             Arg::Blob(w) => w.clone(),
+                            Arg::Struct { words, addrs } => {
+                                let mut w = words.clone();
+                                for (i, x) in addrs {
+                                    w[*i] = addr(x, b)?;
+                                }
+                                w
+                            }
                         });
                     }
                     let mut ptrs: Vec<*mut c_void> = words.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();

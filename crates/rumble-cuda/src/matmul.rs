@@ -132,6 +132,9 @@ pub fn gemv_kernels(dev: &Device, key: &MatmulKey) -> Result<Vec<GemvKernel>> {
     Ok(out)
 }
 
+/// The projections one launch of a `matmul_pre` kernel takes (`GEMV_SETS` in `kernels/gemv.cu`).
+pub const GEMV_SETS: usize = 4;
+
 /// The kernel of `kernels/gemv.cu` that runs `matmul_pre` with prologue `pre` (`norm` or
 /// `swiglu`) for `key`, the plain matmul of the rows it makes: the way of splitting the work the
 /// tuner chose for `key` (timed as that matmul), where it chose one of gemv.cu's kernels and

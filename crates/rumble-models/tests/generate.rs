@@ -213,10 +213,11 @@ fn the_decode_plan_writes_the_cache_in_place() {
     assert_eq!(count(&|op| matches!(op, Op::CacheWrite { rope: Some(_) })), cfg.num_hidden_layers);
     assert_eq!(count(&|op| matches!(op, Op::AttentionCached { rope: Some(_), .. })), cfg.num_hidden_layers);
     assert_eq!(count(&|op| matches!(op, Op::RopeAt { .. })), 0);
-    // Each layer's two norms and its swiglu are made by the projections reading them (q, k, v,
-    // gate/up, down: `matmul_pre`), and so is the final norm by the head.
+    // Each layer's two norms and its swiglu are made by the projections reading them (q, k and
+    // v as one node, gate/up, down: `matmul_pre`), and so is the final norm by the head.
     assert_eq!(count(&|op| matches!(op, Op::RmsNorm { .. } | Op::SwigluPacked)), 0);
-    assert_eq!(count(&|op| matches!(op, Op::MatmulPre { .. })), 5 * cfg.num_hidden_layers + 1);
+    assert_eq!(count(&|op| matches!(op, Op::MatmulPre { .. })), 3 * cfg.num_hidden_layers + 1);
+    assert_eq!(count(&|op| matches!(op, Op::MatmulPre { outs: 3, .. })), cfg.num_hidden_layers);
     assert!(c.plan.copy_back.is_empty());
 }
 

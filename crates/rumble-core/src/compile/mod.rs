@@ -31,8 +31,8 @@ use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned,
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
 /// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts and adds
 /// folded into the matmuls (and norm backwards) they read, a decode step's rotations folded into
-/// its cache write and attention and its norms and swiglus into the projections reading them,
-/// the fused loss and its backward as one node, elementwise fusion.
+/// its cache write and attention and its norms and swiglus into the projections reading them
+/// (a layer's q, k and v then one node), the fused loss and its backward as one node, elementwise fusion.
 pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
     ("cse", passes::cse),
@@ -42,6 +42,7 @@ pub const PIPELINE: &[Pass] = &[
     ("fold_norm_addends", passes::fold_norm_addends),
     ("fold_rope_at", passes::fold_rope_at),
     ("fold_prologues", passes::fold_prologues),
+    ("fold_projections", passes::fold_projections),
     ("fold_loss_grad", passes::fold_loss_grad),
     ("fuse", passes::fuse),
 ];

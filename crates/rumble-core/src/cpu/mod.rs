@@ -169,16 +169,21 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             one(out(&c))
         }
         Op::RmsNorm { eps } => one(out(&composite::rms_norm::<A>(&f(0), &f(1), *eps))),
-        Op::MatmulPre { pre, acc } => {
-            // The prologue's rows rounded to the dtype (as its op's result is), then `matmul`.
+        Op::MatmulPre { pre, acc, outs } => {
+            // The prologue's rows rounded to the dtype (as its op's result is), then each `matmul`.
             let w = pre.operands();
             let rows_ty = TensorType::new(at[0].dtype, [at[0].dims()[0], at[w].dims()[1]]);
             let rows = run_op(&pre.op(), &at[..w], &args[..w], &[&rows_ty])?.remove(0);
-            let mut c = matmul::matmul::<A>(&rows_ty, &read_float::<A>(at[0].dtype, &rows), at[w], &f(w), false, true);
-            if *acc {
-                c.iter_mut().zip(f(w + 1)).for_each(|(c, x)| *c = *c + x);
+            let rows = read_float::<A>(at[0].dtype, &rows);
+            let mut res = Vec::with_capacity(*outs);
+            for j in 0..*outs {
+                let mut c = matmul::matmul::<A>(&rows_ty, &rows, at[w + j], &f(w + j), false, true);
+                if *acc {
+                    c.iter_mut().zip(f(w + outs + j)).for_each(|(c, x)| *c = *c + x);
+                }
+                res.push(write_float(ot[j].dtype, &c));
             }
-            one(out(&c))
+            Ok(res)
         }
         Op::RmsNormBackward { eps, acc } => {
             let (mut dx, dw) = composite::rms_norm_backward::<A>(&f(0), &f(1), &f(2), *eps);

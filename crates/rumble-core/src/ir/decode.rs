@@ -130,22 +130,39 @@ impl Prologue {
     }
 }
 
-/// `matmul_pre`'s operands: the prologue's (`x [M, Kx]` and its weight), `w [N, K]`, and with
-/// `acc` an addend `[M, N]`; all of one float dtype.
-pub(super) fn matmul_pre(pre: Prologue, args: &[&TensorType], acc: bool) -> Result<Vec<TensorType>, String> {
+/// `matmul_pre`'s operands: the prologue's (`x [M, Kx]` and its weight), `outs` weights
+/// `w_j [N_j, K]`, and with `acc` as many addends `[M, N_j]`; all of one float dtype.
+pub(super) fn matmul_pre(
+    pre: Prologue,
+    args: &[&TensorType],
+    acc: bool,
+    outs: usize,
+) -> Result<Vec<TensorType>, String> {
     let x = args[0];
     float(x)?;
-    let w = args[pre.operands()];
-    if x.rank() != 2 || w.rank() != 2 || w.dtype != x.dtype {
-        return Err(format!("needs rows x [M, K] and a weight w [N, K] of one dtype, got x {x} and w {w}"));
+    if outs == 0 {
+        return Err("needs at least one weight (outs >= 1)".into());
+    }
+    if x.rank() != 2 {
+        return Err(format!("needs rows x [M, K], got x {x}"));
     }
     let rows = pre.op().infer(&args[..pre.operands()])?.remove(0);
-    if rows.dims()[1] != w.dims()[1] {
-        return Err(format!("{} of x {x} gives rows {rows}, whose width differs from w {w}", pre.op().name()));
+    let mut res = Vec::with_capacity(outs);
+    for j in 0..outs {
+        let w = args[pre.operands() + j];
+        if w.rank() != 2 || w.dtype != x.dtype || rows.dims()[1] != w.dims()[1] {
+            return Err(format!(
+                "{} of x {x} gives rows {rows}: weight {j} must be {}[N, {}], got {w}",
+                pre.op().name(),
+                x.dtype,
+                rows.dims()[1]
+            ));
+        }
+        let out = TensorType::new(x.dtype, [x.dims()[0], w.dims()[0]]);
+        if acc && *args[pre.operands() + outs + j] != out {
+            return Err(format!("addend {j} {} must be the result's type {out}", args[pre.operands() + outs + j]));
+        }
+        res.push(out);
     }
-    let out = TensorType::new(x.dtype, [x.dims()[0], w.dims()[0]]);
-    if acc && *args[pre.operands() + 1] != out {
-        return Err(format!("the addend {} must be the result's type {out}", args[pre.operands() + 1]));
-    }
-    Ok(vec![out])
+    Ok(res)
 }

@@ -234,12 +234,13 @@ pub enum Op {
     /// With `rope` the queries are rotated first, as `rope_at` (layout `bthd`) would at the
     /// same positions: `attention_cached(rope_at(q, pos), k, v, pos)` exactly.
     AttentionCached { scale: f64, rope: Option<super::decode::RopeNew> },
-    /// A projection of rows made by `pre` (see [`super::Prologue`]): `(x, [g,] w [N, K][, c])
-    /// -> pre(x) w^T (+ c)`, `[M, N]`, exactly `matmul(pre(x), w, tb=true)` with the prologue's
-    /// rows rounded to the dtype as that op's result is (and `acc` as `matmul`'s). Made by
-    /// `passes::fold_prologues` for a decode step's few rows: the norm or swiglu's launch and
-    /// intermediate are gone.
-    MatmulPre { pre: super::Prologue, acc: bool },
+    /// `outs` projections of rows made by `pre` (see [`super::Prologue`]): `(x, [g,] w_1 ..
+    /// w_outs [N_j, K][, c_1 .. c_outs]) -> pre(x) w_j^T (+ c_j)`, each `[M, N_j]`, exactly
+    /// `matmul(pre(x), w_j, tb=true)` with the prologue's rows rounded to the dtype as that op's
+    /// result is (and `acc` as `matmul`'s). Made by `passes::fold_prologues` for a decode step's
+    /// few rows (the norm or swiglu's launch and intermediate gone), and joined by
+    /// `passes::fold_projections` where several read the same rows (a layer's q, k and v).
+    MatmulPre { pre: super::Prologue, acc: bool, outs: usize },
     /// Draws the next token of each row: `(logits [B, V] float, key int [2]) -> ids i64 [B]`,
     /// `key = (seed, step)`. `temperature == 0`: the argmax (lowest index among equals).
     /// Otherwise, with `z = logits / temperature` and `w = exp(z - max z)`: `top_k > 0` keeps
@@ -382,7 +383,7 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Full { .. } => 0,
-            Op::MatmulPre { pre, acc } => pre.operands() + 1 + *acc as usize,
+            Op::MatmulPre { pre, acc, outs } => pre.operands() + outs * (1 + *acc as usize),
             Op::SwigluPacked => 1,
             Op::SwigluPackedBackward => 2,
             Op::Unary(_)
@@ -444,7 +445,7 @@ impl Op {
             Op::CacheWrite { .. } => i == 0,
             Op::Collective { op: CollectiveOp::AllReduce, .. } => i == 0,
             Op::Matmul { acc, .. } => *acc && i == 2,
-            Op::MatmulPre { pre, acc } => *acc && i == pre.operands() + 1,
+            Op::MatmulPre { pre, acc, outs } => *acc && *outs == 1 && i == pre.operands() + 1,
             Op::RmsNormBackward { acc, .. } => *acc && i == 3,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),
         }
@@ -779,7 +780,7 @@ impl Op {
             Op::Sample { temperature, top_k: _, top_p } => {
                 super::decode::sample(args[0], args[1], *temperature, *top_p)
             }
-            Op::MatmulPre { pre, acc } => super::decode::matmul_pre(*pre, args, *acc),
+            Op::MatmulPre { pre, acc, outs } => super::decode::matmul_pre(*pre, args, *acc, *outs),
             Op::Collective { op, world, rank } => super::collective::infer(*op, *world, *rank, args[0]),
         }
     }

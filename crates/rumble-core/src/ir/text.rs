@@ -51,13 +51,16 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             a
         }
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps, acc: false } => vec![("eps", f(*eps))],
-        Op::MatmulPre { pre, acc } => {
+        Op::MatmulPre { pre, acc, outs } => {
             let mut a = vec![("pre", pre.op().name().to_string())];
             if let super::Prologue::RmsNorm { eps } = pre {
                 a.push(("eps", f(*eps)));
             }
             if *acc {
                 a.push(("acc", "true".into()));
+            }
+            if *outs != 1 {
+                a.push(("outs", outs.to_string()));
             }
             a
         }
@@ -237,6 +240,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
                 v => return Err(format!("bad value `{v}` for attribute `pre` (rms_norm or swiglu_packed)")),
             },
             acc: a.map.contains_key("acc") && a.bool("acc")?,
+            outs: if a.map.contains_key("outs") { a.usize("outs")? } else { 1 },
         },
         "rms_norm_backward" => {
             Op::RmsNormBackward { eps: a.f64("eps")?, acc: a.map.contains_key("acc") && a.bool("acc")? }

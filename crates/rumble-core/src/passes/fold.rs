@@ -2,7 +2,8 @@
 //! add ([`fold_addends`]); an add into the `rms_norm_backward` whose `dx` it reads
 //! ([`fold_norm_addends`]); and a `rope_at` into the `cache_write` or `attention_cached` that
 //! reads it ([`fold_rope_at`]); a decode step's `rms_norm` or `swiglu_packed` into the
-//! projections that read it ([`fold_prologues`]).
+//! projections that read it ([`fold_prologues`]), and such projections of the same rows into one
+//! node ([`fold_projections`]).
 //!
 //! [`fold_casts`] folds a widening cast into the matmul it reads: `cast(matmul(a, b)) to=f32`, where the
 //! matmul's operands are bf16 or f16 and its result has no other use, becomes one matmul
@@ -203,12 +204,94 @@ pub fn fold_prologues(trace: &Trace) -> Result<Trace> {
             let Op::Matmul { acc, .. } = m.op else { unreachable!() };
             let mut args = node.args.clone();
             args.extend_from_slice(&m.args[1..]);
-            t.nodes[r].op = Op::MatmulPre { pre, acc };
+            t.nodes[r].op = Op::MatmulPre { pre, acc, outs: 1 };
             t.nodes[r].args = args;
         }
         drop[p] = true;
     }
     super::without(t, &drop)
+}
+
+/// The most projections [`fold_projections`] joins into one node (a layer's q, k and v).
+pub const PROJECTIONS: usize = 4;
+
+/// Joins `matmul_pre` nodes that make the same rows (the same prologue of the same operands,
+/// alike in `acc`, in one phase) into one node of several results, at most [`PROJECTIONS`]: a
+/// layer's query, key and value projections become one node, whose kernel makes the rows once
+/// for all three and reads the three weights in one launch. The joined node stands where the
+/// last of them stood; nodes that read an earlier one's result move after it, the order kept
+/// otherwise. Traces with collectives are left as they are (their order is not only data).
+pub fn fold_projections(trace: &Trace) -> Result<Trace> {
+    if trace.nodes.iter().any(|n| matches!(n.op, Op::Collective { .. })) {
+        return Ok(trace.clone());
+    }
+    type Key = (crate::ir::Prologue, bool, crate::ir::Phase, Vec<crate::ir::ValueId>);
+    let mut groups: Vec<(Key, Vec<usize>)> = Vec::new();
+    for (i, n) in trace.nodes.iter().enumerate() {
+        let Op::MatmulPre { pre, acc, outs: 1 } = n.op else { continue };
+        let key = (pre, acc, n.phase, n.args[..pre.operands()].to_vec());
+        match groups.iter_mut().find(|(k, g)| *k == key && g.len() < PROJECTIONS) {
+            Some((_, g)) => g.push(i),
+            None => groups.push((key, vec![i])),
+        }
+    }
+    let mut nodes: Vec<Option<crate::ir::Node>> = trace.nodes.iter().cloned().map(Some).collect();
+    let mut joined = false;
+    for ((pre, acc, phase, rows), members) in groups.into_iter().filter(|(_, g)| g.len() > 1) {
+        let m: Vec<&crate::ir::Node> = members.iter().map(|&i| &trace.nodes[i]).collect();
+        let mut args = rows.clone();
+        args.extend(m.iter().map(|n| n.args[rows.len()]));
+        if acc {
+            args.extend(m.iter().map(|n| n.args[rows.len() + 1]));
+        }
+        let outs = m.iter().map(|n| n.outs[0]).collect();
+        let op = Op::MatmulPre { pre, acc, outs: members.len() };
+        for &i in &members {
+            nodes[i] = None;
+        }
+        nodes[*members.last().unwrap()] = Some(crate::ir::Node { op, args, outs, phase });
+        joined = true;
+    }
+    if !joined {
+        return Ok(trace.clone());
+    }
+    let mut t = trace.clone();
+    t.nodes = stable_order(nodes.into_iter().flatten().collect());
+    t.compact()?;
+    Ok(t)
+}
+
+/// `nodes` in a topological order of their data, each as early in the given order as its
+/// operands allow (Kahn's algorithm taking the lowest index ready).
+fn stable_order(nodes: Vec<crate::ir::Node>) -> Vec<crate::ir::Node> {
+    use std::cmp::Reverse;
+    use std::collections::{BinaryHeap, HashMap};
+    let def: HashMap<crate::ir::ValueId, usize> =
+        nodes.iter().enumerate().flat_map(|(i, n)| n.outs.iter().map(move |&v| (v, i))).collect();
+    let mut succs = vec![Vec::new(); nodes.len()];
+    let mut waiting = vec![0usize; nodes.len()];
+    for (i, n) in nodes.iter().enumerate() {
+        let mut preds: Vec<usize> = n.args.iter().filter_map(|a| def.get(a).copied()).collect();
+        preds.sort_unstable();
+        preds.dedup();
+        waiting[i] = preds.len();
+        for p in preds {
+            succs[p].push(i);
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..nodes.len()).filter(|&i| waiting[i] == 0).map(Reverse).collect();
+    let mut order = Vec::with_capacity(nodes.len());
+    while let Some(Reverse(i)) = ready.pop() {
+        order.push(i);
+        for &s in &succs[i] {
+            waiting[s] -= 1;
+            if waiting[s] == 0 {
+                ready.push(Reverse(s));
+            }
+        }
+    }
+    let mut nodes: Vec<Option<crate::ir::Node>> = nodes.into_iter().map(Some).collect();
+    order.into_iter().filter_map(|i| nodes[i].take()).collect()
 }
 
 /// Whether `v` (a result of `producer`) is read by `reader` alone, in the same phase, and is no

@@ -7,7 +7,8 @@
 //! - [`fold_norm_addends`]: an add folded into the `rms_norm_backward` whose `dx` it reads;
 //! - [`fold_rope_at`]: a `rope_at` folded into the `cache_write` or `attention_cached` that reads it;
 //! - [`fold_prologues`]: a decode step's `rms_norm` or `swiglu_packed` folded into the
-//!   projections that read it (`matmul_pre`);
+//!   projections that read it (`matmul_pre`), and [`fold_projections`]: such projections of the
+//!   same rows joined into one node;
 //! - [`fold_loss_grad`]: the fused loss and its backward as one node (the logits computed once);
 //! - [`fuse`]: elementwise fusion;
 //! - [`schedule`]: a memory-aware topological reorder that lowers LOAD;
@@ -27,7 +28,10 @@ use std::time::Instant;
 
 pub use cse::cse;
 pub use dce::dce;
-pub use fold::{PROLOGUE_ROWS, fold_addends, fold_casts, fold_norm_addends, fold_prologues, fold_rope_at};
+pub use fold::{
+    PROJECTIONS, PROLOGUE_ROWS, fold_addends, fold_casts, fold_norm_addends, fold_projections, fold_prologues,
+    fold_rope_at,
+};
 pub use fuse::fuse;
 pub use loss::fold_loss_grad;
 

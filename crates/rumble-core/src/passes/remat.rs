@@ -108,7 +108,10 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
             2 * out * k as u64
         }
         // The products over w [N, K], and the prologue's rows.
-        Op::MatmulPre { pre, .. } => 2 * out * args[pre.operands()].dims()[1] as u64 + 5 * inp,
+        Op::MatmulPre { pre, .. } => {
+            let all: usize = outs.iter().map(|t| t.numel()).sum();
+            2 * all as u64 * args[pre.operands()].dims()[1] as u64 + 5 * inp
+        }
         Op::Attention { causal, layout, .. } | Op::AttentionBackward { causal, layout, .. } => {
             let ([b, hq, t, d], [_, _, s, _]) = (layout.bhtd(args[0].dims()), layout.bhtd(args[1].dims()));
             let f = 4 * (b * hq * t * s * d) as u64;

@@ -110,11 +110,11 @@ __device__ __forceinline__ bool pre_vec(const T* a, const T* g, const T* b, i64 
 #define GEMV_UNROLL 4
 template <typename T, typename O, int MM, int PRE>
 __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ g, const T* __restrict__ b, const O* c, O* d,
-                        i64 m, i64 n, i64 k, float beta, double eps) {
+                        i64 m, i64 n, i64 k, float beta, double eps, i64 blk) {
   __shared__ float part[GEMV_WARPS][GEMV_MAX_M * GEMV_ROWS];
   constexpr int V = Vec16<T>::n;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const i64 n0 = (i64)blockIdx.x * GEMV_ROWS;
+  const i64 n0 = blk * GEMV_ROWS;
   const bool vec = pre_vec<PRE>(a, g, b, k);
   float rs[MM];
   pre_scales<PRE, T, MM>(a, m, k, vec, eps, rs);
@@ -213,10 +213,10 @@ __device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T*
 }
 template <typename T, typename O, int MM, int R, int PRE>
 __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ g, const T* __restrict__ b, const O* c, O* d,
-                        i64 m, i64 n, i64 k, float beta, double eps) {
+                        i64 m, i64 n, i64 k, float beta, double eps, i64 blk) {
   constexpr int V = Vec16<T>::n, U = GEMV_UNROLL;
   const int lane = threadIdx.x & 31;
-  const i64 n0 = ((i64)blockIdx.x * GEMV_WR_WARPS + (threadIdx.x >> 5)) * R;
+  const i64 n0 = (blk * GEMV_WR_WARPS + (threadIdx.x >> 5)) * R;
   if (n0 >= n) return;  // the whole warp
   const bool vec = pre_vec<PRE>(a, g, b, k);
   float rs[MM];
@@ -265,17 +265,35 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ g, const 
     }
 }
 
+// matmul_pre's projections of one launch: weight j (b[j] [n[j], k], its addend c[j], its result
+// d[j]) takes the grid's blocks first[j] .. first[j + 1]; slots past the last repeat its end.
+#define GEMV_SETS 4
+template <typename T> struct GemvSet {
+  const T* b[GEMV_SETS];
+  const T* c[GEMV_SETS];
+  T* d[GEMV_SETS];
+  i64 n[GEMV_SETS];
+  i64 first[GEMV_SETS + 1];
+};
+// The projection of this block, and the block's index within it.
+template <typename T> __device__ __forceinline__ int gemv_set(const GemvSet<T>& s, i64& blk) {
+  int j = 0;
+  while (j + 1 < GEMV_SETS && (i64)blockIdx.x >= s.first[j + 1]) ++j;
+  blk = (i64)blockIdx.x - s.first[j];
+  return j;
+}
+
 #define GEMV(T, SUF, O, OSUF, MM)                                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
       gemv_tn_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
     pdl_enter();                                                                                                 \
-    gemv_tn<T, O, MM, PRE_NONE>(a, nullptr, b, c, d, m, n, k, beta, 0.0);                                       \
+    gemv_tn<T, O, MM, PRE_NONE>(a, nullptr, b, c, d, m, n, k, beta, 0.0, blockIdx.x);                           \
   }
 #define GEMV_WR(T, SUF, O, OSUF, MM, R)                                                                      \
   extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32)                                         \
       gemv_wr##R##_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
     pdl_enter();                                                                                                      \
-    gemv_wr<T, O, MM, R, PRE_NONE>(a, nullptr, b, c, d, m, n, k, beta, 0.0);                                          \
+    gemv_wr<T, O, MM, R, PRE_NONE>(a, nullptr, b, c, d, m, n, k, beta, 0.0, blockIdx.x);                              \
   }
 #define GEMV_ALL(T, SUF, O, OSUF)                                                                          \
   GEMV(T, SUF, O, OSUF, 1) GEMV(T, SUF, O, OSUF, 4) GEMV(T, SUF, O, OSUF, 8) GEMV(T, SUF, O, OSUF, 16)    \
@@ -289,22 +307,28 @@ GEMV_ALL(float, f32, float, f32)
 
 // matmul_pre's kernels, `gemv_tn_<pre>_<dtype>_<rows>` and `gemv_wr<R>_<pre>_<dtype>_<rows>`
 // (pre: norm or swiglu; rows: the buckets of 1 and 4, PROLOGUE_ROWS in rumble-core), writing
-// the operands' dtype: (a, g, b, c, d, m, n, k, beta, eps), g and eps read by norm only.
+// the operands' dtype: (set, a, g, m, k, beta, eps), g and eps read by norm only.
 #define GEMV_PRE(T, SUF, PRE, PSUF, MM)                                                                        \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_tn_##PSUF##_##SUF##_##MM(                 \
-      const T* a, const T* g, const T* b, const T* c, T* d, i64 m, i64 n, i64 k, double beta, double eps) {    \
+      GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                            \
     pdl_enter();                                                                                             \
-    gemv_tn<T, T, MM, PRE>(a, g, b, c, d, m, n, k, (float)beta, eps);                                               \
+    i64 blk;                                                                                                 \
+    const int j = gemv_set(s, blk);                                                                          \
+    gemv_tn<T, T, MM, PRE>(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);               \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32) gemv_wr1_##PSUF##_##SUF##_##MM(             \
-      const T* a, const T* g, const T* b, const T* c, T* d, i64 m, i64 n, i64 k, double beta, double eps) {    \
+      GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                            \
     pdl_enter();                                                                                             \
-    gemv_wr<T, T, MM, 1, PRE>(a, g, b, c, d, m, n, k, (float)beta, eps);                                            \
+    i64 blk;                                                                                                 \
+    const int j = gemv_set(s, blk);                                                                          \
+    gemv_wr<T, T, MM, 1, PRE>(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);            \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32) gemv_wr2_##PSUF##_##SUF##_##MM(             \
-      const T* a, const T* g, const T* b, const T* c, T* d, i64 m, i64 n, i64 k, double beta, double eps) {    \
+      GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                            \
     pdl_enter();                                                                                             \
-    gemv_wr<T, T, MM, 2, PRE>(a, g, b, c, d, m, n, k, (float)beta, eps);                                            \
+    i64 blk;                                                                                                 \
+    const int j = gemv_set(s, blk);                                                                          \
+    gemv_wr<T, T, MM, 2, PRE>(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);            \
   }
 #define GEMV_PRE_ALL(T, SUF)                                                                                   \
   GEMV_PRE(T, SUF, PRE_NORM, norm, 1) GEMV_PRE(T, SUF, PRE_NORM, norm, 4)                                    \

@@ -20,7 +20,7 @@ use crate::error::{CudaError, Result};
 use crate::fused::Fused;
 use crate::kernels::{KernelFile, PRELUDE};
 use crate::launch::{Arg, Recipe, Step};
-use crate::matmul::MatmulKey;
+use crate::matmul::{GEMV_SETS, MatmulKey};
 
 /// `f32`, `bf16`, ... as kernel-name suffixes.
 fn sfx(d: DType) -> &'static str {
@@ -167,7 +167,7 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
                 b.steps.push(Step::Matmul { key, a, b: bm, c, addend, ws: 0, ws_bytes: ws, beta: 0.0 });
             }
         }
-        Op::MatmulPre { pre, acc } => matmul_pre(&mut b, *pre, *acc, at, ot)?,
+        Op::MatmulPre { pre, acc, outs } => matmul_pre(&mut b, *pre, *acc, *outs, at)?,
         Op::RmsNorm { .. }
         | Op::RmsNormBackward { .. }
         | Op::Rope { .. }
@@ -200,73 +200,106 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
     Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch, node_scratch: b.node })
 }
 
-/// `matmul_pre`: one of gemv.cu's prologue kernels where the tuner runs the plain matmul of the
-/// made rows (`key`) on gemv.cu ([`crate::matmul::gemv_pre_kernel`]); otherwise the prologue's
-/// own kernel into the node's scratch, then that matmul reading it.
-fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, at: &[&TensorType], ot: &[&TensorType]) -> Result<()> {
+/// `matmul_pre`: where the tuner runs the plain matmul of the made rows on gemv.cu for every
+/// projection ([`crate::matmul::gemv_pre_kernel`]), one launch of a prologue kernel for all of
+/// them, split as the widest one's was; otherwise the prologue's own kernel writes the rows into
+/// the node's scratch once, the tuned matmul of each projection without a prologue kernel reads
+/// them, and the others each launch theirs.
+fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&TensorType]) -> Result<()> {
     let w = pre.operands();
     let (m, dt) = (at[0].dims()[0], at[0].dtype);
     let rows = TensorType::new(dt, [m, at[w].dims()[1]]);
-    let key = MatmulKey::new(&rows, at[w], false, true);
-    if ot[0].numel() == 0 {
-        return Ok(());
-    }
-    let addend = acc.then_some(Arg::In(w + 1));
+    let k = rows.dims()[1];
     let (pname, g, eps) = match pre {
         Prologue::RmsNorm { eps } => ("norm", Arg::In(1), eps),
         Prologue::SwigluPacked => ("swiglu", Arg::I64(0), 0.0),
     };
-    if key.k > 0
-        && let Some(k) = crate::matmul::gemv_pre_kernel(b.dev, &key, pname)?
-    {
-        let grid = u32::try_from(key.n.div_ceil(k.rows as u64))
-            .map_err(|_| CudaError::usage(format!("matmul_pre grid of {key:?}")))?;
-        let c = addend.clone().unwrap_or(Arg::Out(0));
-        let beta = if acc { 1.0 } else { 0.0 };
-        let args = [vec![Arg::In(0), g, Arg::In(w), c, Arg::Out(0)], Arg::i64s(&[m, key.n as usize, key.k as usize])]
-            .concat()
+    let keys: Vec<MatmulKey> = (0..outs).map(|j| MatmulKey::new(&rows, at[w + j], false, true)).collect();
+    let kernels = keys
+        .iter()
+        .map(|key| if key.k > 0 && key.n > 0 { crate::matmul::gemv_pre_kernel(b.dev, key, pname) } else { Ok(None) })
+        .collect::<Result<Vec<_>>>()?;
+    // One launch of `kernel` for the projections `js`.
+    let launch = |b: &mut Builder, kernel: crate::matmul::GemvKernel, js: &[usize]| -> Result<()> {
+        let (mut words, mut first) = (vec![0u64; 3 * GEMV_SETS], 0u64);
+        let (mut ns, mut firsts) = (vec![0u64; GEMV_SETS], vec![0u64; GEMV_SETS + 1]);
+        let mut ptrs = Vec::new();
+        for (slot, &j) in js.iter().enumerate() {
+            ns[slot] = keys[j].n;
+            firsts[slot] = first;
+            first += keys[j].n.div_ceil(kernel.rows as u64);
+            ptrs.push((slot, j));
+        }
+        for f in firsts.iter_mut().skip(js.len()) {
+            *f = first;
+        }
+        words.extend(ns);
+        words.extend(firsts);
+        let grid = u32::try_from(first).map_err(|_| CudaError::usage(format!("matmul_pre grid of {keys:?}")))?;
+        // The set's pointers (b, c, d of each slot) are the node's operands and results.
+        let mut addrs = Vec::new();
+        for &(slot, j) in &ptrs {
+            let c = if acc { Arg::In(w + outs + j) } else { Arg::Out(j) };
+            addrs.extend([(slot, Arg::In(w + j)), (GEMV_SETS + slot, c), (2 * GEMV_SETS + slot, Arg::Out(j))]);
+        }
+        let set = Arg::Struct { words, addrs };
+        let args = vec![set, Arg::In(0), g.clone(), Arg::I64(m as i64), Arg::I64(k as i64)]
             .into_iter()
-            .chain([Arg::F64(beta), Arg::F64(eps)])
+            .chain([Arg::F64(if acc { 1.0 } else { 0.0 }), Arg::F64(eps)])
             .collect();
-        let name = format!("{}:{pname}", k.name);
-        b.steps.push(Step::Kernel { func: k.func, name, grid: (grid, 1, 1), block: k.threads, smem: 0, args });
+        let name = format!("{}:{pname}", kernel.name);
+        b.steps.push(Step::Kernel {
+            func: kernel.func,
+            name,
+            grid: (grid, 1, 1),
+            block: kernel.threads,
+            smem: 0,
+            args,
+        });
+        Ok(())
+    };
+    let live: Vec<usize> = (0..outs).filter(|&j| keys[j].n > 0 && m > 0).collect();
+    if live.iter().all(|&j| kernels[j].is_some()) {
+        // Chunks of the set's size, each on the widest projection's split.
+        for js in live.chunks(GEMV_SETS) {
+            let widest = *js.iter().max_by_key(|&&j| keys[j].n).unwrap();
+            launch(b, kernels[widest].unwrap(), js)?;
+        }
         return Ok(());
     }
     // The rows into node scratch, as the prologue's op would make them.
     let node = b.node(rows.size_in_bytes());
-    let (x, s) = (Arg::In(0), sfx(dt));
-    let k = key.k as usize;
+    let s = sfx(dt);
     match pre {
         Prologue::RmsNorm { eps } => {
-            let args = vec![x, Arg::In(1), Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64), Arg::F64(eps)];
-            let name = format!("rms_norm_block_{s}");
-            b.k(KernelFile::Rows, name, (m.max(1) as u32, 1, 1), 256, 0, args)?;
+            let args =
+                vec![Arg::In(0), Arg::In(1), Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64), Arg::F64(eps)];
+            b.k(KernelFile::Rows, format!("rms_norm_block_{s}"), (m.max(1) as u32, 1, 1), 256, 0, args)?;
         }
         Prologue::SwigluPacked => {
-            let args = vec![x, Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64)];
+            let args = vec![Arg::In(0), Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64)];
             b.k(KernelFile::Rows, format!("swiglu_packed_{s}"), grid_for(b.dev, m * k, 256), 256, 0, args)?;
         }
     }
-    if k == 0 {
-        let bytes = ot[0].size_in_bytes();
-        b.steps.push(match addend {
-            Some(_) => Step::Copy { src: w + 1, dst: 0, bytes },
-            None => Step::ZeroOut { out: 0, bytes },
-        });
-        return Ok(());
+    for j in live {
+        if let Some(kernel) = kernels[j] {
+            launch(b, kernel, &[j])?;
+            continue;
+        }
+        let addend = acc.then_some(Arg::In(w + outs + j));
+        if k == 0 {
+            let bytes = keys[j].m as usize * keys[j].n as usize * dt.size_in_bytes();
+            b.steps.push(match acc {
+                true => Step::Copy { src: w + outs + j, dst: j, bytes },
+                false => Step::ZeroOut { out: j, bytes },
+            });
+            continue;
+        }
+        let ws = b.dev.matmul_workspace(&keys[j])?;
+        b.scratch = b.scratch.max(ws);
+        let (key, a, bm, c) = (keys[j], Arg::Node(node), Arg::In(w + j), Arg::Out(j));
+        b.steps.push(Step::Matmul { key, a, b: bm, c, addend, ws: 0, ws_bytes: ws, beta: 0.0 });
     }
-    let ws = b.dev.matmul_workspace(&key)?;
-    b.scratch = ws;
-    b.steps.push(Step::Matmul {
-        key,
-        a: Arg::Node(node),
-        b: Arg::In(w),
-        c: Arg::Out(0),
-        addend,
-        ws: 0,
-        ws_bytes: ws,
-        beta: 0.0,
-    });
     Ok(())
 }
 
