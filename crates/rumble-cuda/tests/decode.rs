@@ -152,9 +152,10 @@ fn decoding_ops_match_cpu() {
     assert_eq!(got.to_i64(), [7]);
 }
 
-/// `matmul_pre` against the CPU: each prologue, with and without an addend, on gemv.cu's
-/// prologue kernels where the tuner runs the plain matmul there, and on the prologue's kernel
-/// then cuBLAS where it does not (8 rows: no prologue kernel).
+/// `matmul_pre` against the CPU: each prologue, with and without addends, one projection and a
+/// set of three (widths N, N / 2 + 1 and 7), on gemv.cu's prologue kernels where the tuner runs
+/// the plain matmuls there, and on the prologue's kernel then cuBLAS where it does not (8 rows:
+/// no prologue kernel).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn matmul_pre_matches_cpu() {
@@ -169,15 +170,18 @@ fn matmul_pre_matches_cpu() {
         // (rows, K, N): a decode row against a wide and a narrow weight, a few rows, a ragged K.
         for (m, k, n) in [(1, 2048, 4096), (1, 896, 128), (3, 1000, 77), (1, 200, 9), (8, 512, 64)] {
             for pre in [Prologue::RmsNorm { eps: 1e-5 }, Prologue::SwigluPacked] {
-                for acc in [false, true] {
+                for (acc, outs) in [(false, 1), (true, 1), (false, 3), (true, 3)] {
+                    let widths = [n, n / 2 + 1, 7];
                     let kx = if pre == Prologue::SwigluPacked { 2 * k } else { k };
                     let mut inputs = vec![randn(t(d, &[m, kx]), &mut rng)];
                     if let Prologue::RmsNorm { .. } = pre {
                         inputs.push(randn(t(d, &[k]), &mut rng));
                     }
-                    inputs.push(randn(t(d, &[n, k]), &mut rng));
-                    if acc {
-                        inputs.push(randn(t(d, &[m, n]), &mut rng));
+                    for &nj in &widths[..outs] {
+                        inputs.push(randn(t(d, &[nj, k]), &mut rng));
+                    }
+                    for &nj in &widths[..outs * acc as usize] {
+                        inputs.push(randn(t(d, &[m, nj]), &mut rng));
                     }
                     let key = MatmulKey::new(&t(d, &[m, k]), &t(d, &[n, k]), false, true);
                     let name = if pre == Prologue::SwigluPacked { "swiglu" } else { "norm" };
@@ -186,13 +190,34 @@ fn matmul_pre_matches_cpu() {
                         None => "prologue kernel, then the tuned matmul",
                     };
                     paths.insert(path);
-                    let (got, want) = one_node(&dev, Op::MatmulPre { pre, acc }, &inputs);
-                    let r = compare(&got, &want, tol)
-                        .unwrap_or_else(|e| panic!("matmul_pre {pre:?} acc {acc} {d} {m}x{n}x{k} ({path}): {e}"));
-                    println!("matmul_pre {name:<6} acc {acc:<5} {d:<5} {m}x{n}x{k}: {path}, rel {:.2e}", r.0);
+                    let what = format!("matmul_pre {name} acc {acc} outs {outs} {d} {m}x{n}x{k} ({path})");
+                    for (j, (got, want)) in outputs(&dev, Op::MatmulPre { pre, acc, outs }, &inputs).iter().enumerate()
+                    {
+                        let r = compare(got, want, tol).unwrap_or_else(|e| panic!("{what}, result {j}: {e}"));
+                        println!("{what}, result {j}: rel {:.2e}", r.0);
+                    }
                 }
             }
         }
     }
     assert_eq!(paths.len(), 2, "both paths taken: {paths:?}");
+}
+
+/// [`one_node`] for a node of several results: each result and the CPU's.
+fn outputs(dev: &Arc<Device>, op: Op, inputs: &[HostTensor]) -> Vec<(HostTensor, HostTensor)> {
+    let g = Graph::new(format!("case_{}", op.name()));
+    let ins: Vec<_> =
+        inputs.iter().enumerate().map(|(i, h)| g.data(&format!("x{i}"), h.ty.dtype, h.ty.dims()).unwrap()).collect();
+    let refs: Vec<_> = ins.iter().collect();
+    let ys = g.apply(op, &refs).unwrap();
+    for (j, y) in ys.iter().enumerate() {
+        g.output(y, &format!("y{j}")).unwrap();
+    }
+    let trace = g.finish().unwrap();
+    let want = cpu::eval(&trace, inputs).unwrap();
+    let prog = Arc::new(Program::compile(dev.clone(), trace, |t, ws| Ok(plan_naive(t, ws))).unwrap());
+    let mut ex = PlannedExecutor::new(prog, &[]).unwrap();
+    ex.poison(0xff).unwrap();
+    ex.step(inputs).unwrap();
+    want.into_iter().enumerate().map(|(j, w)| (ex.output(&format!("y{j}")).unwrap(), w)).collect()
 }
