@@ -19,19 +19,7 @@ use rumble_cuda::decode::AttentionSplit;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
 fn one_node(dev: &Arc<Device>, op: Op, inputs: &[HostTensor]) -> (HostTensor, HostTensor) {
-    let g = Graph::new(format!("case_{}", op.name()));
-    let ins: Vec<_> =
-        inputs.iter().enumerate().map(|(i, h)| g.data(&format!("x{i}"), h.ty.dtype, h.ty.dims()).unwrap()).collect();
-    let refs: Vec<_> = ins.iter().collect();
-    let y = g.apply(op, &refs).unwrap().remove(0);
-    g.output(&y, "y").unwrap();
-    let trace = g.finish().unwrap();
-    let want = cpu::eval(&trace, inputs).unwrap().remove(0);
-    let prog = Arc::new(Program::compile(dev.clone(), trace, |t, ws| Ok(plan_naive(t, ws))).unwrap());
-    let mut ex = PlannedExecutor::new(prog, &[]).unwrap();
-    ex.poison(0xff).unwrap();
-    ex.step(inputs).unwrap();
-    (ex.output("y").unwrap(), want)
+    outputs(dev, op, inputs).remove(0)
 }
 
 fn ids(vals: &[i64]) -> HostTensor {
@@ -203,7 +191,7 @@ fn matmul_pre_matches_cpu() {
     assert_eq!(paths.len(), 2, "both paths taken: {paths:?}");
 }
 
-/// [`one_node`] for a node of several results: each result and the CPU's.
+/// One node run in the planned executor over a poisoned arena: each result and the CPU's.
 fn outputs(dev: &Arc<Device>, op: Op, inputs: &[HostTensor]) -> Vec<(HostTensor, HostTensor)> {
     let g = Graph::new(format!("case_{}", op.name()));
     let ins: Vec<_> =

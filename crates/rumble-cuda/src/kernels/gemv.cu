@@ -308,28 +308,18 @@ GEMV_ALL(float, f32, float, f32)
 // matmul_pre's kernels, `gemv_tn_<pre>_<dtype>_<rows>` and `gemv_wr<R>_<pre>_<dtype>_<rows>`
 // (pre: norm or swiglu; rows: the buckets of 1 and 4, PROLOGUE_ROWS in rumble-core), writing
 // the operands' dtype: (set, a, g, m, k, beta, eps), g and eps read by norm only.
-#define GEMV_PRE(T, SUF, PRE, PSUF, MM)                                                                        \
-  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_tn_##PSUF##_##SUF##_##MM(                 \
-      GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                            \
+#define GEMV_PRE_KERNEL(T, NAME, WARPS, BODY)                                                                  \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+      NAME(GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                       \
     pdl_enter();                                                                                             \
     i64 blk;                                                                                                 \
     const int j = gemv_set(s, blk);                                                                          \
-    gemv_tn<T, T, MM, PRE>(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);               \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32) gemv_wr1_##PSUF##_##SUF##_##MM(             \
-      GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                            \
-    pdl_enter();                                                                                             \
-    i64 blk;                                                                                                 \
-    const int j = gemv_set(s, blk);                                                                          \
-    gemv_wr<T, T, MM, 1, PRE>(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);            \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32) gemv_wr2_##PSUF##_##SUF##_##MM(             \
-      GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                            \
-    pdl_enter();                                                                                             \
-    i64 blk;                                                                                                 \
-    const int j = gemv_set(s, blk);                                                                          \
-    gemv_wr<T, T, MM, 2, PRE>(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);            \
+    BODY(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);                                  \
   }
+#define GEMV_PRE(T, SUF, PRE, PSUF, MM)                                                                        \
+  GEMV_PRE_KERNEL(T, gemv_tn_##PSUF##_##SUF##_##MM, GEMV_WARPS, (gemv_tn<T, T, MM, PRE>))                     \
+  GEMV_PRE_KERNEL(T, gemv_wr1_##PSUF##_##SUF##_##MM, GEMV_WR_WARPS, (gemv_wr<T, T, MM, 1, PRE>))              \
+  GEMV_PRE_KERNEL(T, gemv_wr2_##PSUF##_##SUF##_##MM, GEMV_WR_WARPS, (gemv_wr<T, T, MM, 2, PRE>))
 #define GEMV_PRE_ALL(T, SUF)                                                                                   \
   GEMV_PRE(T, SUF, PRE_NORM, norm, 1) GEMV_PRE(T, SUF, PRE_NORM, norm, 4)                                    \
   GEMV_PRE(T, SUF, PRE_SWIGLU, swiglu, 1) GEMV_PRE(T, SUF, PRE_SWIGLU, swiglu, 4)
