@@ -653,3 +653,17 @@ impl Device {
         .map_err(err("cublasGemmStridedBatchedEx"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// One launch of a `matmul_pre` kernel takes as many projections as `fold_projections`
+    /// joins, and the kernel's set has that many slots.
+    #[test]
+    fn a_prologue_launch_holds_every_joined_projection() {
+        assert_eq!(super::GEMV_SETS, rumble_core::passes::PROJECTIONS);
+        let src = crate::kernels::KernelFile::Gemv.source();
+        assert!(src.contains(&format!("#define GEMV_SETS {}\n", super::GEMV_SETS)), "gemv.cu's GEMV_SETS");
+        // gemv.cu has prologue kernels for the buckets of 1 and 4 rows.
+        const { assert!(rumble_core::passes::PROLOGUE_ROWS <= 4) };
+    }
+}
