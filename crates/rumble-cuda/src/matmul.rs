@@ -95,6 +95,9 @@ pub(crate) enum Algo {
 pub struct GemvKernel {
     pub func: crate::compile::Func,
     pub name: &'static str,
+    /// The kernel name's split (`gemv_tn`, `gemv_wr1`, `gemv_wr2`), which the prologue kernels
+    /// of `matmul_pre` share.
+    pub stem: &'static str,
     pub rows: u32,
     pub threads: u32,
 }
@@ -123,10 +126,11 @@ pub fn gemv_kernels(dev: &Device, key: &MatmulKey) -> Result<Vec<GemvKernel>> {
     let get = |name: String| crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name);
     // Launch shapes: gemv.cu's GEMV_ROWS rows a block of GEMV_WARPS warps; GEMV_WR_WARPS warps
     // of R rows each.
-    let mut out = vec![GemvKernel { func: get(format!("gemv_tn_{t}_{o}_{mm}"))?, name: "gemv", rows: 4, threads: 256 }];
+    let func = get(format!("gemv_tn_{t}_{o}_{mm}"))?;
+    let mut out = vec![GemvKernel { func, name: "gemv", stem: "gemv_tn", rows: 4, threads: 256 }];
     if mm <= 4 {
-        for (r, name) in [(1, "gemv-warp1"), (2, "gemv-warp2")] {
-            out.push(GemvKernel { func: get(format!("gemv_wr{r}_{t}_{o}_{mm}"))?, name, rows: 4 * r, threads: 128 });
+        for (r, name, stem) in [(1, "gemv-warp1", "gemv_wr1"), (2, "gemv-warp2", "gemv_wr2")] {
+            out.push(GemvKernel { func: get(format!("{stem}_{t}_{o}_{mm}"))?, name, stem, rows: 4 * r, threads: 128 });
         }
     }
     Ok(out)
@@ -142,19 +146,11 @@ pub const GEMV_SETS: usize = 4;
 /// did not: cuBLAS is faster on that shape, or there is no such kernel.
 pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Option<GemvKernel>> {
     let Some(mm) = gemv_rows(key).filter(|&mm| mm <= 4 && key.out == key.dtype) else { return Ok(None) };
-    let split = match dev.matmul_algorithm(key)? {
-        "gemv" => ("gemv_tn", 4, 256),
-        "gemv-warp1" => ("gemv_wr1", 4, 128),
-        "gemv-warp2" => ("gemv_wr2", 8, 128),
-        _ => return Ok(None),
-    };
-    let (name, rows, threads) = split;
-    let func = crate::recipe::kernel(
-        dev,
-        crate::kernels::KernelFile::Gemv,
-        &format!("{name}_{pre}_{}_{mm}", key.dtype.name()),
-    )?;
-    Ok(Some(GemvKernel { func, name: "gemv-pre", rows, threads }))
+    let chosen = dev.matmul_algorithm(key)?;
+    let Some(plain) = gemv_kernels(dev, key)?.into_iter().find(|g| g.name == chosen) else { return Ok(None) };
+    let name = format!("{}_{pre}_{}_{mm}", plain.stem, key.dtype.name());
+    let func = crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name)?;
+    Ok(Some(GemvKernel { func, name: "gemv-pre", ..plain }))
 }
 
 /// One algorithm to time: how it runs and the workspace bytes it needs.

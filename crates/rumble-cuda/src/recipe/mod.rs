@@ -269,17 +269,9 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
     }
     // The rows into node scratch, as the prologue's op would make them.
     let node = b.node(rows.size_in_bytes());
-    let s = sfx(dt);
     match pre {
-        Prologue::RmsNorm { eps } => {
-            let args =
-                vec![Arg::In(0), Arg::In(1), Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64), Arg::F64(eps)];
-            b.k(KernelFile::Rows, format!("rms_norm_block_{s}"), (m.max(1) as u32, 1, 1), 256, 0, args)?;
-        }
-        Prologue::SwigluPacked => {
-            let args = vec![Arg::In(0), Arg::Node(node), Arg::I64(m as i64), Arg::I64(k as i64)];
-            b.k(KernelFile::Rows, format!("swiglu_packed_{s}"), grid_for(b.dev, m * k, 256), 256, 0, args)?;
-        }
+        Prologue::RmsNorm { eps } => rows::rms_norm(b, dt, m, k, eps, Arg::Node(node))?,
+        Prologue::SwigluPacked => rows::swiglu_packed(b, dt, m, k, Arg::Node(node))?,
     }
     for j in live {
         if let Some(kernel) = kernels[j] {

@@ -9,6 +9,30 @@ use crate::error::{CudaError, Result};
 use crate::kernels::KernelFile;
 use crate::launch::{Arg, Step};
 
+/// `rms_norm` of `rows` rows of `d` (operands 0 and 1) into `y`: a block a row where there are
+/// fewer rows than multiprocessors (a warp each would leave a row's loads queued), else a warp a
+/// row. Also `matmul_pre`'s rows where cuBLAS runs its products.
+pub(super) fn rms_norm(b: &mut Builder, dt: DType, rows: usize, d: usize, eps: f64, y: Arg) -> Result<()> {
+    let args = vec![Arg::In(0), Arg::In(1), y, Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(eps)];
+    if rows < b.dev.multiprocessors {
+        let grid = (rows.max(1) as u32, 1, 1);
+        b.k(KernelFile::Rows, format!("rms_norm_block_{}", sfx(dt)), grid, 256, 0, args)
+    } else {
+        let grid = warp_rows_grid(b.dev, rows);
+        b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), grid, 256, 0, args)
+    }
+}
+
+/// `swiglu_packed` of `rows` rows of `2f` (operand 0) into `y`. Also `matmul_pre`'s rows where
+/// cuBLAS runs its products.
+pub(super) fn swiglu_packed(b: &mut Builder, dt: DType, rows: usize, f: usize, y: Arg) -> Result<()> {
+    if rows * f == 0 {
+        return Ok(());
+    }
+    let args = [vec![Arg::In(0), y], Arg::i64s(&[rows, f])].concat();
+    b.k(KernelFile::Rows, format!("swiglu_packed_{}", sfx(dt)), grid_for(b.dev, rows * f, 256), 256, 0, args)
+}
+
 /// The steps of a row-wise op (`dt`: its first operand's dtype).
 pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -> Result<()> {
     let dev = b.dev;
@@ -20,16 +44,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
         Op::LinearCrossEntropyGrad { ignore_index, chunk } => linear_ce(b, at, *ignore_index, *chunk, Pass::Both)?,
         Op::RmsNorm { eps } => {
             let d = at[0].shape.last();
-            let rows = at[0].numel() / d.max(1);
-            let args =
-                vec![Arg::In(0), Arg::In(1), Arg::Out(0), Arg::I64(rows as i64), Arg::I64(d as i64), Arg::F64(*eps)];
-            if rows < dev.multiprocessors {
-                // A few rows: a block each (a warp each would leave the row's loads queued).
-                let grid = (rows.max(1) as u32, 1, 1);
-                b.k(KernelFile::Rows, format!("rms_norm_block_{}", sfx(dt)), grid, 256, 0, args)?;
-            } else {
-                b.k(KernelFile::Rows, format!("rms_norm_{}", sfx(dt)), warp_rows_grid(dev, rows), 256, 0, args)?;
-            }
+            rms_norm(b, dt, at[0].numel() / d.max(1), d, *eps, Arg::Out(0))?;
         }
         Op::RmsNormBackward { eps, acc: add } => {
             let d = at[0].shape.last();
@@ -100,14 +115,12 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
         Op::SwigluPacked | Op::SwigluPackedBackward => {
             let f = at[0].shape.last() / 2;
             let rows = at[0].numel() / (2 * f).max(1);
-            if rows * f > 0 {
-                let (name, mut args) = if matches!(op, Op::SwigluPacked) {
-                    ("swiglu_packed", vec![Arg::In(0), Arg::Out(0)])
-                } else {
-                    ("swiglu_packed_backward", vec![Arg::In(0), Arg::In(1), Arg::Out(0)])
-                };
-                args.extend([Arg::I64(rows as i64), Arg::I64(f as i64)]);
-                b.k(KernelFile::Rows, format!("{name}_{}", sfx(dt)), grid_for(dev, rows * f, 256), 256, 0, args)?;
+            if matches!(op, Op::SwigluPacked) {
+                swiglu_packed(b, dt, rows, f, Arg::Out(0))?;
+            } else if rows * f > 0 {
+                let args = [Arg::ins(&[0, 1]), vec![Arg::Out(0)], Arg::i64s(&[rows, f])].concat();
+                let name = format!("swiglu_packed_backward_{}", sfx(dt));
+                b.k(KernelFile::Rows, name, grid_for(dev, rows * f, 256), 256, 0, args)?;
             }
         }
         Op::Softmax | Op::LogSoftmax => {
