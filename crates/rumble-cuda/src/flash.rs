@@ -393,7 +393,7 @@ impl Variant {
 pub const OPTIONS: Options = Options { fmad: true };
 
 /// The most dynamic shared memory a block may opt into on `dev`.
-fn smem_limit(dev: &Device) -> Result<usize> {
+pub(crate) fn smem_limit(dev: &Device) -> Result<usize> {
     let a = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
     let v = unsafe { drv::device::get_attribute(dev.cu_device(), a) }.ctx(|| "shared memory per block".into())?;
     Ok(v.max(0) as usize)

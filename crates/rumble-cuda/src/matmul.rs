@@ -139,18 +139,54 @@ pub fn gemv_kernels(dev: &Device, key: &MatmulKey) -> Result<Vec<GemvKernel>> {
 /// The projections one launch of a `matmul_pre` kernel takes (`GEMV_SETS` in `kernels/gemv.cu`).
 pub const GEMV_SETS: usize = 4;
 
+/// Rows a `matmul_pre` kernel makes at most (`GEMV_PRE_M` in `kernels/gemv.cu`; the buckets of
+/// 1 and 4 rows).
+pub const GEMV_PRE_M: u64 = 4;
+
+/// A `matmul_pre` kernel of `kernels/gemv.cu` for one shape: its launch shape (`kernel.rows`
+/// weight rows a block of its grid's loop, `kernel.threads` threads), the dynamic shared memory
+/// its blocks make the rows in, and the most blocks its grid needs to fill the device.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvPre {
+    pub kernel: GemvKernel,
+    pub smem: u32,
+    pub blocks: u32,
+}
+
 /// The kernel of `kernels/gemv.cu` that runs `matmul_pre` with prologue `pre` (`norm` or
 /// `swiglu`) for `key`, the plain matmul of the rows it makes: the way of splitting the work the
-/// tuner chose for `key` (timed as that matmul), where it chose one of gemv.cu's kernels and
-/// the bucket has prologue kernels (at most 4 rows, the operands' dtype out). `None` where it
-/// did not: cuBLAS is faster on that shape, or there is no such kernel.
-pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Option<GemvKernel>> {
-    let Some(mm) = gemv_rows(key).filter(|&mm| mm <= 4 && key.out == key.dtype) else { return Ok(None) };
+/// tuner chose for `key` (timed as that matmul), where it chose one of gemv.cu's kernels, the
+/// bucket has prologue kernels (at most [`GEMV_PRE_M`] rows, the operands' dtype out) and the
+/// rows fit a block's shared memory. `None` where not: cuBLAS is faster on that shape, there is
+/// no such kernel, or the rows are too long.
+pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Option<GemvPre>> {
+    let Some(mm) = gemv_rows(key).filter(|&mm| mm as u64 <= GEMV_PRE_M && key.out == key.dtype) else {
+        return Ok(None);
+    };
+    let smem = key.m * key.k * key.dtype.size_in_bytes() as u64;
+    if smem > crate::flash::smem_limit(dev)? as u64 {
+        return Ok(None);
+    }
     let chosen = dev.matmul_algorithm(key)?;
     let Some(plain) = gemv_kernels(dev, key)?.into_iter().find(|g| g.name == chosen) else { return Ok(None) };
     let name = format!("{}_{pre}_{}_{mm}", plain.stem, key.dtype.name());
     let func = crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name)?;
-    Ok(Some(GemvKernel { func, name: "gemv-pre", ..plain }))
+    // gemv_pre's blocks: 256 threads; gemv_tn's GEMV_ROWS rows, or GEMV_PRE_WR_WARPS warps of
+    // R rows each.
+    let rows = if plain.stem == "gemv_tn" { plain.rows } else { 2 * plain.rows };
+    let kernel = GemvKernel { func, name: "gemv-pre", rows, threads: 256, ..plain };
+    let smem = smem as u32;
+    if smem > 48 * 1024 {
+        dev.bind()?;
+        let attr = dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        unsafe { cudarc::driver::result::function::set_function_attribute(func.0, attr, smem as i32) }
+            .ctx(|| format!("allowing {smem} bytes of shared memory to `{name}`"))?;
+    }
+    let per_sm =
+        unsafe { cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(func.0, 256, smem as usize) }
+            .ctx(|| format!("the occupancy of `{name}`"))?;
+    let blocks = (per_sm.max(1) as usize * dev.multiprocessors.max(1)) as u32;
+    Ok(Some(GemvPre { kernel, smem, blocks }))
 }
 
 /// One algorithm to time: how it runs and the workspace bytes it needs.

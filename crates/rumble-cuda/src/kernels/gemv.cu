@@ -15,109 +15,56 @@
 // 16-byte loads, element by element in the same pattern. c may be d (the addend in place):
 // each output is read before it is written, by the same thread.
 //
-// A prologue PRE (matmul_pre: a decode step's norm or swiglu folded into the projections that
-// read it) makes each row of a as it is loaded, rounded to T as that op's result would be, so
-// the products see the values the unfolded pair gives:
-// - PRE_NORM: rms_norm of a row x [K] with weight g, x * r * g, r = 1 / rms(x) taken first by
-//   every warp over the whole row (pre_scales; the row is read again, from cache, by the loop);
+// matmul_pre (a decode step's norm or swiglu folded into the projections that read it) runs
+// gemv_pre: each block first makes the rows of a its prologue stands for into shared memory,
+// rounded to T as the unfolded op would store them (pre_rows), so the products see the values
+// the unfolded pair gives; then it takes blocks of rows blockIdx.x, + gridDim.x, ... of the
+// launch's projections (GemvSet), on the split the tuner chose for the plain matmul of those
+// rows. The rows are made once a block, not once a warp: a grid of a few blocks a
+// multiprocessor shares the prologue's reads and arithmetic over many weight rows.
+// - PRE_NORM: rms_norm of a row x [K] with weight g, x * r * g, r = 1 / rms(x) by a block sum;
 // - PRE_SWIGLU: a row [gate | up] of 2K gives silu(gate) * up (swiglu_packed's arithmetic).
+// Every kernel asks L2 for its block's first weight rows (gemv_prefetch) before it waits for the
+// kernel before it (pdl_enter): the weights are no earlier kernel's result, so under
+// programmatic dependent launch their reads start while that kernel still runs.
 #define GEMV_MAX_M 16
 #define PRE_NONE 0
 #define PRE_NORM 1
 #define PRE_SWIGLU 2
+// Rows a prologue kernel makes at most (PROLOGUE_ROWS in rumble-core), and the warps of its
+// gemv_wr blocks.
+#define GEMV_PRE_M 4
+#define GEMV_PRE_WR_WARPS 8
 
-// v rounded to T, as a store and a load of T would give.
+// Whether a and b allow 16-byte loads of rows of k elements.
 template <typename T>
-__device__ __forceinline__ float rnd_as(float v) {
-  T t;
-  stf(&t, v);
-  return ldf(t);
+__device__ __forceinline__ bool gemv_vec(const T* a, const T* b, i64 k) {
+  return k % Vec16<T>::n == 0 && (((unsigned long long)a | (unsigned long long)b) & 15) == 0;
 }
-// Every lane's r of each row of a (PRE_NORM; 1 otherwise): the warp sums the squares of the
-// row's K elements, its lanes taking chunks l, l + 32, ... (elements where !vec).
-template <int PRE, typename T, int MM>
-__device__ __forceinline__ void pre_scales(const T* __restrict__ a, i64 m, i64 k, bool vec, double eps,
-                                           float (&r)[MM]) {
-  constexpr int V = Vec16<T>::n;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int mm = 0; mm < MM; ++mm) {
-    r[mm] = 1.0f;
-    if (PRE != PRE_NORM || mm >= m) continue;
-    float ss = 0.0f;
-    if (vec) {
-      for (i64 ch = lane; ch < k / V; ch += 32) {
-        float x[V];
-        ld16(a + mm * k + ch * V, x);
-#pragma unroll
-        for (int i = 0; i < V; ++i) ss += x[i] * x[i];
-      }
-    } else {
-      for (i64 e = lane; e < k; e += 32) {
-        const float x = ld(a[mm * k + e]);
-        ss += x * x;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    r[mm] = (float)(1.0 / sqrt((double)ss / (double)k + eps));
-  }
-}
-// Elements e .. e + V of row mm of the (made) a: a 16-byte chunk of each stored row it reads.
-template <int PRE, typename T>
-__device__ __forceinline__ void ld_a16(const T* __restrict__ a, const T* __restrict__ g, i64 mm, i64 k, i64 e,
-                                       float r, float* av) {
-  constexpr int V = Vec16<T>::n;
-  if constexpr (PRE == PRE_SWIGLU) {
-    float u[V];
-    ld16(a + mm * 2 * k + e, av);
-    ld16(a + mm * 2 * k + k + e, u);
-#pragma unroll
-    for (int i = 0; i < V; ++i) av[i] = rnd_as<T>((av[i] * sigmoid_<T>(av[i])) * u[i]);
-  } else {
-    ld16(a + mm * k + e, av);
-    if constexpr (PRE == PRE_NORM) {
-      float w[V];
-      ld16(g + e, w);
-#pragma unroll
-      for (int i = 0; i < V; ++i) av[i] = rnd_as<T>(av[i] * r * w[i]);
-    }
-  }
-}
-// Element e of row mm of the (made) a.
-template <int PRE, typename T>
-__device__ __forceinline__ float ld_a1(const T* __restrict__ a, const T* __restrict__ g, i64 mm, i64 k, i64 e,
-                                       float r) {
-  if constexpr (PRE == PRE_SWIGLU) {
-    const float gate = ld(a[mm * 2 * k + e]);
-    return rnd_as<T>((gate * sigmoid_<T>(gate)) * ld(a[mm * 2 * k + k + e]));
-  } else if constexpr (PRE == PRE_NORM) {
-    return rnd_as<T>(ld(a[mm * k + e]) * r * ld(g[e]));
-  } else {
-    return ld(a[mm * k + e]);
-  }
-}
-// Whether a (and g) allow 16-byte loads of the made rows.
-template <int PRE, typename T>
-__device__ __forceinline__ bool pre_vec(const T* a, const T* g, const T* b, i64 k) {
-  constexpr int V = Vec16<T>::n;
-  const unsigned long long p = (unsigned long long)a | (unsigned long long)b | (PRE == PRE_NORM ? (unsigned long long)g : 0);
-  return k % V == 0 && (p & 15) == 0;
+// `rows` weight rows from row n0 of b into L2 (one bulk prefetch; sm_90 on, 16-byte rows).
+template <typename T>
+__device__ __forceinline__ void gemv_prefetch(const T* b, i64 n, i64 k, i64 n0, i64 rows) {
+#if __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0 || n0 >= n || !gemv_vec(b, b, k)) return;
+  const i64 bytes = (n0 + rows < n ? rows : n - n0) * k * (i64)sizeof(T);
+  if (bytes <= 0 || bytes >= (1ll << 31)) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(b + n0 * k), "r"((unsigned)bytes) : "memory");
+#endif
 }
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
 #define GEMV_WR_WARPS 4
 #define GEMV_UNROLL 4
-template <typename T, typename O, int MM, int PRE>
-__device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ g, const T* __restrict__ b, const O* c, O* d,
-                        i64 m, i64 n, i64 k, float beta, double eps, i64 blk) {
+// A block of gemv_tn: rows blk * GEMV_ROWS .. of b. Ends on a block barrier, so a block may
+// take another (gemv_pre) and reuse `part`.
+template <typename T, typename O, int MM>
+__device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
+                        float beta, i64 blk) {
   __shared__ float part[GEMV_WARPS][GEMV_MAX_M * GEMV_ROWS];
   constexpr int V = Vec16<T>::n;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const i64 n0 = blk * GEMV_ROWS;
-  const bool vec = pre_vec<PRE>(a, g, b, k);
-  float rs[MM];
-  pre_scales<PRE, T, MM>(a, m, k, vec, eps, rs);
+  const bool vec = gemv_vec(a, b, k);
   float acc[MM][GEMV_ROWS];
 #pragma unroll
   for (int mm = 0; mm < MM; ++mm)
@@ -146,9 +93,9 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ g, const 
       if (mm >= m) break;
       float av[V];
       if (vec) {
-        ld_a16<PRE>(a, g, mm, k, ch * V, rs[mm], av);
+        ld16(a + mm * k + ch * V, av);
       } else {
-        av[0] = ld_a1<PRE>(a, g, mm, k, ch, rs[mm]);
+        av[0] = ld(a[mm * k + ch]);
       }
 #pragma unroll
       for (int r = 0; r < GEMV_ROWS; ++r)
@@ -176,14 +123,14 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ g, const 
     if (beta != 0.0f) s += beta * ld(c[mm * n + col]);
     st(&d[mm * n + col], s);
   }
+  __syncthreads();
 }
 
 // gemv_wr's chunks ch, ch + 32, ..., ch + 32 (U - 1) (16-byte chunks of K) of its R rows from
 // n0 against every row of a: every load of the group issued before the products.
-template <int U, int PRE, typename T, int MM, int R>
-__device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T* __restrict__ g,
-                                               const T* __restrict__ b, i64 m, i64 n, i64 k, i64 n0, i64 ch,
-                                               const float (&rs)[MM], float (&acc)[MM][R]) {
+template <int U, typename T, int MM, int R>
+__device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T* __restrict__ b, i64 m, i64 n, i64 k,
+                                               i64 n0, i64 ch, float (&acc)[MM][R]) {
   constexpr int V = Vec16<T>::n;
   float bv[U][R][V];
 #pragma unroll
@@ -203,7 +150,7 @@ __device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T*
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float av[V];
-      ld_a16<PRE>(a, g, mm, k, (ch + 32 * u) * V, rs[mm], av);
+      ld16(a + mm * k + (ch + 32 * u) * V, av);
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -211,16 +158,15 @@ __device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T*
     }
   }
 }
-template <typename T, typename O, int MM, int R, int PRE>
-__device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ g, const T* __restrict__ b, const O* c, O* d,
-                        i64 m, i64 n, i64 k, float beta, double eps, i64 blk) {
+// A block of gemv_wr: W warps of R rows each, rows blk * W * R ...
+template <typename T, typename O, int MM, int R, int W>
+__device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
+                        float beta, i64 blk) {
   constexpr int V = Vec16<T>::n, U = GEMV_UNROLL;
   const int lane = threadIdx.x & 31;
-  const i64 n0 = (blk * GEMV_WR_WARPS + (threadIdx.x >> 5)) * R;
+  const i64 n0 = (blk * W + (threadIdx.x >> 5)) * R;
   if (n0 >= n) return;  // the whole warp
-  const bool vec = pre_vec<PRE>(a, g, b, k);
-  float rs[MM];
-  pre_scales<PRE, T, MM>(a, m, k, vec, eps, rs);
+  const bool vec = gemv_vec(a, b, k);
   float acc[MM][R];
 #pragma unroll
   for (int mm = 0; mm < MM; ++mm)
@@ -230,8 +176,8 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ g, const 
     const i64 chunks = k / V;
     i64 ch = lane;
     // Groups of U chunks a lane, then the rest a chunk at a time.
-    for (; ch + 32 * (U - 1) < chunks; ch += 32 * U) gemv_wr_chunks<U, PRE>(a, g, b, m, n, k, n0, ch, rs, acc);
-    for (; ch < chunks; ch += 32) gemv_wr_chunks<1, PRE>(a, g, b, m, n, k, n0, ch, rs, acc);
+    for (; ch + 32 * (U - 1) < chunks; ch += 32 * U) gemv_wr_chunks<U>(a, b, m, n, k, n0, ch, acc);
+    for (; ch < chunks; ch += 32) gemv_wr_chunks<1>(a, b, m, n, k, n0, ch, acc);
   } else {
     for (i64 e = lane; e < k; e += 32) {
       float bv[R];
@@ -240,7 +186,7 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ g, const 
 #pragma unroll
       for (int mm = 0; mm < MM; ++mm) {
         if (mm >= m) break;
-        const float av = ld_a1<PRE>(a, g, mm, k, e, rs[mm]);
+        const float av = ld(a[mm * k + e]);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[mm][r] += av * bv[r];
       }
@@ -266,7 +212,7 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ g, const 
 }
 
 // matmul_pre's projections of one launch: weight j (b[j] [n[j], k], its addend c[j], its result
-// d[j]) takes the grid's blocks first[j] .. first[j + 1]; slots past the last repeat its end.
+// d[j]) takes the blocks first[j] .. first[j + 1]; slots past the last repeat its end.
 #define GEMV_SETS 4
 template <typename T> struct GemvSet {
   const T* b[GEMV_SETS];
@@ -275,25 +221,122 @@ template <typename T> struct GemvSet {
   i64 n[GEMV_SETS];
   i64 first[GEMV_SETS + 1];
 };
-// The projection of this block, and the block's index within it.
-template <typename T> __device__ __forceinline__ int gemv_set(const GemvSet<T>& s, i64& blk) {
+// The projection of block vb, and the block's index within it.
+template <typename T> __device__ __forceinline__ int gemv_set(const GemvSet<T>& s, i64 vb, i64& blk) {
   int j = 0;
-  while (j + 1 < GEMV_SETS && (i64)blockIdx.x >= s.first[j + 1]) ++j;
-  blk = (i64)blockIdx.x - s.first[j];
+  while (j + 1 < GEMV_SETS && vb >= s.first[j + 1]) ++j;
+  blk = vb - s.first[j];
   return j;
+}
+
+// The m <= GEMV_PRE_M rows of a the prologue makes, into `made` ([m][k] of T), by the whole
+// block: for PRE_NORM each thread's share of every row's sum of squares, summed over the warps
+// in warp order; then each element, 16 bytes at a time where a (and g) allow.
+template <int PRE, typename T>
+__device__ void pre_rows(const T* __restrict__ a, const T* __restrict__ g, i64 m, i64 k, double eps, T* made) {
+  __shared__ float red[32][GEMV_PRE_M];
+  __shared__ float rs[GEMV_PRE_M];
+  constexpr int V = Vec16<T>::n;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const i64 ka = PRE == PRE_SWIGLU ? 2 * k : k;  // a's row length
+  const bool vec = gemv_vec(a, PRE == PRE_NORM ? g : a, k);
+  if constexpr (PRE == PRE_NORM) {
+    float ss[GEMV_PRE_M];
+#pragma unroll
+    for (int mm = 0; mm < GEMV_PRE_M; ++mm) {
+      ss[mm] = 0.0f;
+      if (mm >= m) continue;
+      if (vec) {
+        for (i64 ch = threadIdx.x; ch < k / V; ch += blockDim.x) {
+          float x[V];
+          ld16(a + mm * ka + ch * V, x);
+#pragma unroll
+          for (int i = 0; i < V; ++i) ss[mm] += x[i] * x[i];
+        }
+      } else {
+        for (i64 e = threadIdx.x; e < k; e += blockDim.x) {
+          const float x = ld(a[mm * ka + e]);
+          ss[mm] += x * x;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss[mm] += __shfl_xor_sync(0xffffffffu, ss[mm], o);
+      if (lane == 0) red[w][mm] = ss[mm];
+    }
+    __syncthreads();
+    if (threadIdx.x < m) {
+      float t = 0.0f;
+      for (int j = 0; j < nw; ++j) t += red[j][threadIdx.x];
+      rs[threadIdx.x] = (float)(1.0 / sqrt((double)t / (double)k + eps));
+    }
+    __syncthreads();
+  }
+  for (i64 mm = 0; mm < m; ++mm) {
+    const T* x = a + mm * ka;
+    T* y = made + mm * k;
+    const float r = PRE == PRE_NORM ? rs[mm] : 1.0f;
+    if (vec) {
+      for (i64 ch = threadIdx.x; ch < k / V; ch += blockDim.x) {
+        float v[V], u[V];
+        ld16(x + ch * V, v);
+        if constexpr (PRE == PRE_NORM) {
+          ld16(g + ch * V, u);
+#pragma unroll
+          for (int i = 0; i < V; ++i) v[i] = v[i] * r * u[i];
+        } else {
+          ld16(x + k + ch * V, u);
+#pragma unroll
+          for (int i = 0; i < V; ++i) v[i] = (v[i] * sigmoid_<T>(v[i])) * u[i];
+        }
+        st16(y + ch * V, v);
+      }
+    } else {
+      for (i64 e = threadIdx.x; e < k; e += blockDim.x) {
+        const float v = ld(x[e]);
+        stf(&y[e], PRE == PRE_NORM ? v * r * ld(g[e]) : (v * sigmoid_<T>(v)) * ld(x[k + e]));
+      }
+    }
+  }
+}
+// The rows a block of split S takes (0: gemv_tn; R: gemv_wr of R rows a warp).
+template <int S> struct PreSplit {
+  static const int rows = S == 0 ? GEMV_ROWS : GEMV_PRE_WR_WARPS * S;
+};
+// A prologue kernel's body: `made` is the block's dynamic shared memory, m * k elements of T.
+template <int PRE, int S, typename T, int MM>
+__device__ void gemv_pre(const GemvSet<T>& s, const T* a, const T* g, i64 m, i64 k, float beta, double eps, T* made) {
+  const i64 total = s.first[GEMV_SETS];
+  if ((i64)blockIdx.x < total) {
+    i64 blk;
+    const int j = gemv_set(s, (i64)blockIdx.x, blk);
+    gemv_prefetch(s.b[j], s.n[j], k, blk * PreSplit<S>::rows, PreSplit<S>::rows);
+  }
+  pdl_enter();
+  pre_rows<PRE>(a, g, m, k, eps, made);
+  __syncthreads();
+  for (i64 vb = blockIdx.x; vb < total; vb += gridDim.x) {
+    i64 blk;
+    const int j = gemv_set(s, vb, blk);
+    if constexpr (S == 0)
+      gemv_tn<T, T, MM>(made, s.b[j], s.c[j], s.d[j], m, s.n[j], k, beta, blk);
+    else
+      gemv_wr<T, T, MM, S, GEMV_PRE_WR_WARPS>(made, s.b[j], s.c[j], s.d[j], m, s.n[j], k, beta, blk);
+  }
 }
 
 #define GEMV(T, SUF, O, OSUF, MM)                                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
       gemv_tn_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+    gemv_prefetch(b, n, k, (i64)blockIdx.x * GEMV_ROWS, GEMV_ROWS);                                              \
     pdl_enter();                                                                                                 \
-    gemv_tn<T, O, MM, PRE_NONE>(a, nullptr, b, c, d, m, n, k, beta, 0.0, blockIdx.x);                           \
+    gemv_tn<T, O, MM>(a, b, c, d, m, n, k, beta, blockIdx.x);                                                    \
   }
 #define GEMV_WR(T, SUF, O, OSUF, MM, R)                                                                      \
   extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32)                                         \
       gemv_wr##R##_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+    gemv_prefetch(b, n, k, (i64)blockIdx.x * GEMV_WR_WARPS * R, GEMV_WR_WARPS * R);                                  \
     pdl_enter();                                                                                                      \
-    gemv_wr<T, O, MM, R, PRE_NONE>(a, nullptr, b, c, d, m, n, k, beta, 0.0, blockIdx.x);                              \
+    gemv_wr<T, O, MM, R, GEMV_WR_WARPS>(a, b, c, d, m, n, k, beta, blockIdx.x);                                       \
   }
 #define GEMV_ALL(T, SUF, O, OSUF)                                                                          \
   GEMV(T, SUF, O, OSUF, 1) GEMV(T, SUF, O, OSUF, 4) GEMV(T, SUF, O, OSUF, 8) GEMV(T, SUF, O, OSUF, 16)    \
@@ -306,23 +349,21 @@ GEMV_ALL(f16, f16, float, f32)
 GEMV_ALL(float, f32, float, f32)
 
 // matmul_pre's kernels, `gemv_tn_<pre>_<dtype>_<rows>` and `gemv_wr<R>_<pre>_<dtype>_<rows>`
-// (pre: norm or swiglu; rows: the buckets of 1 and 4, PROLOGUE_ROWS in rumble-core), writing
-// the operands' dtype: (set, a, g, m, k, beta, eps), g and eps read by norm only.
-#define GEMV_PRE_KERNEL(T, NAME, WARPS, BODY)                                                                  \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-      NAME(GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) {                       \
-    pdl_enter();                                                                                             \
-    i64 blk;                                                                                                 \
-    const int j = gemv_set(s, blk);                                                                          \
-    BODY(a, g, s.b[j], s.c[j], s.d[j], m, s.n[j], k, (float)beta, eps, blk);                                  \
+// (pre: norm or swiglu; rows: the buckets of 1 and 4, GEMV_PRE_M), writing the operands'
+// dtype: (set, a, g, m, k, beta, eps), g and eps read by norm only; m * k elements of T of
+// dynamic shared memory; 256 threads (GEMV_WARPS, GEMV_PRE_WR_WARPS).
+#define GEMV_PRE(T, SUF, PRE, PSUF, MM, S, NAME)                                                           \
+  extern "C" __global__ void __launch_bounds__(256)                                                        \
+      NAME##_##PSUF##_##SUF##_##MM(GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) { \
+    extern __shared__ __align__(16) unsigned char made[];                                                     \
+    gemv_pre<PRE, S, T, MM>(s, a, g, m, k, (float)beta, eps, reinterpret_cast<T*>(made));                    \
   }
-#define GEMV_PRE(T, SUF, PRE, PSUF, MM)                                                                        \
-  GEMV_PRE_KERNEL(T, gemv_tn_##PSUF##_##SUF##_##MM, GEMV_WARPS, (gemv_tn<T, T, MM, PRE>))                     \
-  GEMV_PRE_KERNEL(T, gemv_wr1_##PSUF##_##SUF##_##MM, GEMV_WR_WARPS, (gemv_wr<T, T, MM, 1, PRE>))              \
-  GEMV_PRE_KERNEL(T, gemv_wr2_##PSUF##_##SUF##_##MM, GEMV_WR_WARPS, (gemv_wr<T, T, MM, 2, PRE>))
+#define GEMV_PRE_SPLITS(T, SUF, PRE, PSUF, MM)                                                                 \
+  GEMV_PRE(T, SUF, PRE, PSUF, MM, 0, gemv_tn) GEMV_PRE(T, SUF, PRE, PSUF, MM, 1, gemv_wr1)                   \
+  GEMV_PRE(T, SUF, PRE, PSUF, MM, 2, gemv_wr2)
 #define GEMV_PRE_ALL(T, SUF)                                                                                   \
-  GEMV_PRE(T, SUF, PRE_NORM, norm, 1) GEMV_PRE(T, SUF, PRE_NORM, norm, 4)                                    \
-  GEMV_PRE(T, SUF, PRE_SWIGLU, swiglu, 1) GEMV_PRE(T, SUF, PRE_SWIGLU, swiglu, 4)
+  GEMV_PRE_SPLITS(T, SUF, PRE_NORM, norm, 1) GEMV_PRE_SPLITS(T, SUF, PRE_NORM, norm, 4)                      \
+  GEMV_PRE_SPLITS(T, SUF, PRE_SWIGLU, swiglu, 1) GEMV_PRE_SPLITS(T, SUF, PRE_SWIGLU, swiglu, 4)
 GEMV_PRE_ALL(bf16, bf16)
 GEMV_PRE_ALL(f16, f16)
 GEMV_PRE_ALL(float, f32)

@@ -202,7 +202,8 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
 
 /// `matmul_pre`: where the tuner runs the plain matmul of the made rows on gemv.cu for every
 /// projection ([`crate::matmul::gemv_pre_kernel`]), one launch of a prologue kernel for all of
-/// them, split as the widest one's was; otherwise the prologue's own kernel writes the rows into
+/// them, split as the widest one's was, its grid as many blocks as the device holds at once
+/// (each makes the rows once, then takes block after block of weight rows); otherwise the prologue's own kernel writes the rows into
 /// the node's scratch once, the tuned matmul of each projection without a prologue kernel reads
 /// them, and the others each launch theirs.
 fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&TensorType]) -> Result<()> {
@@ -220,7 +221,8 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
         .map(|key| if key.k > 0 && key.n > 0 { crate::matmul::gemv_pre_kernel(b.dev, key, pname) } else { Ok(None) })
         .collect::<Result<Vec<_>>>()?;
     // One launch of `kernel` for the projections `js`.
-    let launch = |b: &mut Builder, kernel: crate::matmul::GemvKernel, js: &[usize]| -> Result<()> {
+    let launch = |b: &mut Builder, pre: crate::matmul::GemvPre, js: &[usize]| -> Result<()> {
+        let kernel = pre.kernel;
         let (mut words, mut first) = (vec![0u64; 3 * GEMV_SETS], 0u64);
         let (mut ns, mut firsts) = (vec![0u64; GEMV_SETS], vec![0u64; GEMV_SETS + 1]);
         let mut ptrs = Vec::new();
@@ -235,7 +237,9 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
         }
         words.extend(ns);
         words.extend(firsts);
-        let grid = u32::try_from(first).map_err(|_| CudaError::usage(format!("matmul_pre grid of {keys:?}")))?;
+        let grid = u32::try_from(first)
+            .map_err(|_| CudaError::usage(format!("matmul_pre grid of {keys:?}")))?
+            .min(pre.blocks.max(1));
         // The set's pointers (b, c, d of each slot) are the node's operands and results.
         let mut addrs = Vec::new();
         for &(slot, j) in &ptrs {
@@ -253,7 +257,7 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
             name,
             grid: (grid, 1, 1),
             block: kernel.threads,
-            smem: 0,
+            smem: pre.smem,
             args,
         });
         Ok(())

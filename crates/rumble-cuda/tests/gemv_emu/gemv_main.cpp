@@ -11,6 +11,27 @@
 #include <string>
 #include "gemv.cuh"
 
+// v rounded to T, as a store and a load of T would give.
+template <typename T>
+static float rnd_as(float v) {
+  T t;
+  stf(&t, v);
+  return ldf(t);
+}
+static i64 j_blocks(i64 n, i64 rows) { return (n + rows - 1) / rows; }
+// A set of one projection: all n rows of b, its blocks of `rows` rows each.
+template <typename T>
+static GemvSet<T> one_set(const T* b, const T* c, T* d, i64 n, i64 rows) {
+  GemvSet<T> s;
+  for (int j = 0; j < GEMV_SETS; ++j) {
+    s.b[j] = b; s.c[j] = c; s.d[j] = d; s.n[j] = j == 0 ? n : 0;
+    s.first[j] = 0;
+  }
+  s.first[GEMV_SETS] = j_blocks(n, rows);
+  for (int j = 1; j < GEMV_SETS; ++j) s.first[j] = s.first[GEMV_SETS];
+  return s;
+}
+
 template <typename T, typename O, int MM, int PRE>
 static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
   std::mt19937 g(7); std::normal_distribution<float> nd(0, 1);
@@ -48,20 +69,35 @@ static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
       want[i * n + j] = s + (beta != 0 ? beta * (double)ld(c[i * n + j]) : 0.0);
     }
   int fails = 0;
-  // variant 0: gemv_tn; 1, 2: gemv_wr with R = variant
+  // variant 0: gemv_tn; 1, 2: gemv_wr with R = variant. With a prologue: gemv_pre on that split,
+  // its rows made in dynamic shared memory, on a grid of 3 blocks that loop over the blocks of
+  // rows.
+  const size_t made = (size_t)m * k * sizeof(T);
   for (int variant = 0; variant <= (MM <= 4 ? 2 : 0); ++variant) {
     for (auto& x : d) st(&x, NAN);
     if (inplace)
       for (int i = 0; i < m * n; ++i) c[i] = c0[i];
-    if (variant == 0)
+    if constexpr (PRE != PRE_NONE && sizeof(O) == sizeof(T)) {
+      const i64 rows = variant == 0 ? GEMV_ROWS : GEMV_PRE_WR_WARPS * variant;
+      const GemvSet<T> set = one_set<T>(b.data(), c.data(), dd, n, rows);
+      emu::launch({3, 1, 1}, 256, made, [&] {
+        T* sm = reinterpret_cast<T*>(emu::tl.blk->smem.data());
+        if (variant == 0) gemv_pre<PRE, 0, T, MM>(set, a, gw, m, k, beta, 1e-5, sm);
+        if (variant == 1) gemv_pre<PRE, 1, T, MM>(set, a, gw, m, k, beta, 1e-5, sm);
+        if (variant == 2) gemv_pre<PRE, 2, T, MM>(set, a, gw, m, k, beta, 1e-5, sm);
+      });
+    } else if (variant == 0) {
       emu::launch({(unsigned)((n + GEMV_ROWS - 1) / GEMV_ROWS), 1, 1}, GEMV_WARPS * 32, 0,
-                  [&] { gemv_tn<T, O, MM, PRE>(a, gw, b.data(), c.data(), dd, m, n, k, beta, 1e-5, blockIdx.x); });
-    else if (variant == 1)
-      emu::launch({(unsigned)((n + GEMV_WR_WARPS - 1) / GEMV_WR_WARPS), 1, 1}, GEMV_WR_WARPS * 32, 0,
-                  [&] { gemv_wr<T, O, MM, 1, PRE>(a, gw, b.data(), c.data(), dd, m, n, k, beta, 1e-5, blockIdx.x); });
-    else
-      emu::launch({(unsigned)((n + 2 * GEMV_WR_WARPS - 1) / (2 * GEMV_WR_WARPS)), 1, 1}, GEMV_WR_WARPS * 32, 0,
-                  [&] { gemv_wr<T, O, MM, 2, PRE>(a, gw, b.data(), c.data(), dd, m, n, k, beta, 1e-5, blockIdx.x); });
+                  [&] { gemv_tn<T, O, MM>(a, b.data(), c.data(), dd, m, n, k, beta, blockIdx.x); });
+    } else if (variant == 1) {
+      emu::launch({(unsigned)((n + GEMV_WR_WARPS - 1) / GEMV_WR_WARPS), 1, 1}, GEMV_WR_WARPS * 32, 0, [&] {
+        gemv_wr<T, O, MM, 1, GEMV_WR_WARPS>(a, b.data(), c.data(), dd, m, n, k, beta, blockIdx.x);
+      });
+    } else {
+      emu::launch({(unsigned)((n + 2 * GEMV_WR_WARPS - 1) / (2 * GEMV_WR_WARPS)), 1, 1}, GEMV_WR_WARPS * 32, 0, [&] {
+        gemv_wr<T, O, MM, 2, GEMV_WR_WARPS>(a, b.data(), c.data(), dd, m, n, k, beta, blockIdx.x);
+      });
+    }
     double num = 0, den = 0;
     bool unwritten = false;
     for (int i = 0; i < m * n; ++i) {
@@ -98,13 +134,12 @@ static int run(int m, int n, int k, float beta, bool inplace, bool misalign) {
       set.c[j] = cs[j].data();
       set.d[j] = inplace ? cs[j].data() : ds[j].data();
       set.n[j] = nj;
-      first += (nj + GEMV_WR_WARPS - 1) / GEMV_WR_WARPS;
+      first += (nj + GEMV_PRE_WR_WARPS - 1) / GEMV_PRE_WR_WARPS;
     }
     for (int j = 3; j <= GEMV_SETS; ++j) set.first[j] = first;
-    emu::launch({(unsigned)first, 1, 1}, GEMV_WR_WARPS * 32, 0, [&] {
-      i64 blk;
-      const int j = gemv_set(set, blk);
-      gemv_wr<T, T, MM, 1, PRE>(a, gw, set.b[j], set.c[j], set.d[j], m, set.n[j], k, beta, 1e-5, blk);
+    // As many blocks as the set has: each takes one.
+    emu::launch({(unsigned)first, 1, 1}, 256, made, [&] {
+      gemv_pre<PRE, 1, T, MM>(set, a, gw, m, k, beta, 1e-5, reinterpret_cast<T*>(emu::tl.blk->smem.data()));
     });
     double num = 0, den = 0;
     bool unwritten = false;
