@@ -3,8 +3,10 @@
 //! `gemv_wr` at most 4) and each rows-a-warp of `gemv_wr`, K ending in and past an unrolled
 //! group of chunks, bf16 operands giving bf16 or f32 and f32 operands, ragged N (a block's last
 //! rows absent) and K (a warp with no chunk), an addend read beside the result or in place, and a misaligned operand (the
-//! element-by-element path); and `matmul_pre`'s prologues (a row's rms_norm, swiglu of a
-//! packed row) against the product of the rows the unfolded op would store. No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
+//! element-by-element path); and `matmul_pre`'s kernels (`gemv_pre`: a row's rms_norm or swiglu
+//! of a packed row made into shared memory, then a grid of 3 blocks looping over the blocks of
+//! weight rows, and a set of three projections) against the product of the rows the unfolded op
+//! would store. No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
 
 mod common;
 
