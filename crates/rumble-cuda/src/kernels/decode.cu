@@ -87,8 +87,8 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
 // a tile of tk keys at a time (as many as AC_KVB bytes hold of K and V rows together, at most
 // AC_TK). A decode step is latency-bound, so the kernel keeps its round trips to memory few:
 // - the tile's K and V rows are copied into shared memory as stored, every thread's 16-byte
-//   loads of both issued before any is used (ac_stage), and the first tile's loads before the
-//   queries are read and rotated;
+//   loads of both issued before any is used (ac_load, then ac_store): the first tile's before
+//   the queries are read and rotated, each next tile's before the tile ahead of it is computed;
 // - a warp per key computes the scores of all the block's slots (ac_scores), a warp per slot
 //   the online softmax in f32, then a thread per (slot, column) accumulates p.v;
 // - with one split the output is written normalised. Otherwise each (row, split) leaves (max,
@@ -306,15 +306,16 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   const float fs = (float)scale;
   for (i64 j0 = lo; j0 < hi; j0 += tk) {
     tn = hi - j0 < tk ? (int)(hi - j0) : tk;
-    if (j0 != lo) {  // the first tile is in place
-      if (vec) {
-        ac_load(tile, kb, vb, j0, tn, di, kstride);
+    if (j0 != lo) {  // the first tile is in place; the others' loads went out a tile ahead
+      if (vec)
         ac_store(tile, ks, vs, tn, di);
-      } else {
+      else
         ac_stage_scalar(ks, vs, kb, vb, j0, tn, di, kstride);
-      }
       __syncthreads();
     }
+    // The next tile's loads go out now and land while this one is computed (the loop's last
+    // barrier keeps its store behind every read of this one).
+    if (vec && j0 + tk < hi) ac_load(tile, kb, vb, j0 + tk, hi - j0 - tk < tk ? (int)(hi - j0 - tk) : tk, di, kstride);
     if (nsi <= 4)
       ac_scores<4>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
     else if (nsi <= 8)
