@@ -275,14 +275,14 @@ impl Roofline {
                 // The addend is read once more, by the same kernel.
                 t + if *acc { args[2].size_in_bytes() as f64 / self.rates.memory } else { 0.0 }
             }
-            // The matmul of the prologue's rows (one kernel: its operands are read once more,
-            // and an addend).
+            // The matmuls of the prologue's rows as one launch (its operands are read once
+            // more, and an addend).
             Op::MatmulPre { pre, outs, .. } => {
                 let ws = &args[pre.operands()..pre.operands() + outs];
                 let rows = TensorType::new(args[0].dtype, [args[0].dims()[0], ws[0].dims()[1]]);
                 let t: f64 = ws.iter().map(|w| matmul(&MatmulShape::of(&rows, w, false, true))).sum();
                 let others = bytes(args) - bytes(ws);
-                t + others / self.rates.memory
+                t + others / self.rates.memory - outs.saturating_sub(1) as f64 * self.rates.launch
             }
             Op::Attention { .. } | Op::AttentionBackward { .. } => {
                 let rate = self.rates.matmul_rate(args[0].dtype) * self.rates.attention_efficiency;

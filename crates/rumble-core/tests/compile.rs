@@ -173,3 +173,43 @@ fn compile_builds_the_rank_program_when_asked() {
     let again = CompileOptions { passes: false, ..opts(0) };
     assert_eq!(collectives(&compile(&r0, &again).unwrap().trace), collectives(&r0));
 }
+
+/// The decode folds are weighed, not assumed: a step whose norm feeds three projections (one
+/// row: `fold_prologues` folds it) compiles with the fold where the cost model prices the
+/// `matmul_pre` below the norm and the matmuls it replaces, and without it where it prices it
+/// above; the report names the variant taken.
+#[test]
+fn compile_keeps_a_decode_fold_only_where_the_cost_model_says_it_pays() {
+    /// `matmul_pre` at `pre` seconds, every other node at a microsecond.
+    #[derive(Debug)]
+    struct Pre(f64);
+    impl CostModel for Pre {
+        fn node_seconds(&self, op: &Op, _: &[&TensorType], _: &[&TensorType]) -> f64 {
+            if matches!(op, Op::MatmulPre { .. }) { self.0 } else { 1e-6 }
+        }
+        fn describe(&self) -> String {
+            format!("matmul_pre at {} s", self.0)
+        }
+        fn is_measured(&self) -> bool {
+            true
+        }
+    }
+    let g = Graph::new("decode_layer");
+    let x = g.param("x", DType::BF16, &[1, 64]).unwrap();
+    let gw = g.param("g", DType::BF16, &[64]).unwrap();
+    let h = x.rms_norm(&gw, 1e-5).unwrap();
+    for name in ["q", "k", "v"] {
+        let w = g.param(&format!("w{name}"), DType::BF16, &[32, 64]).unwrap();
+        g.output(&h.matmul_t(&w).unwrap(), name).unwrap();
+    }
+    let trace = g.finish().unwrap();
+    let count = |t: &Trace, name: &str| t.nodes.iter().filter(|n| n.op.name() == name).count();
+    for (pre, folded) in [(1e-7, true), (1e-3, false)] {
+        let opts = CompileOptions { cost: Some(Arc::new(Pre(pre)) as Cost), ..Default::default() };
+        let c = compile(&trace, &opts).unwrap();
+        assert_eq!(count(&c.trace, "matmul_pre") > 0, folded, "matmul_pre at {pre} s:\n{}", c.trace);
+        assert_eq!(count(&c.trace, "rms_norm"), usize::from(!folded), "{}", c.trace);
+        assert_eq!(c.report.weighed.len(), 2, "{:?}", c.report.weighed);
+        assert_eq!(c.report.chosen.contains("unfolded"), !folded, "{}", c.report.chosen);
+    }
+}

@@ -1,9 +1,11 @@
 //! Choices made against the cost model under a memory objective.
 //!
-//! A **variant** is the trace with its choices made: today the rows of each fused linear
-//! cross-entropy chunk (`Op::LinearCrossEntropy{,Backward,Grad}`'s `chunk`), from the whole batch
-//! (all the logits at once: the widest, fastest matmuls, the most scratch) halving down to a
-//! few rows. Each variant is planned (schedule, place) and, where a budget asks for it,
+//! A **variant** is the trace with its choices made: which of the passes' alternatives of the
+//! trace (`compile` gives two where a decode step's norms and swiglus folded into its
+//! projections: folded and not, so the fold stays only where the cost model says it pays), and
+//! the rows of each fused linear cross-entropy chunk (`Op::LinearCrossEntropy{,Backward,Grad}`'s
+//! `chunk`), from the whole batch (all the logits at once: the widest, fastest matmuls, the most
+//! scratch) halving down to a few rows. Each variant is planned (schedule, place) and, where a budget asks for it,
 //! rematerialised with the cost model (`passes::remat::remat_costed`: matmuls included,
 //! cheapest seconds per byte first); its predicted time is the sum of its nodes' times
 //! (`cost::trace_seconds`) and its peak is the plan's. The [`Budget`] then picks:
@@ -108,11 +110,31 @@ pub struct Variant {
     pub seconds: f64,
     /// What was chosen (`linear_cross_entropy chunk 1024 rows (4 chunks)`), empty if nothing.
     pub label: String,
+    /// Which alternative of the trace it plans.
+    alt: usize,
+}
+
+/// One of the traces the passes made of a step, and what it is (empty for the first, the
+/// passes' own).
+pub type Alternative = (Trace, String);
+
+/// `a` and `b` as one label.
+fn join(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.to_string(),
+        (_, true) => a.to_string(),
+        _ => format!("{a}, {b}"),
+    }
 }
 
 impl Variant {
     fn peak(&self) -> usize {
         self.planned.report.peak_bytes
+    }
+
+    /// The index of the alternative it plans.
+    pub fn alt(&self) -> usize {
+        self.alt
     }
 }
 
@@ -162,39 +184,41 @@ pub fn with_chunk(trace: &Trace, chunk: usize) -> Trace {
     t
 }
 
-/// Plans every variant of `trace` with `remat`, predicting each one's time with `cost`.
-fn variants(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel, remat: Remat) -> Result<Vec<Variant>> {
-    let o = CompileOptions { remat, ..opts.clone() };
-    let chunks = if opts.choose { chunk_candidates(trace) } else { Vec::new() };
-    let rows = trace
-        .nodes
-        .iter()
-        .find(|n| matches!(n.op, Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyGrad { .. }))
-        .map_or(0, |n| trace.ty(n.args[0]).dims()[0]);
+/// Plans every variant of each alternative with `remat`, predicting each one's time with `cost`.
+fn variants(alts: &[Alternative], opts: &CompileOptions, cost: &dyn CostModel, remat: Remat) -> Result<Vec<Variant>> {
     let mut out = Vec::new();
-    if chunks.is_empty() {
-        let planned = plan(trace, &o)?;
-        let seconds = trace_seconds(cost, &planned.trace);
-        out.push(Variant { planned, seconds, label: String::new() });
-    }
-    for c in chunks {
-        let planned = plan(&with_chunk(trace, c), &o)?;
-        let seconds = trace_seconds(cost, &planned.trace);
-        let label = format!("linear_cross_entropy chunk {c} rows ({} chunks)", rows.div_ceil(c.max(1)));
-        out.push(Variant { planned, seconds, label });
+    for (alt, (trace, what)) in alts.iter().enumerate() {
+        let o = CompileOptions { remat, ..opts.clone() };
+        let chunks = if opts.choose { chunk_candidates(trace) } else { Vec::new() };
+        let rows = trace
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyGrad { .. }))
+            .map_or(0, |n| trace.ty(n.args[0]).dims()[0]);
+        if chunks.is_empty() {
+            let planned = plan(trace, &o)?;
+            let seconds = trace_seconds(cost, &planned.trace);
+            out.push(Variant { planned, seconds, label: what.clone(), alt });
+        }
+        for c in chunks {
+            let planned = plan(&with_chunk(trace, c), &o)?;
+            let seconds = trace_seconds(cost, &planned.trace);
+            let label = format!("linear_cross_entropy chunk {c} rows ({} chunks)", rows.div_ceil(c.max(1)));
+            out.push(Variant { planned, seconds, label: join(what, &label), alt });
+        }
     }
     Ok(out)
 }
 
 /// The variant `budget` picks (see the module doc), and a line on each one weighed.
-pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Result<(Variant, Vec<String>)> {
+pub fn choose(alts: &[Alternative], opts: &CompileOptions, cost: &dyn CostModel) -> Result<(Variant, Vec<String>)> {
     let target = match opts.budget {
         Budget::Fastest => None,
         Budget::Bytes(b) => Some(b),
         Budget::Auto => opts.free_bytes.map(|f| f - (f as f64 * AUTO_MARGIN) as usize),
-        Budget::Min => return min_peak(trace, opts, cost),
+        Budget::Min => return min_peak(alts, opts, cost),
     };
-    let plain = variants(trace, opts, cost, opts.remat)?;
+    let plain = variants(alts, opts, cost, opts.remat)?;
     let Some(b) = target else {
         let lines = weighed(&plain);
         let lean = if cost.is_measured() { MEASURED_LEAN_TOLERANCE } else { LEAN_TOLERANCE };
@@ -209,7 +233,7 @@ pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Res
             all.push(v);
         } else {
             // Recompute to fit, if that can (the trace of this variant, before planning).
-            let again = variants_one(&v, trace, opts, cost, Remat::Budget { peak_bytes: b })?;
+            let again = variants_one(&v, alts, opts, cost, Remat::Budget { peak_bytes: b })?;
             all.push(v);
             all.push(again);
         }
@@ -223,7 +247,7 @@ pub fn choose(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Res
         }
         None => {
             // The smallest feasible peak (the `min` plan is within PEAK_TOLERANCE of it).
-            let (least, _) = min_peak(trace, opts, cost)?;
+            let (least, _) = min_peak(alts, opts, cost)?;
             Err(Error::Plan(format!(
                 "the memory budget of {} cannot be met: the smallest feasible peak is {} ({} bytes{}{})",
                 fmt_bytes(b),
@@ -250,10 +274,10 @@ pub fn fastest_lean(all: &[(f64, usize)], lean_tolerance: f64) -> Option<usize> 
         .map(|v| v.0)
 }
 
-/// Variant `v` of `trace` planned again with `remat`.
+/// Variant `v` planned again with `remat`.
 fn variants_one(
     v: &Variant,
-    trace: &Trace,
+    alts: &[Alternative],
     opts: &CompileOptions,
     cost: &dyn CostModel,
     remat: Remat,
@@ -262,6 +286,7 @@ fn variants_one(
         Op::LinearCrossEntropy { chunk, .. } | Op::LinearCrossEntropyGrad { chunk, .. } => Some(chunk),
         _ => None,
     });
+    let trace = &alts[v.alt].0;
     let t = match chunk {
         Some(c) => with_chunk(trace, c),
         None => trace.clone(),
@@ -273,19 +298,19 @@ fn variants_one(
         _ if v.label.is_empty() => "recomputation".to_string(),
         _ => format!("{}, recomputation", v.label),
     };
-    Ok(Variant { planned, seconds, label })
+    Ok(Variant { planned, seconds, label, alt: v.alt })
 }
 
 /// Every variant, and those of least scratch again with every recomputation that lowers the
 /// peak; picks the fastest within [`PEAK_TOLERANCE`] of the smallest peak.
-fn min_peak(trace: &Trace, opts: &CompileOptions, cost: &dyn CostModel) -> Result<(Variant, Vec<String>)> {
-    let mut all = variants(trace, opts, cost, Remat::Off)?;
+fn min_peak(alts: &[Alternative], opts: &CompileOptions, cost: &dyn CostModel) -> Result<(Variant, Vec<String>)> {
+    let mut all = variants(alts, opts, cost, Remat::Off)?;
     // Recompute on the variants of least scratch only: the others only add scratch at the
     // same saved values.
     let least = all.iter().map(|v| v.peak()).min().unwrap_or(0);
     let mut more = Vec::new();
     for v in all.iter().filter(|v| v.peak() as f64 <= least as f64 * (1.0 + PEAK_TOLERANCE)) {
-        more.push(variants_one(v, trace, opts, cost, Remat::Budget { peak_bytes: 0 })?);
+        more.push(variants_one(v, alts, opts, cost, Remat::Budget { peak_bytes: 0 })?);
     }
     all.extend(more);
     let lines = weighed(&all);

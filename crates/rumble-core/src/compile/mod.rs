@@ -47,6 +47,12 @@ pub const PIPELINE: &[Pass] = &[
     ("fuse", passes::fuse),
 ];
 
+/// The passes' decode folds whose worth depends on the kernels: a norm or swiglu made inside
+/// the projections that read it (`fold_prologues`, then `fold_projections` joining them). Where
+/// they fold anything, [`compile`] also weighs the step without them (their alternative, by the
+/// cost model: on the device, each node timed there), and keeps the faster.
+const KERNEL_FOLDS: [&str; 2] = ["fold_prologues", "fold_projections"];
+
 /// What [`compile`] does besides placing buffers.
 #[derive(Clone, Debug)]
 pub struct CompileOptions {
@@ -115,7 +121,17 @@ pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
     let (t, logs) = optimize(trace, opts)?;
     let cost: Cost = opts.cost.clone().unwrap_or_else(|| Arc::new(Roofline::default()));
     let opts = CompileOptions { cost: Some(cost.clone()), ..opts.clone() };
-    let (pick, weighed) = choose::choose(&t, &opts, cost.as_ref())?;
+    let folded = logs.iter().any(|l| KERNEL_FOLDS.contains(&l.pass) && l.nodes_after != l.nodes_before);
+    let mut alts = vec![(t, String::new())];
+    let mut logs = vec![logs];
+    if opts.choose && folded {
+        let unfolded: Vec<Pass> = PIPELINE.iter().filter(|(name, _)| !KERNEL_FOLDS.contains(name)).copied().collect();
+        let (u, ulogs) = optimize_with(trace, &opts, &unfolded)?;
+        alts.push((u, "norms and swiglus unfolded".to_string()));
+        logs.push(ulogs);
+    }
+    let (pick, weighed) = choose::choose(&alts, &opts, cost.as_ref())?;
+    let logs = logs.swap_remove(pick.alt());
     let Planned { trace, plan, lifetimes, mut report } = pick.planned;
     report.predicted_ms = Some(pick.seconds * 1e3);
     report.cost_model = cost.describe();
@@ -132,12 +148,17 @@ pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
 /// The trace-level part of [`compile`]: if `opts.passes`, the rank program of
 /// `opts.data_parallel` (when set), then [`PIPELINE`]; nothing else.
 pub fn optimize(trace: &Trace, opts: &CompileOptions) -> Result<(Trace, Vec<PassLog>)> {
+    optimize_with(trace, opts, PIPELINE)
+}
+
+/// [`optimize`] with `pipeline` for [`PIPELINE`].
+fn optimize_with(trace: &Trace, opts: &CompileOptions, pipeline: &[Pass]) -> Result<(Trace, Vec<PassLog>)> {
     if !opts.passes {
         return Ok((trace.clone(), Vec::new()));
     }
     match &opts.data_parallel {
-        Some(dp) => passes::run(&data_parallel(trace, dp)?.0, PIPELINE),
-        None => passes::run(trace, PIPELINE),
+        Some(dp) => passes::run(&data_parallel(trace, dp)?.0, pipeline),
+        None => passes::run(trace, pipeline),
     }
 }
 
