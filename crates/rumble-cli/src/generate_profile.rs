@@ -94,13 +94,13 @@ mod tests {
         };
         let times = [
             t("fused", "ew_1a2b", 0.5),
-            t("attention_cached", "attention_cached_bf16", 2.0),
+            t("attention_cached", "attention_cached4_bf16", 2.0),
             t("fused", "ew_ffff", 0.25),
             t("attention_cached", "attention_cached_combine_bf16", 0.125),
         ];
         let rows = by_family(&times);
         assert_eq!(rows.len(), 3);
-        assert_eq!(rows[0], ("attention_cached", "attention_cached_bf16".into(), 1, 2.0));
+        assert_eq!(rows[0], ("attention_cached", "attention_cached4_bf16".into(), 1, 2.0));
         assert_eq!(rows[1], ("fused", "generated elementwise".into(), 2, 0.75));
         assert_eq!(rows[2].3, 0.125);
     }

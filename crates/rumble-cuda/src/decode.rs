@@ -178,7 +178,10 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
             // hold one per group; otherwise a combine kernel of its own does.
             let counted = plan.splits > 1 && plan.groups <= crate::device::COUNTERS;
             args.push(if counted { Arg::Counters } else { Arg::I64(0) });
-            kernel("attention_cached", grid, THREADS, args)?;
+            // The instance of the least slot bound holding the block's slots (`AC_KERNEL`).
+            let slots = plan.heads * plan.rows;
+            let ns = [4, 8].into_iter().find(|&n| slots <= n).unwrap_or(MAX_SLOTS);
+            kernel(&format!("attention_cached{ns}"), grid, THREADS, args)?;
             if counted {
                 scratch = part_bytes;
             } else if plan.splits > 1 {
@@ -256,6 +259,8 @@ pub struct AttentionSplit {
 /// so a block's fixed costs (its query rows, the combine's partials) stay small beside its
 /// reads.
 const MIN_SPLIT_KEYS: usize = 64;
+/// Slots (query rows times heads) a block takes at most (`AC_H` in `decode.cu`).
+const MAX_SLOTS: usize = 16;
 /// Splits at most (the combine reads every split's partial; `AC_MAX_SPLITS` in `decode.cu`).
 const MAX_SPLITS: usize = 64;
 
@@ -265,8 +270,8 @@ impl AttentionSplit {
     /// `MIN_SPLIT_KEYS` keys; one split when the groups alone fill the device (prefill).
     pub fn new([b, t, hq, hkv, s, d]: [usize; 6], sms: usize) -> Self {
         let g = hq / hkv.max(1);
-        let heads = g.min(16).min(2048 / d.max(1)).max(1);
-        let rows = t.min(16 / heads).min(2048 / (heads * d.max(1))).max(1);
+        let heads = g.min(MAX_SLOTS).min(2048 / d.max(1)).max(1);
+        let rows = t.min(MAX_SLOTS / heads).min(2048 / (heads * d.max(1))).max(1);
         let groups = b * t.div_ceil(rows) * hkv * g.div_ceil(heads);
         let want = (2 * sms.max(1)).div_ceil(groups.max(1));
         let splits = want.min(s.div_ceil(MIN_SPLIT_KEYS)).clamp(1, MAX_SPLITS);

@@ -221,7 +221,11 @@ __device__ __forceinline__ void ac_combine(const float* part, const float* ml, T
     stf(&o[rows[sl] * d + c], (typename Acc<T>::t)(l > 0.0f ? a / l : 0.0f));
   }
 }
-template <typename T>
+// NS: the most slots (gt * gh) a block of this instance takes (4, 8 or AC_H): the scores'
+// dot products and each thread's p.v sums are registers, as many as NS asks, so a block of few
+// slots (a decode step's group of query heads) keeps few registers and more blocks fit a
+// multiprocessor.
+template <int NS, typename T>
 __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                  const i64* __restrict__ pos, T* __restrict__ o, float* __restrict__ part,
                                  float* __restrict__ ml, i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, i64 gh,
@@ -300,9 +304,11 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     ac_stage_scalar(ks, vs, kb, vb, lo, tn, di, kstride);
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  float acc[8];
+  // Each thread's (slot, column) sums: ns * d <= NS * 256, and <= AC_Q, over AC_THREADS.
+  constexpr int R = NS * 256 / AC_THREADS < AC_Q / AC_THREADS ? NS * 256 / AC_THREADS : AC_Q / AC_THREADS;
+  float acc[R];
 #pragma unroll
-  for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   const float fs = (float)scale;
   for (i64 j0 = lo; j0 < hi; j0 += tk) {
     tn = hi - j0 < tk ? (int)(hi - j0) : tk;
@@ -316,12 +322,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     // The next tile's loads go out now and land while this one is computed (the loop's last
     // barrier keeps its store behind every read of this one).
     if (vec && j0 + tk < hi) ac_load(tile, kb, vb, j0 + tk, hi - j0 - tk < tk ? (int)(hi - j0 - tk) : tk, di, kstride);
-    if (nsi <= 4)
-      ac_scores<4>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
-    else if (nsi <= 8)
-      ac_scores<8>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
-    else
-      ac_scores<AC_H>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
+    ac_scores<NS>(sc, qs, ks, tn, di, nsi, j0, p0, srow, fs, warp, nw, lane);
     __syncthreads();
     for (int hh = warp; hh < nsi; hh += nw) {
       float mt = -F32_INF;
@@ -345,7 +346,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     }
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
+    for (int r = 0; r < R; ++r) {
       const int e = threadIdx.x + r * blockDim.x;
       if (e < nsd) {
         const int hh = e / di, c = e - hh * di;
@@ -358,7 +359,7 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
     __syncthreads();
   }
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
+  for (int r = 0; r < R; ++r) {
     i64 e = threadIdx.x + (i64)r * blockDim.x;
     if (e < ns * d) {
       i64 hh = e / d, c = e % d, row = rws[hh];
@@ -559,6 +560,17 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
   if (threadIdx.x == 0) ids[row] = pick != 0x7fffffff ? pick : (last_kept >= 0 ? last_kept : 0);
 }
 
+// attention_cached<NS>_<dtype>: blocks of at most NS slots (decode.rs picks the least that holds
+// the plan's heads * rows).
+#define AC_KERNEL(T, SUF, NS)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(AC_THREADS)                                                      \
+      attention_cached##NS##_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o, float* part,       \
+                                   float* ml, i64 t_len, i64 hq, i64 s, i64 hkv, i64 d, i64 gh, i64 gt,          \
+                                   i64 splits, i64 chunk, double scale, RopeFreqs f, int rope, int* counters) {  \
+    pdl_enter();                                                                                                \
+    attention_cached<NS, T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale, f,   \
+                            rope, counters);                                                                    \
+  }
 #define DECODE(T, SUF)                                                                                          \
   extern "C" __global__ void rope_at_##SUF(const T* x, const i64* pos, T* y, i64 rows, i64 n1, i64 n2,         \
                                            int seq_first, i64 d, RopeFreqs f) {                                 \
@@ -575,14 +587,7 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
     pdl_enter();                                                                                                \
     cache_write_rope<T>(cache, nw, pos, b_len, s, t_len, r, d, f, status, tag);                                 \
   }                                                                                                             \
-  extern "C" __global__ void attention_cached_##SUF(const T* q, const T* k, const T* v, const i64* pos, T* o,   \
-                                                    float* part, float* ml, i64 t_len, i64 hq, i64 s, i64 hkv,  \
-                                                    i64 d, i64 gh, i64 gt, i64 splits, i64 chunk,               \
-                                                    double scale, RopeFreqs f, int rope, int* counters) {       \
-    pdl_enter();                                                                                                \
-    attention_cached<T>(q, k, v, pos, o, part, ml, t_len, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, \
-                        counters);                                                                              \
-  }                                                                                                             \
+  AC_KERNEL(T, SUF, 4) AC_KERNEL(T, SUF, 8) AC_KERNEL(T, SUF, 16)                                              \
   extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \
                                                             i64 splits) {                                       \
     pdl_enter();                                                                                                \

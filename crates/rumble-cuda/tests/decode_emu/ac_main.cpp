@@ -57,7 +57,14 @@ int main(int argc, char** argv) {
   const bool counted = getenv("AC_COUNTERS") != nullptr;
   std::vector<int> counters(groups, 0);
   emu::launch({(unsigned)(groups * splits), 1, 1}, 256, 0, [&] {
-    attention_cached<float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, counted ? counters.data() : nullptr);
+    // The instance decode.rs launches: the least slot bound holding gh * gt.
+    int* cp = counted ? counters.data() : nullptr;
+    if (gh * gt <= 4)
+      attention_cached<4, float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, cp);
+    else if (gh * gt <= 8)
+      attention_cached<8, float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, cp);
+    else
+      attention_cached<AC_H, float>(q.data(), k.data(), v.data(), pos.data(), o.data(), part.data(), ml.data(), t, hq, s, hkv, d, gh, gt, splits, chunk, scale, f, rope, cp);
   });
   if (splits > 1 && !counted) {
     int th = ((d + 31) / 32) * 32; if (th > 256) th = 256;
