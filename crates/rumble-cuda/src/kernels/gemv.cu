@@ -302,16 +302,20 @@ __device__ void pre_rows(const T* __restrict__ a, const T* __restrict__ g, i64 m
 template <int S> struct PreSplit {
   static const int rows = S == 0 ? GEMV_ROWS : GEMV_PRE_WR_WARPS * S;
 };
-// A prologue kernel's body: `made` is the block's dynamic shared memory, m * k elements of T.
-template <int PRE, int S, typename T, int MM>
-__device__ void gemv_pre(const GemvSet<T>& s, const T* a, const T* g, i64 m, i64 k, float beta, double eps, T* made) {
-  const i64 total = s.first[GEMV_SETS];
-  if ((i64)blockIdx.x < total) {
+// The weight rows of a prologue kernel's first block of rows into L2 (gemv_prefetch).
+template <int S, typename T>
+__device__ __forceinline__ void gemv_pre_prefetch(const GemvSet<T>& s, i64 k) {
+  if ((i64)blockIdx.x < s.first[GEMV_SETS]) {
     i64 blk;
     const int j = gemv_set(s, (i64)blockIdx.x, blk);
     gemv_prefetch(s.b[j], s.n[j], k, blk * PreSplit<S>::rows, PreSplit<S>::rows);
   }
-  pdl_enter();
+}
+// A prologue kernel's body (after pdl_enter): `made` is the block's dynamic shared memory, m * k
+// elements of T.
+template <int PRE, int S, typename T, int MM>
+__device__ void gemv_pre(const GemvSet<T>& s, const T* a, const T* g, i64 m, i64 k, float beta, double eps, T* made) {
+  const i64 total = s.first[GEMV_SETS];
   pre_rows<PRE>(a, g, m, k, eps, made);
   __syncthreads();
   for (i64 vb = blockIdx.x; vb < total; vb += gridDim.x) {
@@ -355,6 +359,8 @@ GEMV_ALL(float, f32, float, f32)
 #define GEMV_PRE(T, SUF, PRE, PSUF, MM, S, NAME)                                                           \
   extern "C" __global__ void __launch_bounds__(256)                                                        \
       NAME##_##PSUF##_##SUF##_##MM(GemvSet<T> s, const T* a, const T* g, i64 m, i64 k, double beta, double eps) { \
+    gemv_pre_prefetch<S>(s, k);                                                                               \
+    pdl_enter();                                                                                              \
     extern __shared__ __align__(16) unsigned char made[];                                                     \
     gemv_pre<PRE, S, T, MM>(s, a, g, m, k, (float)beta, eps, reinterpret_cast<T*>(made));                    \
   }

@@ -74,7 +74,9 @@ impl KernelFile {
 /// The kernels (`__global__` functions) of `src` whose body does not open with `pdl_enter();`,
 /// by the text that declares them: each would race with the kernel launched before it
 /// (`launch::kernel` launches every kernel with programmatic dependent launch on sm_90);
-/// `Device::module` refuses a source that has one.
+/// `Device::module` refuses a source that has one. Calls of a function whose name ends in
+/// `_prefetch` may come before it: an L2 prefetch reads nothing into the kernel (weights start
+/// streaming while the kernel ahead runs).
 pub(crate) fn kernels_without_pdl_enter(src: &str) -> Vec<String> {
     let mut missing = Vec::new();
     let mut from = 0;
@@ -103,12 +105,23 @@ pub(crate) fn kernels_without_pdl_enter(src: &str) -> Vec<String> {
                 _ => {}
             }
         }
-        let first = open.map(|o| src[o..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\'));
+        let skip = |t: &str| t.trim_start_matches(|c: char| c.is_whitespace() || c == '\\').to_string();
+        let mut first = open.map(|o| skip(&src[o..]));
+        // L2 prefetches may come first: they read nothing into the kernel.
+        while let Some(f) = first.as_deref().filter(|f| prefetch_call(f)) {
+            first = f.find(';').map(|e| skip(&f[e + 1..]));
+        }
         if !first.is_some_and(|f| f.starts_with("pdl_enter();")) {
             missing.push(src[i..params].split_whitespace().last().unwrap_or("?").to_string());
         }
     }
     missing
+}
+
+/// Whether statement text `f` opens with a call of a `*_prefetch` function.
+fn prefetch_call(f: &str) -> bool {
+    let name: String = f.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+    name.ends_with("_prefetch") && f[name.len()..].trim_start().starts_with(['(', '<'])
 }
 
 #[cfg(test)]
@@ -134,5 +147,10 @@ mod tests {
         assert_eq!(kernels_without_pdl_enter(bad), ["k"]);
         let good = "#define K \\\n  extern \"C\" __global__ void k(int* x) { \\\n    pdl_enter(); \\\n  }";
         assert!(kernels_without_pdl_enter(good).is_empty());
+        // Prefetches may come first; anything else may not.
+        let pre = "__global__ void k(int* x) {\n  w_prefetch<4>(x, 2);\n  l2_prefetch(x);\n  pdl_enter();\n}";
+        assert!(kernels_without_pdl_enter(pre).is_empty());
+        let late = "__global__ void k(int* x) {\n  w_prefetch(x);\n  x[0] = 1;\n  pdl_enter();\n}";
+        assert_eq!(kernels_without_pdl_enter(late), ["k"]);
     }
 }
