@@ -163,8 +163,9 @@ pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Optio
     let Some(mm) = gemv_rows(key).filter(|&mm| mm as u64 <= GEMV_PRE_M && key.out == key.dtype) else {
         return Ok(None);
     };
+    // The rows, beside the kernels' own static shared memory (at most a few KB).
     let smem = key.m * key.k * key.dtype.size_in_bytes() as u64;
-    if smem > crate::flash::smem_limit(dev)? as u64 {
+    if smem + 4096 > crate::flash::smem_limit(dev)? as u64 {
         return Ok(None);
     }
     let chosen = dev.matmul_algorithm(key)?;
@@ -185,7 +186,10 @@ pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Optio
     let per_sm =
         unsafe { cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(func.0, 256, smem as usize) }
             .ctx(|| format!("the occupancy of `{name}`"))?;
-    let blocks = (per_sm.max(1) as usize * dev.multiprocessors.max(1)) as u32;
+    if per_sm < 1 {
+        return Ok(None);
+    }
+    let blocks = (per_sm as usize * dev.multiprocessors.max(1)) as u32;
     Ok(Some(GemvPre { kernel, smem, blocks }))
 }
 
