@@ -239,19 +239,23 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   __shared__ i64 rws[AC_H];   // slot sl's output row
   // The tile's K rows, then its V rows, as stored; the combine's buffer after the last tile.
   __shared__ __align__(16) unsigned char kvb[AC_KVB];
-  i64 sp = blockIdx.x % splits, grp = blockIdx.x / splits;
-  i64 g = hq / hkv, hchunks = (g + gh - 1) / gh, tchunks = (t_len + gt - 1) / gt;
-  i64 hc = grp % hchunks, kvh = (grp / hchunks) % hkv, tc = (grp / (hchunks * hkv)) % tchunks;
-  i64 b = grp / (hchunks * hkv * tchunks);
-  i64 h0 = kvh * g + hc * gh, nh = g - hc * gh < gh ? g - hc * gh : gh;
-  i64 t0 = tc * gt, nt = t_len - t0 < gt ? t_len - t0 : gt, ns = nt * nh;  // rows, slots
+  // The block's place in 32 bits (the grid, the heads and the rows of a step all fit): a 64-bit
+  // division is a long software routine, and a decode step's block does little else.
+  const int spl = (int)splits, bid = (int)blockIdx.x;
+  const int sp = bid % spl, grp = bid / spl;
+  const int g = (int)(hq / hkv), ghi = (int)gh, gti = (int)gt, hkvi = (int)hkv;
+  const int hchunks = (g + ghi - 1) / ghi, tchunks = (int)((t_len + gt - 1) / gt);
+  const int hc = grp % hchunks, kvh = (grp / hchunks) % hkvi, tc = (grp / (hchunks * hkvi)) % tchunks;
+  const i64 b = grp / (hchunks * hkvi * tchunks);
+  const int h0 = kvh * g + hc * ghi, nh = g - hc * ghi < ghi ? g - hc * ghi : ghi;
+  const i64 t0 = (i64)tc * gti, nt = t_len - t0 < gti ? t_len - t0 : gti, ns = nt * nh;  // rows, slots
   // Keys the block reads (its last row's), and slot sl's own: row t0 + sl / nh, head sl % nh.
   const i64 p0 = pos[b] + t0;  // the position of the block's first row
   i64 n = p0 + nt;
   if (n > s) n = s;
   if (n < 0) n = 0;
   i64 lo = sp * chunk, hi = lo + chunk < n ? lo + chunk : n;
-#define AC_ROW(sl) ((b * t_len + t0 + (sl) / nh) * hq + h0 + (sl) % nh)
+#define AC_ROW(sl) ((b * t_len + t0 + (int)(sl) / nh) * hq + h0 + (int)(sl) % nh)
   // In 32 bits inside the block (ns * d <= AC_Q): no 64-bit divisions in the loops.
   const int di = (int)d, nsd = (int)(ns * d), nsi = (int)ns;
   const int fit = AC_KVB / (2 * di * (int)sizeof(T));
@@ -360,9 +364,10 @@ __device__ void attention_cached(const T* __restrict__ q, const T* __restrict__ 
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    i64 e = threadIdx.x + (i64)r * blockDim.x;
-    if (e < ns * d) {
-      i64 hh = e / d, c = e % d, row = rws[hh];
+    const int e = threadIdx.x + r * blockDim.x;
+    if (e < nsd) {
+      const int hh = e / di, c = e - hh * di;
+      const i64 row = rws[hh];
       if (splits == 1) {
         float l = lh[hh];
         stf(&o[row * d + c], (typename Acc<T>::t)(l > 0.0f ? acc[r] / l : 0.0f));
