@@ -6,7 +6,8 @@
 //! or two, head sizes 1 to 256, several query rows; the splits combined by each group's last
 //! block (counting in the device's counters, which it leaves at zero); five cases also by the
 //! combine kernel, and with the queries rotated by the kernel (`Op::AttentionCached`'s `rope`).
-//! No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
+//! Also the cache writes, plain and rotated, on a grid whose threads take several elements,
+//! against the rows copied by hand (a row past the cache skipped). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
 
 mod common;
 
@@ -76,6 +77,17 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
                 "{dims:?} on {sms} SMs ({p:?}, counted {counted}, rope {rope:?}): {text}{err}"
             );
         }
+    }
+    // The cache writes (`cw B T S H D POS...`): one row a sequence, a prefill chunk, a row past
+    // the cache (skipped).
+    for args in [["1", "1", "40", "8", "64", "17"], ["2", "5", "30", "2", "16", "0"], ["2", "3", "9", "4", "8", "7"]] {
+        let mut all = vec!["cw"];
+        all.extend(args);
+        all.push("4");
+        let out = Command::new(&bin).args(&all).output().expect("running the emulator");
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        assert!(out.status.success(), "{all:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
     }
     assert!(splits.len() >= 4 && splits.contains(&1), "split counts covered: {splits:?}");
     assert!(rows.iter().any(|&r| r > 1), "no case put several query rows in a block: {rows:?}");

@@ -35,6 +35,22 @@ __device__ void rope_at(const T* __restrict__ x, const i64* __restrict__ pos, T*
   }
 }
 
+// Index e of [n2, n1, n0] as (i2, i1, i0), in 32 bits where `total` (the index space) fits: a
+// 64-bit division is a long software routine, and the decode kernels do little else.
+__device__ __forceinline__ void split3(i64 e, i64 total, i64 n1, i64 n0, i64& i2, i64& i1, i64& i0) {
+  if (total <= 0x7fffffffLL) {
+    const unsigned u = (unsigned)e, a = (unsigned)n0, m = (unsigned)n1, q = u / a;
+    i0 = u - q * a;
+    i1 = q % m;
+    i2 = q / m;
+  } else {
+    const i64 q = e / n0;
+    i0 = e - q * n0;
+    i1 = q % n1;
+    i2 = q / n1;
+  }
+}
+
 // cache [B, S, R] (R = H * D elements a position) gets rows pos[b] .. pos[b] + t_len of new
 // [B, T, R]. A row outside the cache is skipped and reported (code 1, the position).
 template <typename T>
@@ -42,7 +58,8 @@ __device__ void cache_write(T* __restrict__ cache, const T* __restrict__ nw, con
                             i64 s, i64 t_len, i64 r, int* status, int tag) {
   i64 total = b_len * t_len * r;
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
-    i64 c = e % r, t = (e / r) % t_len, b = e / (r * t_len);
+    i64 b, t, c;
+    split3(e, total, t_len, r, b, t, c);
     i64 p = pos[b] + t;
     if (p < 0 || p >= s) {
       if (c == 0) report(status, tag, 1, p);
@@ -65,8 +82,10 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
   typedef typename Acc<T>::t A;
   const i64 total = b_len * t_len * pairs;
   for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
-    const i64 q = e % pairs, t = (e / pairs) % t_len, b = e / (pairs * t_len);
-    const i64 h = q / half, j = q % half, p = pos[b] + t;
+    i64 b, t, q;
+    split3(e, total, t_len, pairs, b, t, q);
+    const int hf = (int)half, h = (int)q / hf, j = (int)q - h * hf;  // q < pairs: 32 bits
+    const i64 p = pos[b] + t;
     if (p < 0 || p >= s) {
       if (q == 0) report(status, tag, 1, p);
       continue;

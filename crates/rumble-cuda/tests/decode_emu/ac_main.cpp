@@ -8,6 +8,7 @@
 // rope_at does.
 #include "../flash_emu/prelude_emu.h"
 #include <random>
+#include <string>
 inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
 // Blocks run one after another here: an atomic is a plain update, a fence nothing, and a
@@ -25,7 +26,48 @@ inline void stage_rope_freqs(float* inv, const RopeFreqs& f, i64 half) {
   __syncthreads();
 }
 #include "ac.cuh"
+// cw B T S H D POS...: cache_write and cache_write_rope (theta 10000) of new rows [B, T, H * D]
+// into caches [B, S, H * D] at each sequence's position, on a grid of 3 blocks of 64 threads (so
+// each thread takes several elements), against the rows copied (rotated as rope_pair does) by
+// hand; rows past the cache are skipped. Exit 1 on any difference.
+static int cache_writes(int argc, char** argv) {
+  const i64 b = atoi(argv[2]), t = atoi(argv[3]), s = atoi(argv[4]), h = atoi(argv[5]), d = atoi(argv[6]);
+  const i64 r = h * d;
+  std::vector<i64> pos(b);
+  for (i64 i = 0; i < b; ++i) pos[i] = argc > 7 + i ? atoi(argv[7 + i]) : 0;
+  std::mt19937 g(9); std::normal_distribution<float> n(0, 1);
+  std::vector<float> nw(b * t * r);
+  for (auto& x : nw) x = n(g);
+  RopeFreqs f{};
+  for (i64 j = 0; j < d / 2; ++j) f.inv[j] = (float)pow(10000.0, -2.0 * j / d);
+  int fails = 0;
+  for (int rope = 0; rope < 2; ++rope) {
+    std::vector<float> cache(b * s * r, -7.0f), want(cache);
+    for (i64 bb = 0; bb < b; ++bb) for (i64 tt = 0; tt < t; ++tt) {
+      const i64 p = pos[bb] + tt;
+      if (p < 0 || p >= s) continue;
+      for (i64 hh = 0; hh < h; ++hh) for (i64 j = 0; j < d; ++j) {
+        const float* x = &nw[(bb * t + tt) * r + hh * d];
+        float y = x[j];
+        if (rope && j < d / 2) { float y0, y1; rope_pair((float)p, f.inv[j], x[j], x[j + d / 2], y0, y1); y = y0; }
+        if (rope && j >= d / 2) { float y0, y1; rope_pair((float)p, f.inv[j - d / 2], x[j - d / 2], x[j], y0, y1); y = y1; }
+        want[(bb * s + p) * r + hh * d + j] = y;
+      }
+    }
+    emu::launch({3, 1, 1}, 64, 0, [&] {
+      if (rope) cache_write_rope<float>(cache.data(), nw.data(), pos.data(), b, s, t, r, d, f, nullptr, 0);
+      else cache_write<float>(cache.data(), nw.data(), pos.data(), b, s, t, r, nullptr, 0);
+    });
+    int bad = 0;
+    for (size_t i = 0; i < cache.size(); ++i) bad += cache[i] != want[i];
+    printf("%s cache_write%s b %lld t %lld s %lld h %lld d %lld: %d elements differ\n", bad ? "FAIL" : "ok  ",
+           rope ? "_rope" : "", b, t, s, h, d, bad);
+    fails += bad != 0;
+  }
+  return fails ? 1 : 0;
+}
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "cw") return cache_writes(argc, argv);
   i64 b = atoi(argv[1]), t = atoi(argv[2]), hq = atoi(argv[3]), hkv = atoi(argv[4]), s = atoi(argv[5]), d = atoi(argv[6]);
   i64 gh = atoi(argv[7]), gt = atoi(argv[8]), splits = atoi(argv[9]), chunk = atoi(argv[10]);
   std::mt19937 g(5); std::normal_distribution<float> n(0, 1);
