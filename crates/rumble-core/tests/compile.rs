@@ -213,3 +213,45 @@ fn compile_keeps_a_decode_fold_only_where_the_cost_model_says_it_pays() {
         assert_eq!(c.report.chosen.contains("unfolded"), !folded, "{}", c.report.chosen);
     }
 }
+
+/// Each kind of decode fold is weighed on its own: where the table prices a swiglu made inside
+/// the down projection above the pair it replaces, and a norm made inside the q, k and v
+/// projections below, the norm folds and the swiglu stays.
+#[test]
+fn compile_weighs_norm_and_swiglu_folds_apart() {
+    #[derive(Debug)]
+    struct Kinds;
+    impl CostModel for Kinds {
+        fn node_seconds(&self, op: &Op, _: &[&TensorType], _: &[&TensorType]) -> f64 {
+            match op {
+                Op::MatmulPre { pre: rumble_core::ir::Prologue::SwigluPacked, .. } => 1e-3,
+                Op::MatmulPre { .. } => 1e-7,
+                _ => 1e-6,
+            }
+        }
+        fn describe(&self) -> String {
+            "slow swiglu prologues".into()
+        }
+        fn is_measured(&self) -> bool {
+            true
+        }
+    }
+    let g = Graph::new("decode_layer");
+    let x = g.param("x", DType::BF16, &[1, 64]).unwrap();
+    let gw = g.param("g", DType::BF16, &[64]).unwrap();
+    let h = x.rms_norm(&gw, 1e-5).unwrap();
+    for name in ["q", "k"] {
+        let w = g.param(&format!("w{name}"), DType::BF16, &[32, 64]).unwrap();
+        g.output(&h.matmul_t(&w).unwrap(), name).unwrap();
+    }
+    let gu = g.param("w_gate_up", DType::BF16, &[96, 64]).unwrap();
+    let down = g.param("w_down", DType::BF16, &[64, 48]).unwrap();
+    let y = h.matmul_t(&gu).unwrap().swiglu_packed().unwrap().matmul_t(&down).unwrap();
+    g.output(&y, "y").unwrap();
+    let trace = g.finish().unwrap();
+    let c = compile(&trace, &CompileOptions { cost: Some(Arc::new(Kinds) as Cost), ..Default::default() }).unwrap();
+    let count = |name: &str| c.trace.nodes.iter().filter(|n| n.op.name() == name).count();
+    assert_eq!((count("rms_norm"), count("swiglu_packed"), count("matmul_pre")), (0, 1, 1), "{}", c.trace);
+    assert_eq!(c.report.chosen, "swiglus unfolded", "{:?}", c.report.weighed);
+    assert_eq!(c.report.weighed.len(), 4, "{:?}", c.report.weighed);
+}

@@ -49,9 +49,18 @@ pub const PIPELINE: &[Pass] = &[
 
 /// The passes' decode folds whose worth depends on the kernels: a norm or swiglu made inside
 /// the projections that read it (`fold_prologues`, then `fold_projections` joining them). Where
-/// they fold anything, [`compile`] also weighs the step without them (their alternative, by the
-/// cost model: on the device, each node timed there), and keeps the faster.
+/// they fold anything, [`compile`] also weighs the step with only the norms folded, with only
+/// the swiglus, and with neither (by the cost model: on the device, each node timed there), and
+/// keeps the fastest.
 const KERNEL_FOLDS: [&str; 2] = ["fold_prologues", "fold_projections"];
+
+/// The alternatives of [`KERNEL_FOLDS`]: what stands for `fold_prologues` (`None`: it and
+/// `fold_projections` left out), and the label.
+const PARTIAL_FOLDS: [(Option<Pass>, &str); 3] = [
+    (Some(("fold_prologues", passes::fold_norm_prologues)), "swiglus unfolded"),
+    (Some(("fold_prologues", passes::fold_swiglu_prologues)), "norms unfolded"),
+    (None, "norms and swiglus unfolded"),
+];
 
 /// What [`compile`] does besides placing buffers.
 #[derive(Clone, Debug)]
@@ -125,10 +134,23 @@ pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
     let mut alts = vec![(t, String::new())];
     let mut logs = vec![logs];
     if opts.choose && folded {
-        let unfolded: Vec<Pass> = PIPELINE.iter().filter(|(name, _)| !KERNEL_FOLDS.contains(name)).copied().collect();
-        let (u, ulogs) = optimize_with(trace, &opts, &unfolded)?;
-        alts.push((u, "norms and swiglus unfolded".to_string()));
-        logs.push(ulogs);
+        for (with, label) in PARTIAL_FOLDS {
+            let pipeline: Vec<Pass> = PIPELINE
+                .iter()
+                .filter_map(|p| match (p.0, with) {
+                    ("fold_prologues", w) => w,
+                    ("fold_projections", None) => None,
+                    _ => Some(*p),
+                })
+                .collect();
+            let (u, ulogs) = optimize_with(trace, &opts, &pipeline)?;
+            // A kind the step does not fold gives the same trace as another alternative.
+            if alts.iter().any(|(a, _)| *a == u) {
+                continue;
+            }
+            alts.push((u, label.to_string()));
+            logs.push(ulogs);
+        }
     }
     let (pick, weighed) = choose::choose(&alts, &opts, cost.as_ref())?;
     let logs = logs.swap_remove(pick.alt());

@@ -173,13 +173,27 @@ pub const PROLOGUE_ROWS: usize = 4;
 /// are rounded to the dtype as the prologue's result was). Training steps keep theirs: the
 /// backward reads the rows too.
 pub fn fold_prologues(trace: &Trace) -> Result<Trace> {
+    fold_prologues_of(trace, true, true)
+}
+
+/// [`fold_prologues`] of the norms only (`compile` weighs each kind of fold on its own).
+pub fn fold_norm_prologues(trace: &Trace) -> Result<Trace> {
+    fold_prologues_of(trace, true, false)
+}
+
+/// [`fold_prologues`] of the swiglus only.
+pub fn fold_swiglu_prologues(trace: &Trace) -> Result<Trace> {
+    fold_prologues_of(trace, false, true)
+}
+
+fn fold_prologues_of(trace: &Trace, norms: bool, swiglus: bool) -> Result<Trace> {
     let users = trace.users();
     let mut t = trace.clone();
     let mut drop = vec![false; trace.nodes.len()];
     for (p, node) in trace.nodes.iter().enumerate() {
         let pre = match node.op {
-            Op::RmsNorm { eps } => crate::ir::Prologue::RmsNorm { eps },
-            Op::SwigluPacked => crate::ir::Prologue::SwigluPacked,
+            Op::RmsNorm { eps } if norms => crate::ir::Prologue::RmsNorm { eps },
+            Op::SwigluPacked if swiglus => crate::ir::Prologue::SwigluPacked,
             _ => continue,
         };
         let h = node.outs[0];

@@ -29,8 +29,8 @@ use std::time::Instant;
 pub use cse::cse;
 pub use dce::dce;
 pub use fold::{
-    PROJECTIONS, PROLOGUE_ROWS, fold_addends, fold_casts, fold_norm_addends, fold_projections, fold_prologues,
-    fold_rope_at,
+    PROJECTIONS, PROLOGUE_ROWS, fold_addends, fold_casts, fold_norm_addends, fold_norm_prologues, fold_projections,
+    fold_prologues, fold_rope_at, fold_swiglu_prologues,
 };
 pub use fuse::fuse;
 pub use loss::fold_loss_grad;
