@@ -174,26 +174,33 @@ fn compile_builds_the_rank_program_when_asked() {
     assert_eq!(collectives(&compile(&r0, &again).unwrap().trace), collectives(&r0));
 }
 
-/// The decode folds are weighed, not assumed: a step whose norm feeds three projections (one
-/// row: `fold_prologues` folds it) compiles with the fold where the cost model prices the
-/// `matmul_pre` below the norm and the matmuls it replaces, and without it where it prices it
-/// above; the report names the variant taken.
-#[test]
-fn compile_keeps_a_decode_fold_only_where_the_cost_model_says_it_pays() {
-    /// `matmul_pre` at `pre` seconds, every other node at a microsecond.
-    #[derive(Debug)]
-    struct Pre(f64);
-    impl CostModel for Pre {
-        fn node_seconds(&self, op: &Op, _: &[&TensorType], _: &[&TensorType]) -> f64 {
-            if matches!(op, Op::MatmulPre { .. }) { self.0 } else { 1e-6 }
-        }
-        fn describe(&self) -> String {
-            format!("matmul_pre at {} s", self.0)
-        }
-        fn is_measured(&self) -> bool {
-            true
+/// `matmul_pre` priced by its prologue (`norm` and `swiglu` seconds), every other node at a
+/// microsecond; measured, so small differences count.
+#[derive(Debug)]
+struct Prologues {
+    norm: f64,
+    swiglu: f64,
+}
+
+impl CostModel for Prologues {
+    fn node_seconds(&self, op: &Op, _: &[&TensorType], _: &[&TensorType]) -> f64 {
+        match op {
+            Op::MatmulPre { pre: rumble_core::ir::Prologue::SwigluPacked, .. } => self.swiglu,
+            Op::MatmulPre { .. } => self.norm,
+            _ => 1e-6,
         }
     }
+    fn describe(&self) -> String {
+        format!("matmul_pre at {} s (norm), {} s (swiglu)", self.norm, self.swiglu)
+    }
+    fn is_measured(&self) -> bool {
+        true
+    }
+}
+
+/// A decode step's layer of one row: a norm read by the q, k and v projections, and with
+/// `mlp` a gate/up projection of it whose swiglu the down projection reads.
+fn decode_layer(mlp: bool) -> Trace {
     let g = Graph::new("decode_layer");
     let x = g.param("x", DType::BF16, &[1, 64]).unwrap();
     let gw = g.param("g", DType::BF16, &[64]).unwrap();
@@ -202,11 +209,26 @@ fn compile_keeps_a_decode_fold_only_where_the_cost_model_says_it_pays() {
         let w = g.param(&format!("w{name}"), DType::BF16, &[32, 64]).unwrap();
         g.output(&h.matmul_t(&w).unwrap(), name).unwrap();
     }
-    let trace = g.finish().unwrap();
+    if mlp {
+        let gu = g.param("w_gate_up", DType::BF16, &[96, 64]).unwrap();
+        let down = g.param("w_down", DType::BF16, &[64, 48]).unwrap();
+        let y = h.matmul_t(&gu).unwrap().swiglu_packed().unwrap().matmul_t(&down).unwrap();
+        g.output(&y, "y").unwrap();
+    }
+    g.finish().unwrap()
+}
+
+/// The decode folds are weighed, not assumed: a step whose norm feeds three projections (one
+/// row: `fold_prologues` folds it) compiles with the fold where the cost model prices the
+/// `matmul_pre` below the norm and the matmuls it replaces, and without it where it prices it
+/// above; the report names the variant taken.
+#[test]
+fn compile_keeps_a_decode_fold_only_where_the_cost_model_says_it_pays() {
+    let trace = decode_layer(false);
     let count = |t: &Trace, name: &str| t.nodes.iter().filter(|n| n.op.name() == name).count();
     for (pre, folded) in [(1e-7, true), (1e-3, false)] {
-        let opts = CompileOptions { cost: Some(Arc::new(Pre(pre)) as Cost), ..Default::default() };
-        let c = compile(&trace, &opts).unwrap();
+        let cost = Prologues { norm: pre, swiglu: pre };
+        let c = compile(&trace, &CompileOptions { cost: Some(Arc::new(cost) as Cost), ..Default::default() }).unwrap();
         assert_eq!(count(&c.trace, "matmul_pre") > 0, folded, "matmul_pre at {pre} s:\n{}", c.trace);
         assert_eq!(count(&c.trace, "rms_norm"), usize::from(!folded), "{}", c.trace);
         assert_eq!(c.report.weighed.len(), 2, "{:?}", c.report.weighed);
@@ -219,37 +241,9 @@ fn compile_keeps_a_decode_fold_only_where_the_cost_model_says_it_pays() {
 /// projections below, the norm folds and the swiglu stays.
 #[test]
 fn compile_weighs_norm_and_swiglu_folds_apart() {
-    #[derive(Debug)]
-    struct Kinds;
-    impl CostModel for Kinds {
-        fn node_seconds(&self, op: &Op, _: &[&TensorType], _: &[&TensorType]) -> f64 {
-            match op {
-                Op::MatmulPre { pre: rumble_core::ir::Prologue::SwigluPacked, .. } => 1e-3,
-                Op::MatmulPre { .. } => 1e-7,
-                _ => 1e-6,
-            }
-        }
-        fn describe(&self) -> String {
-            "slow swiglu prologues".into()
-        }
-        fn is_measured(&self) -> bool {
-            true
-        }
-    }
-    let g = Graph::new("decode_layer");
-    let x = g.param("x", DType::BF16, &[1, 64]).unwrap();
-    let gw = g.param("g", DType::BF16, &[64]).unwrap();
-    let h = x.rms_norm(&gw, 1e-5).unwrap();
-    for name in ["q", "k"] {
-        let w = g.param(&format!("w{name}"), DType::BF16, &[32, 64]).unwrap();
-        g.output(&h.matmul_t(&w).unwrap(), name).unwrap();
-    }
-    let gu = g.param("w_gate_up", DType::BF16, &[96, 64]).unwrap();
-    let down = g.param("w_down", DType::BF16, &[64, 48]).unwrap();
-    let y = h.matmul_t(&gu).unwrap().swiglu_packed().unwrap().matmul_t(&down).unwrap();
-    g.output(&y, "y").unwrap();
-    let trace = g.finish().unwrap();
-    let c = compile(&trace, &CompileOptions { cost: Some(Arc::new(Kinds) as Cost), ..Default::default() }).unwrap();
+    let cost = Prologues { norm: 1e-7, swiglu: 1e-3 };
+    let opts = CompileOptions { cost: Some(Arc::new(cost) as Cost), ..Default::default() };
+    let c = compile(&decode_layer(true), &opts).unwrap();
     let count = |name: &str| c.trace.nodes.iter().filter(|n| n.op.name() == name).count();
     assert_eq!((count("rms_norm"), count("swiglu_packed"), count("matmul_pre")), (0, 1, 1), "{}", c.trace);
     assert_eq!(c.report.chosen, "swiglus unfolded", "{:?}", c.report.weighed);
