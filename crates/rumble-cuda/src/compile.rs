@@ -29,6 +29,28 @@ pub struct Func(pub(crate) sys::CUfunction);
 unsafe impl Send for Func {}
 unsafe impl Sync for Func {}
 
+impl Func {
+    /// Lets launches of this kernel on `dev` use `bytes` of dynamic shared memory (over the
+    /// default 48 KB a block takes without asking; `what` names it in the error).
+    pub(crate) fn allow_shared_memory(&self, dev: &Device, bytes: usize, what: &str) -> Result<()> {
+        if bytes <= 48 * 1024 {
+            return Ok(());
+        }
+        dev.bind()?;
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        unsafe { drv::function::set_function_attribute(self.0, attr, bytes as i32) }
+            .ctx(|| format!("allowing {bytes} bytes of shared memory to {what}"))
+    }
+
+    /// The kernel's own (static) shared memory, bytes.
+    pub(crate) fn static_shared_memory(&self) -> Result<usize> {
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES;
+        let v = unsafe { drv::function::get_function_attribute(self.0, attr) }
+            .ctx(|| "the static shared memory of a kernel".into())?;
+        Ok(v.max(0) as usize)
+    }
+}
+
 unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 

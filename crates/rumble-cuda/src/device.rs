@@ -312,6 +312,14 @@ impl Device {
     pub fn cu_device(&self) -> sys::CUdevice {
         self.cu_device
     }
+
+    /// The most shared memory a block may opt into (static and dynamic together), bytes.
+    pub fn shared_memory_optin(&self) -> Result<usize> {
+        let a = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        let v = unsafe { cudarc::driver::result::device::get_attribute(self.cu_device, a) }
+            .ctx(|| "shared memory per block".into())?;
+        Ok(v.max(0) as usize)
+    }
 }
 
 impl Drop for Device {

@@ -35,12 +35,11 @@
 //! `n - 1 - i`, so every CTA does about the same work; unpaired, the longest blocks left a
 //! third of the device idle at the end of the dK/dV kernel (ncu, H200, d128 x seq 4096).
 
-use cudarc::driver::{result as drv, sys};
 use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 
 use crate::compile::Options;
 use crate::device::Device;
-use crate::error::{CudaError, DriverContext, Result};
+use crate::error::{CudaError, Result};
 use crate::kernels::{FLASH_ATTN, FLASH_COMMON, FLASH_FMA, FLASH_WG, PRELUDE};
 use crate::knobs::Knobs;
 use crate::launch::{Arg, Recipe, Step};
@@ -392,13 +391,6 @@ impl Variant {
 /// Compile options of the flash modules (contraction into FMA allowed).
 pub const OPTIONS: Options = Options { fmad: true };
 
-/// The most dynamic shared memory a block may opt into on `dev`.
-pub(crate) fn smem_limit(dev: &Device) -> Result<usize> {
-    let a = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-    let v = unsafe { drv::device::get_attribute(dev.cu_device(), a) }.ctx(|| "shared memory per block".into())?;
-    Ok(v.max(0) as usize)
-}
-
 /// The flash recipe of `op` (attention or its backward) on operands `at`, or `None` where
 /// [`choose`] (or the device's shared memory, or the grid's limits) leaves it to the
 /// per-row kernels.
@@ -454,7 +446,7 @@ fn fits(
         return None;
     }
     let need = if backward { sh.smem_dq.max(sh.smem_dkdv) } else { sh.smem_fwd };
-    match smem_limit(dev) {
+    match dev.shared_memory_optin() {
         Ok(limit) if need > limit => None,
         Ok(_) => Some(Ok(())),
         Err(e) => Some(Err(e)),
@@ -493,12 +485,7 @@ fn build(
     let mma = matches!(variant, Variant::Mma { .. });
     let kernel = |kname: &str, grid: (usize, usize), smem: usize, args: Vec<Arg>| -> Result<Step> {
         let func = module.function(kname)?;
-        if smem > 48 * 1024 {
-            dev.bind()?;
-            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            unsafe { drv::function::set_function_attribute(func.0, attr, smem as i32) }
-                .ctx(|| format!("allowing {smem} bytes of shared memory to `{kname}` in `{name}`"))?;
-        }
+        func.allow_shared_memory(dev, smem, &format!("`{kname}` in `{name}`"))?;
         let grid = (u32::try_from(grid.0).map_err(|_| CudaError::usage(format!("grid of {kname}")))?, grid.1 as u32, 1);
         let block = match kname {
             "flash_fwd" | "flash_fwd_cached" => sh.fwd_threads,

@@ -143,6 +143,11 @@ pub const GEMV_SETS: usize = 4;
 /// 1 and 4 rows).
 pub const GEMV_PRE_M: u64 = 4;
 
+/// Warps of a `matmul_pre` kernel's `gemv_wr` blocks (`GEMV_PRE_WR_WARPS`), and the threads of
+/// every `matmul_pre` block (`GEMV_WARPS` warps for `gemv_tn`, as many for `gemv_wr`).
+const GEMV_PRE_WR_WARPS: u32 = 8;
+const GEMV_PRE_THREADS: u32 = 256;
+
 /// A `matmul_pre` kernel of `kernels/gemv.cu` for one shape: its launch shape (`kernel.rows`
 /// weight rows a block of its grid's loop, `kernel.threads` threads), the dynamic shared memory
 /// its blocks make the rows in, and the most blocks its grid needs to fill the device.
@@ -163,33 +168,29 @@ pub fn gemv_pre_kernel(dev: &Device, key: &MatmulKey, pre: &str) -> Result<Optio
     let Some(mm) = gemv_rows(key).filter(|&mm| mm as u64 <= GEMV_PRE_M && key.out == key.dtype) else {
         return Ok(None);
     };
-    // The rows, beside the kernels' own static shared memory (at most a few KB).
-    let smem = key.m * key.k * key.dtype.size_in_bytes() as u64;
-    if smem + 4096 > crate::flash::smem_limit(dev)? as u64 {
-        return Ok(None);
-    }
     let chosen = dev.matmul_algorithm(key)?;
     let Some(plain) = gemv_kernels(dev, key)?.into_iter().find(|g| g.name == chosen) else { return Ok(None) };
     let name = format!("{}_{pre}_{}_{mm}", plain.stem, key.dtype.name());
     let func = crate::recipe::kernel(dev, crate::kernels::KernelFile::Gemv, &name)?;
-    // gemv_pre's blocks: 256 threads; gemv_tn's GEMV_ROWS rows, or GEMV_PRE_WR_WARPS warps of
-    // R rows each.
-    let rows = if plain.stem == "gemv_tn" { plain.rows } else { 2 * plain.rows };
-    let kernel = GemvKernel { func, name: "gemv-pre", rows, threads: 256, ..plain };
-    let smem = smem as u32;
-    if smem > 48 * 1024 {
-        dev.bind()?;
-        let attr = dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        unsafe { cudarc::driver::result::function::set_function_attribute(func.0, attr, smem as i32) }
-            .ctx(|| format!("allowing {smem} bytes of shared memory to `{name}`"))?;
+    // The made rows, beside the kernel's own shared memory, must fit a block.
+    let smem = (key.m * key.k) as usize * key.dtype.size_in_bytes();
+    if smem + func.static_shared_memory()? > dev.shared_memory_optin()? {
+        return Ok(None);
     }
-    let per_sm =
-        unsafe { cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(func.0, 256, smem as usize) }
-            .ctx(|| format!("the occupancy of `{name}`"))?;
+    // gemv_pre's blocks: gemv_tn's rows, or GEMV_PRE_WR_WARPS warps of the split's R rows each
+    // (the plain kernel's block is GEMV_WR_WARPS = 4 such warps).
+    let rows = if plain.stem == "gemv_tn" { plain.rows } else { GEMV_PRE_WR_WARPS * plain.rows / 4 };
+    let kernel = GemvKernel { func, name: "gemv-pre", rows, threads: GEMV_PRE_THREADS, ..plain };
+    func.allow_shared_memory(dev, smem, &format!("`{name}`"))?;
+    let per_sm = unsafe {
+        cudarc::driver::result::occupancy::max_active_block_per_multiprocessor(func.0, GEMV_PRE_THREADS as i32, smem)
+    }
+    .ctx(|| format!("the occupancy of `{name}`"))?;
     if per_sm < 1 {
         return Ok(None);
     }
     let blocks = (per_sm as usize * dev.multiprocessors.max(1)) as u32;
+    let smem = smem as u32;
     Ok(Some(GemvPre { kernel, smem, blocks }))
 }
 
@@ -699,7 +700,17 @@ mod tests {
         assert_eq!(super::GEMV_SETS, rumble_core::passes::PROJECTIONS);
         let src = crate::kernels::KernelFile::Gemv.source();
         assert!(src.contains(&format!("#define GEMV_SETS {}\n", super::GEMV_SETS)), "gemv.cu's GEMV_SETS");
-        // gemv.cu has prologue kernels for the buckets of 1 and 4 rows.
-        const { assert!(rumble_core::passes::PROLOGUE_ROWS <= 4) };
+        // gemv.cu has prologue kernels for the buckets of 1 and GEMV_PRE_M rows, of the launch
+        // shape gemv_pre_kernel gives.
+        assert!(rumble_core::passes::PROLOGUE_ROWS as u64 <= super::GEMV_PRE_M);
+        for (define, v) in [
+            ("GEMV_PRE_M", super::GEMV_PRE_M as u32),
+            ("GEMV_PRE_WR_WARPS", super::GEMV_PRE_WR_WARPS),
+            ("GEMV_WR_WARPS", 4),
+            ("GEMV_WARPS", super::GEMV_PRE_THREADS / 32),
+        ] {
+            assert!(src.contains(&format!("#define {define} {v}\n")), "gemv.cu's {define}");
+        }
+        assert!(src.contains("__launch_bounds__(256)"), "gemv_pre's threads");
     }
 }
