@@ -29,6 +29,10 @@ pub enum CudaError {
     #[error("cuBLASLt in op `{op}` ({what}): {err}")]
     Blas { op: String, what: String, err: String },
 
+    /// cuDNN refused a descriptor or failed to run a plan.
+    #[error("cuDNN ({what}): {err}")]
+    Cudnn { what: String, err: String },
+
     /// A kernel reported bad data (an index out of range, integer division by zero).
     #[error("op `{op}` (node {node}) met bad data on the device: {msg}")]
     DeviceData { op: String, node: usize, msg: String },

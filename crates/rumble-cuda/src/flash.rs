@@ -155,7 +155,7 @@ pub enum Variant {
 /// The flash kernels for `dtype` and head size `d` on a GPU of compute capability `cc` with
 /// `knobs`, or `None` where the per-row kernel runs instead. The only place this choice is made.
 pub fn choose(cc: (i32, i32), dtype: DType, d: usize, knobs: &Knobs) -> Option<Variant> {
-    if knobs.attention_naive || cc < (8, 0) || d == 0 || d > MAX_HEAD {
+    if knobs.attention == crate::knobs::AttentionImpl::Naive || cc < (8, 0) || d == 0 || d > MAX_HEAD {
         return None;
     }
     match dtype {

@@ -27,7 +27,7 @@ fn the_choice_covers_the_issue_matrix() {
     assert_eq!(choose(h100, DType::F64, 64, &k), None);
     assert_eq!(choose(h100, DType::BF16, 257, &k), None);
     assert_eq!(choose((7, 5), DType::BF16, 64, &k), None);
-    let naive = Knobs { attention_naive: true, ..Knobs::default() };
+    let naive = Knobs { attention: crate::knobs::AttentionImpl::Naive, ..Knobs::default() };
     assert_eq!(choose(h100, DType::BF16, 64, &naive), None);
 }
 

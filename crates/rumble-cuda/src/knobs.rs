@@ -15,8 +15,11 @@ use crate::error::{CudaError, Result};
 /// Every setting the CUDA backend takes from the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Knobs {
-    /// `RUMBLE_ATTENTION=naive`: attention on the simple per-row kernels, never the flash ones.
-    pub attention_naive: bool,
+    /// `RUMBLE_ATTENTION`: which kernels run attention (bf16/f16; see [`AttentionImpl`]).
+    pub attention: AttentionImpl,
+    /// `RUMBLE_DETERMINISTIC=1`: only kernels that give the same bits on every run (keeps out
+    /// cuDNN's attention backward, whose dQ is summed with atomics).
+    pub deterministic: bool,
     /// `RUMBLE_FLASH_WG=0` turns off the wgmma flash kernels (sm_90: the forward at head size 128,
     /// dQ at 64 and 128), leaving their mma.sync counterparts.
     pub flash_wgmma: bool,
@@ -49,11 +52,26 @@ pub struct Knobs {
     pub pdl: bool,
 }
 
+/// Which kernels run `Op::Attention` and its backward (`RUMBLE_ATTENTION`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionImpl {
+    /// `auto` (the default): per shape, cuDNN's fused attention where it runs faster than the
+    /// flash kernels (timed once, `crate::cudnn`), the flash kernels otherwise.
+    Auto,
+    /// `flash`: always the flash kernels.
+    Flash,
+    /// `cudnn`: cuDNN wherever it has an engine for the shape.
+    Cudnn,
+    /// `naive`: the simple per-row kernels, never the flash ones nor cuDNN.
+    Naive,
+}
+
 impl Default for Knobs {
     /// Every variable unset.
     fn default() -> Knobs {
         Knobs {
-            attention_naive: false,
+            attention: AttentionImpl::Auto,
+            deterministic: false,
             flash_wgmma: true,
             flash_split: None,
             tf32: false,
@@ -72,8 +90,9 @@ impl Default for Knobs {
 
 /// Every `RUMBLE_*` variable [`Knobs::from_env`] reads (ARCHITECTURE.md's table lists these
 /// and the ones tests and benches read).
-pub const VARIABLES: [&str; 13] = [
+pub const VARIABLES: [&str; 14] = [
     "RUMBLE_ATTENTION",
+    "RUMBLE_DETERMINISTIC",
     "RUMBLE_FLASH_WG",
     "RUMBLE_FLASH_SPLIT",
     "RUMBLE_CUDA_TF32",
@@ -122,10 +141,13 @@ impl Knobs {
             }
         };
         match get("RUMBLE_ATTENTION").as_deref() {
-            None | Some("flash") => {}
-            Some("naive") => k.attention_naive = true,
-            Some(v) => return Err(bad("RUMBLE_ATTENTION", v, "naive or flash")),
+            None | Some("auto") => {}
+            Some("flash") => k.attention = AttentionImpl::Flash,
+            Some("cudnn") => k.attention = AttentionImpl::Cudnn,
+            Some("naive") => k.attention = AttentionImpl::Naive,
+            Some(v) => return Err(bad("RUMBLE_ATTENTION", v, "auto, flash, cudnn or naive")),
         }
+        k.deterministic = switch("RUMBLE_DETERMINISTIC")?.unwrap_or(false);
         k.flash_wgmma = switch("RUMBLE_FLASH_WG")?.unwrap_or(true);
         k.flash_split = count("RUMBLE_FLASH_SPLIT", 1)?;
         k.tf32 = switch("RUMBLE_CUDA_TF32")?.unwrap_or(false);
@@ -171,7 +193,15 @@ mod tests {
     fn unset_variables_give_the_defaults() {
         assert_eq!(with(&[]).unwrap(), Knobs::default());
         let k = Knobs::default();
-        assert!(k.flash_wgmma && !k.attention_naive && !k.tf32 && k.matmul_tune && k.pdl && k.flash_split.is_none());
+        assert!(
+            k.flash_wgmma
+                && k.attention == AttentionImpl::Auto
+                && !k.deterministic
+                && !k.tf32
+                && k.matmul_tune
+                && k.pdl
+                && k.flash_split.is_none()
+        );
     }
 
     #[test]
@@ -185,12 +215,15 @@ mod tests {
             ("RUMBLE_HOST_OPS", "rms_norm, rope,"),
             ("RUMBLE_MATMUL_CANDIDATES", "4"),
             ("RUMBLE_PDL", "0"),
+            ("RUMBLE_DETERMINISTIC", "1"),
         ])
         .unwrap();
-        assert!(k.attention_naive && !k.flash_wgmma && k.tf32 && !k.pdl);
+        assert!(k.attention == AttentionImpl::Naive && k.deterministic && !k.flash_wgmma && k.tf32 && !k.pdl);
         assert_eq!((k.flash_split, k.cache, k.matmul_candidates), (Some(3), None, Some(4)));
         assert_eq!(k.host_ops, ["rms_norm", "rope"]);
         assert_eq!(with(&[("RUMBLE_CUDA_CACHE", "/tmp/k")]).unwrap().cache, Some(PathBuf::from("/tmp/k")));
+        assert_eq!(with(&[("RUMBLE_ATTENTION", "cudnn")]).unwrap().attention, AttentionImpl::Cudnn);
+        assert_eq!(with(&[("RUMBLE_ATTENTION", "flash")]).unwrap().attention, AttentionImpl::Flash);
     }
 
     #[test]

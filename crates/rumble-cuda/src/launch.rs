@@ -94,6 +94,13 @@ pub enum Step {
         ws_bytes: usize,
         beta: f64,
     },
+    /// cuDNN's fused attention (`crate::cudnn`): `args` are the node's operands then results
+    /// in the plan's order, its scratch (`SdpaPlan::scratch` bytes) at `ws`.
+    Cudnn {
+        plan: std::sync::Arc<crate::cudnn::SdpaPlan>,
+        args: Vec<Arg>,
+        ws: usize,
+    },
     /// An NCCL collective from operand 0 into output 0 on the process's communicator
     /// ([`crate::nccl`]).
     Collective(crate::nccl::Collective),
@@ -240,6 +247,9 @@ impl Recipe {
             Step::ZeroOut { .. } => "memset".into(),
             Step::Copy { .. } => "memcpy".into(),
             Step::Collective(c) => format!("nccl:{}", c.op.name()),
+            Step::Cudnn { plan, .. } => {
+                format!("cudnn:attention{}", if plan.graph.backward { "_backward" } else { "" })
+            }
             Step::Host { .. } => format!("host:{}", self.op),
             Step::Matmul { key, .. } => format!(
                 "matmul {}{}{}x{}x{}",
@@ -338,6 +348,10 @@ impl Recipe {
                     dev.matmul_add(key, [pa, pb, pin, pc, b.scratch + *ws as u64], *ws_bytes, beta)?
                 },
                 Step::Collective(c) => unsafe { c.launch(dev, b.args[0], b.outs[0])? },
+                Step::Cudnn { plan, args, ws } => {
+                    let ptrs = args.iter().map(|a| addr(a, b)).collect::<Result<Vec<_>>>()?;
+                    unsafe { plan.execute(&ptrs, b.scratch + *ws as u64)? }
+                }
                 Step::Host { op, args, outs } => run_on_host(dev, tag, self.op, op, args, outs, b)?,
             }
             hook(i, false)?;

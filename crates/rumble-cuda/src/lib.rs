@@ -2,7 +2,7 @@
 //!
 //! In the order work flows through it: [`device`] (libraries loaded at run time, context,
 //! stream, status word) -> [`compile`] (NVRTC to the device's own architecture, cached) ->
-//! [`fused`] (elementwise expressions to kernels), [`flash`] (tiled attention) and the fixed kernels
+//! [`fused`] (elementwise expressions to kernels), [`flash`] (tiled attention), [`cudnn`] (cuDNN's fused attention) and the fixed kernels
 //! under `kernels/` ->
 //! [`recipe`] (each IR op as prepared launch steps) and [`matmul`] (cuBLASLt) -> [`launch`] ->
 //! [`exec`] (eager, planned and graphed executors over one [`exec::Program`]); [`nccl`] runs
@@ -16,6 +16,7 @@
 //! fixed when the executor was built.
 
 pub mod compile;
+pub mod cudnn;
 pub mod decode;
 pub mod device;
 pub mod error;

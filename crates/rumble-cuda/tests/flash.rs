@@ -9,7 +9,8 @@
 //! `[B, T, H, D]` (`bthd`, strided rows) that the models use; a few `bthd` shapes also run with
 //! the dK/dV split forced, without the wgmma kernels and on the per-row fallback (set through
 //! `Device::set_knobs`, as `RUMBLE_FLASH_SPLIT`, `RUMBLE_FLASH_WG=0` and
-//! `RUMBLE_ATTENTION=naive` would).
+//! `RUMBLE_ATTENTION=naive` would). These tests run the flash kernels (`RUMBLE_ATTENTION=flash`);
+//! `cudnn_attention_matches_cpu` runs the same checks on cuDNN's fused attention.
 
 mod common;
 
@@ -19,8 +20,18 @@ use common::{compare, gpu, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, HeadLayout, Op, TensorType};
 use rumble_core::plan::plan_naive;
+use rumble_cuda::cudnn::Sdpa;
 use rumble_cuda::flash::choose;
+use rumble_cuda::knobs::{AttentionImpl, Knobs};
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
+
+/// The GPU with attention on `attention` (and, for cuDNN, its non-deterministic backward allowed).
+fn gpu_with(attention: AttentionImpl) -> Arc<Device> {
+    let dev = gpu();
+    let deterministic = attention != AttentionImpl::Cudnn;
+    dev.set_knobs(Knobs { attention, deterministic, ..dev.knobs() });
+    dev
+}
 
 /// `(B, Hq, Hkv, T, S, D, causal)`.
 type Shape = (usize, usize, usize, usize, usize, usize, bool);
@@ -103,7 +114,7 @@ fn issue_matrix() -> Vec<Shape> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn flash_attention_matches_cpu() {
-    let dev = gpu();
+    let dev = gpu_with(AttentionImpl::Flash);
     let mut rng = Rng::new(61);
     let mut failures = Vec::new();
     let mut n = 0;
@@ -139,7 +150,7 @@ fn flash_attention_matches_cpu() {
     let knobs = dev.knobs();
     let split = rumble_cuda::knobs::Knobs { flash_split: Some(3), ..knobs.clone() };
     let no_wg = rumble_cuda::knobs::Knobs { flash_wgmma: false, ..knobs.clone() };
-    let naive = rumble_cuda::knobs::Knobs { attention_naive: true, ..knobs.clone() };
+    let naive = rumble_cuda::knobs::Knobs { attention: rumble_cuda::knobs::AttentionImpl::Naive, ..knobs.clone() };
     let wg_shapes: Vec<Shape> =
         issue_matrix().into_iter().filter(|sh| [64, 128].contains(&(sh.5.div_ceil(16) * 16))).collect();
     let runs: [(&str, &rumble_cuda::knobs::Knobs, Vec<DType>, Vec<Shape>); 3] = [
@@ -168,7 +179,7 @@ fn flash_attention_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn flash_attention_backward_is_deterministic() {
-    let dev = gpu();
+    let dev = gpu_with(AttentionImpl::Flash);
     let mut rng = Rng::new(62);
     for (d, layout) in [DType::BF16, DType::F32].into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
         let (q, k) = qk_types(d, (1, 7, 1, 300, 300, 64, true), layout);
@@ -186,5 +197,61 @@ fn flash_attention_backward_is_deterministic() {
             }
         }
         println!("{} {}: backward bit-identical over 4 runs", d.name(), layout.name());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cudnn_attention_matches_cpu() {
+    let dev = gpu_with(AttentionImpl::Cudnn);
+    let Some(version) = rumble_cuda::cudnn::version() else {
+        panic!("cuDNN is not on the library path of this GPU machine");
+    };
+    let mut rng = Rng::new(63);
+    let mut failures = Vec::new();
+    // GQA 4 and 7, plain heads, not causal with S != T, a sequence of no tile multiple, d128.
+    let shapes: [Shape; 6] = [
+        (1, 8, 2, 128, 128, 64, true),
+        (2, 7, 1, 128, 128, 128, true),
+        (1, 4, 4, 256, 256, 128, true),
+        (2, 4, 2, 128, 192, 64, false),
+        (1, 4, 1, 77, 77, 64, true),
+        (1, 14, 2, 512, 512, 64, true),
+    ];
+    for (d, layout) in [DType::BF16, DType::F16].into_iter().flat_map(|d| HeadLayout::ALL.map(|l| (d, l))) {
+        for sh in shapes {
+            let (qt, kt) = qk_types(d, sh, layout);
+            let (causal, scale) = (sh.6, 1.0 / (sh.5 as f64).sqrt());
+            let lse = TensorType::new(DType::F32, [sh.0, sh.1, sh.3]);
+            let fwd = Sdpa::of(&Op::Attention { scale, causal, layout }, &[&qt, &kt, &kt]).and_then(|g| g.plan(&dev));
+            let bwd = Op::AttentionBackward { scale, causal, layout };
+            let bwd = Sdpa::of(&bwd, &[&qt, &kt, &kt, &qt, &lse, &qt]).and_then(|g| g.plan(&dev));
+            let kind = format!("cuDNN {version}: forward {}, backward {}", plan_name(&fwd), plan_name(&bwd));
+            let line = format!("{} {} {sh:?} {kind}", d.name(), layout.name());
+            // The model's shapes (bf16, bthd, causal, T a multiple of 64) must have engines.
+            if d == DType::BF16
+                && layout == HeadLayout::Bthd
+                && causal
+                && sh.3 % 64 == 0
+                && (fwd.is_none() || bwd.is_none())
+            {
+                failures.push(format!("{line}: no cuDNN plan"));
+            }
+            match check(&dev, d, sh, layout, &mut rng) {
+                Ok(r) => println!("ok   {line}: {r}"),
+                Err(e) => {
+                    println!("FAIL {line}: {e}");
+                    failures.push(format!("{line}: {e}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+}
+
+fn plan_name(p: &Option<Arc<rumble_cuda::cudnn::SdpaPlan>>) -> String {
+    match p {
+        Some(p) => format!("workspace {} B", p.workspace),
+        None => "none (flash)".into(),
     }
 }

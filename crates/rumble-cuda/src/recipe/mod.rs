@@ -183,7 +183,11 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         | Op::LinearCrossEntropyBackward { .. }
         | Op::LinearCrossEntropyGrad { .. } => rows::prepare(&mut b, op, at, dt)?,
         Op::Attention { .. } | Op::AttentionBackward { .. } => {
-            // The tiled kernels where `flash::choose` takes them; the per-row kernels otherwise.
+            // cuDNN where `cudnn::recipe` chooses it, the tiled kernels where `flash::choose`
+            // takes them, the per-row kernels otherwise.
+            if let Some(r) = crate::cudnn::recipe(dev, op, at) {
+                return Ok(r);
+            }
             if let Some(r) = crate::flash::recipe(dev, op, at) {
                 return r;
             }

@@ -14,11 +14,15 @@ use rumble_cuda::Device;
 /// The GPU of a test that needs one. Such tests are `#[ignore = "needs a CUDA device"]`, so on a
 /// machine without CUDA `cargo test` counts them as ignored, never as passed; on a GPU machine
 /// run them with `cargo test -- --include-ignored` (`scripts/gpu tests` does). Included where there
-/// is no device, they fail, saying why.
+/// is no device, they fail, saying why. The device runs deterministic kernels only
+/// (`RUMBLE_DETERMINISTIC=1`): the tests compare executors, graphs and runs bit for bit; a test
+/// of a non-deterministic kernel turns that off itself.
 pub fn gpu() -> Arc<Device> {
-    Device::new(0).unwrap_or_else(|e| {
+    let dev = Device::new(0).unwrap_or_else(|e| {
         panic!("this test needs a CUDA device (run with --include-ignored only on a GPU machine): {e}")
-    })
+    });
+    dev.set_knobs(rumble_cuda::knobs::Knobs { deterministic: true, ..dev.knobs() });
+    dev
 }
 
 /// The GPU, or `None` after printing why the bench is skipped (the benches, run by hand).
