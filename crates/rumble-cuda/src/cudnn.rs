@@ -261,17 +261,17 @@ impl Graph {
         Ok(())
     }
 
-    /// `y = mode(x, b)`, or `y = t ? x : b` for `BINARY_SELECT`.
+    /// `y = mode(x, b)`, or `y = t ? x : b` for `BINARY_SELECT` (`b`'s second field: `t`).
     fn pointwise(
         &mut self,
         mode: Pw,
         prec: Dt,
         x: T,
-        b: Option<T>,
-        sel: Option<T>,
+        b: (Option<T>, Option<T>),
         y: T,
         axis: Option<i64>,
     ) -> Result<()> {
+        let (b, sel) = b;
         let pw = Desc::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
         pw.set(A::CUDNN_ATTR_POINTWISE_MODE, Ty::CUDNN_TYPE_POINTWISE_MODE, &[mode])?;
         pw.dtype(A::CUDNN_ATTR_POINTWISE_MATH_PREC, prec)?;
@@ -294,7 +294,7 @@ impl Graph {
     }
 
     fn f32(&mut self, mode: Pw, x: T, b: Option<T>, y: T) -> Result<()> {
-        self.pointwise(mode, Dt::CUDNN_DATA_FLOAT, x, b, None, y, None)
+        self.pointwise(mode, Dt::CUDNN_DATA_FLOAT, x, (b, None), y, None)
     }
 
     fn reduction(&mut self, r: cs::cudnnReduceTensorOp_t, x: T, y: T) -> Result<()> {
@@ -343,10 +343,10 @@ impl Graph {
         let neg_inf = self.scalar(uid::NEG_INF)?;
         let masked = self.virt(Dt::CUDNN_DATA_FLOAT, dims, strides)?;
         let f = Dt::CUDNN_DATA_FLOAT;
-        self.pointwise(Pw::CUDNN_POINTWISE_GEN_INDEX, f, scores, None, None, col, Some(3))?;
-        self.pointwise(Pw::CUDNN_POINTWISE_GEN_INDEX, f, scores, None, None, row, Some(2))?;
-        self.pointwise(Pw::CUDNN_POINTWISE_CMP_GE, Dt::CUDNN_DATA_BOOLEAN, row, Some(col), None, keep, None)?;
-        self.pointwise(Pw::CUDNN_POINTWISE_BINARY_SELECT, f, scores, Some(neg_inf), Some(keep), masked, None)?;
+        self.pointwise(Pw::CUDNN_POINTWISE_GEN_INDEX, f, scores, (None, None), col, Some(3))?;
+        self.pointwise(Pw::CUDNN_POINTWISE_GEN_INDEX, f, scores, (None, None), row, Some(2))?;
+        self.pointwise(Pw::CUDNN_POINTWISE_CMP_GE, Dt::CUDNN_DATA_BOOLEAN, row, (Some(col), None), keep, None)?;
+        self.pointwise(Pw::CUDNN_POINTWISE_BINARY_SELECT, f, scores, (Some(neg_inf), Some(keep)), masked, None)?;
         Ok(masked)
     }
 
