@@ -167,7 +167,7 @@ impl Program {
                 }
                 let at: Vec<_> = node.args.iter().map(|a| t.ty(*a)).collect();
                 let ot: Vec<_> = node.outs.iter().map(|o| t.ty(*o)).collect();
-                Some((rumble_core::cost::node_key(&node.op, &at, &ot), s))
+                Some((probe::device_node_key(&self.dev, &node.op, &at, &ot), s))
             })
             .collect();
         rumble_core::cost::record(&dir, &self.dev.name, &lines)

@@ -101,12 +101,25 @@ impl DeviceCost {
     }
 }
 
+/// `cost::node_key`, and for attention which implementation runs it on `dev` (cuDNN's or the
+/// flash kernels, `crate::cudnn::recipe`): a time measured for one is not the other's.
+pub(crate) fn device_node_key(dev: &Device, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> String {
+    let key = node_key(op, args, outs);
+    match op {
+        Op::Attention { .. } | Op::AttentionBackward { .. } => {
+            let cudnn = crate::cudnn::recipe(dev, op, args).is_some();
+            format!("{key} impl={}", if cudnn { "cudnn" } else { "kernels" })
+        }
+        _ => key,
+    }
+}
+
 impl CostModel for DeviceCost {
     fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
         let Ok(mut st) = self.state.lock() else {
             return Roofline::default().node_seconds(op, args, outs);
         };
-        let key = node_key(op, args, outs);
+        let key = device_node_key(&self.dev, op, args, outs);
         if let Some(s) = st.measured.get(&key) {
             return s;
         }
