@@ -273,7 +273,7 @@ impl Roofline {
                     ..MatmulShape::of(args[0], args[1], *ta, *tb)
                 });
                 // The addend is read once more, by the same kernel.
-                t + if *acc { args[2].size_in_bytes() as f64 / self.rates.memory } else { 0.0 }
+                t + if acc.is_some() { args[2].size_in_bytes() as f64 / self.rates.memory } else { 0.0 }
             }
             // The matmuls of the prologue's rows as one launch (its operands are read once
             // more, and an addend).
@@ -554,9 +554,17 @@ mod tests {
         record(&dir, "Test GPU", &[(matmul_key(&s), 1e-3)]).unwrap();
         let m = Measured::load(&dir, DeviceRates { name: "Test GPU".into(), ..DeviceRates::h200() });
         let (a, b) = (ty(DType::BF16, &[64, 64]), ty(DType::BF16, &[64, 64]));
-        let got = m.node_seconds(&Op::Matmul { ta: false, tb: true, out: None, acc: false }, &[&a, &b], &[&a]);
+        let got = m.node_seconds(
+            &Op::Matmul { ta: false, tb: true, out: None, acc: crate::ir::Addend::None },
+            &[&a, &b],
+            &[&a],
+        );
         assert!((got - 1e-3).abs() < 1e-12, "{got}");
-        let other = m.node_seconds(&Op::Matmul { ta: false, tb: false, out: None, acc: false }, &[&a, &b], &[&a]);
+        let other = m.node_seconds(
+            &Op::Matmul { ta: false, tb: false, out: None, acc: crate::ir::Addend::None },
+            &[&a, &b],
+            &[&a],
+        );
         assert!(other < 1e-4, "unmeasured shapes fall back to the roofline: {other}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

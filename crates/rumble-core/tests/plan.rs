@@ -351,7 +351,11 @@ fn op_scratch_is_planned_live_at_its_node_only() {
 fn matmuls_with_addends_plan_in_place_and_match_bit_for_bit() {
     let cfg = TinyLlama { layers: 2, dtype: DType::F32, ..TinyLlama::default() };
     let trace = rumble_core::passes::fold_addends(&cfg.train_step(Optimizer::adamw(1e-3)).unwrap()).unwrap();
-    let accs = trace.nodes.iter().filter(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: true, .. })).count();
+    let accs = trace
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: rumble_core::ir::Addend::Full, .. }))
+        .count();
     assert!(accs >= 4 * cfg.layers, "{accs} folded matmuls");
     let p = plan(&trace, &CompileOptions::default()).unwrap();
     check(&p.trace, &p.plan).unwrap();
@@ -359,7 +363,7 @@ fn matmuls_with_addends_plan_in_place_and_match_bit_for_bit() {
         .trace
         .nodes
         .iter()
-        .filter(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: true, .. }))
+        .filter(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: rumble_core::ir::Addend::Full, .. }))
         .filter(|n| p.plan.inplace_of[n.outs[0].index()] == Some(n.args[2]))
         .count();
     assert!(over > 0, "no matmul was planned over its addend");
@@ -398,7 +402,11 @@ fn a_matmul_never_overwrites_an_addend_it_also_multiplies() {
     let x = p.mul_scalar(2.0).unwrap(); // in the arena, last read by the matmul
     g.output(&x.add(&x.matmul(&w).unwrap()).unwrap().exp().unwrap(), "y").unwrap();
     let trace = rumble_core::passes::fold_addends(&g.finish().unwrap()).unwrap();
-    let mm = trace.nodes.iter().find(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: true, .. })).unwrap();
+    let mm = trace
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, rumble_core::ir::Op::Matmul { acc: rumble_core::ir::Addend::Full, .. }))
+        .unwrap();
     assert_eq!((mm.args[0], mm.args[2]), (mm.args[2], mm.args[0]), "x is both a and the addend");
     let (y, xv) = (mm.outs[0], mm.args[2]);
     let p = plan(&trace, &CompileOptions::default()).unwrap();

@@ -44,6 +44,7 @@ fn parse(spec: &str) -> Vec<MatmulKey> {
                 m: num(0),
                 n: num(1),
                 k: num(2),
+                row_addend: false,
             }
         })
         .collect()

@@ -82,8 +82,8 @@ pub enum Step {
         bytes: usize,
     },
     /// `c = op(a) op(b) + beta * c` through cuBLASLt, or `c = op(a) op(b) + addend` (read
-    /// where it is, or in place when the planner put `c` over it); its workspace is `ws_bytes`
-    /// of scratch at `ws`.
+    /// where it is, or in place when the planner put `c` over it; a row added to every row of
+    /// `c` where `key.row_addend`); its workspace is `ws_bytes` of scratch at `ws`.
     Matmul {
         key: MatmulKey,
         a: Arg,
@@ -252,12 +252,13 @@ impl Recipe {
             }
             Step::Host { .. } => format!("host:{}", self.op),
             Step::Matmul { key, .. } => format!(
-                "matmul {}{}{}x{}x{}",
+                "matmul {}{}{}x{}x{}{}",
                 key.dtype.name(),
                 if key.batch > 1 { format!(" {}x ", key.batch) } else { " ".into() },
                 key.m,
                 key.n,
-                key.k
+                key.k,
+                if key.row_addend { " +row" } else { "" }
             ),
         }
     }

@@ -11,7 +11,11 @@
 //! capped workspace; and, for a few rows against a transposed `b` (decoding's `x w^T`, M at most
 //! 16), rumble's own kernels (`kernels/gemv.cu`, [`gemv_kernels`]: a block of rows sharing
 //! `x`'s loads, or a warp per row or two with many loads in flight), which read each weight row
-//! once for every row of `x`. Each candidate is timed on scratch buffers and the fastest kept if it beats
+//! once for every row of `x`. A matmul whose addend is a row added to every row of the result
+//! (`Addend::Row`, a linear layer's bias: [`MatmulKey::row_addend`]) runs on cuBLASLt with its
+//! `BIAS` epilogue (the row is per row of the column-major `C^T`, which is what that epilogue
+//! adds) or on the gemv kernels (the addend read with row stride 0); the classic gemm, which
+//! has no such addend, is no candidate. Each candidate is timed on scratch buffers and the fastest kept if it beats
 //! the heuristic's first choice by more than 2% (`RUMBLE_MATMUL_TUNE=0`: the first choice,
 //! untimed; `RUMBLE_MATMUL_CLASSIC=0`: cuBLASLt only). The choice is written to the disk cache
 //! (beside the compiled kernels, per GPU and cuBLASLt version), so later runs use the same
@@ -50,8 +54,9 @@ pub fn candidates(knobs: &Knobs) -> usize {
     knobs.matmul_candidates.map_or(CANDIDATES, |n| n.clamp(1, MAX_CANDIDATES))
 }
 
-/// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The shape of one matmul: batch, row-major `M x K` times `K x N`, transposes, dtype, and
+/// whether its addend is a row. Its `Debug` form names the tuner's remembered choices.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MatmulKey {
     /// Operand dtype.
     pub dtype: DType,
@@ -63,6 +68,26 @@ pub struct MatmulKey {
     pub m: u64,
     pub n: u64,
     pub k: u64,
+    /// The addend is a row of `N` elements of the result's dtype added to every row of every
+    /// batch (`Addend::Row`), given as `c` to [`Device::matmul_add`] with `beta = 1`: cuBLASLt
+    /// runs its `BIAS` epilogue (chosen among algorithms that have one), the gemv kernels read
+    /// `c` with row stride 0. Otherwise an addend, if any, has the result's shape and `beta`
+    /// says whether it is read (one algorithm serves both).
+    pub row_addend: bool,
+}
+
+/// Every field, `row_addend` only where set: the keys of matmuls without a row addend read as
+/// they did before there was one, so choices remembered then still name them.
+impl std::fmt::Debug for MatmulKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut s = f.debug_struct("MatmulKey");
+        s.field("dtype", &self.dtype).field("out", &self.out).field("ta", &self.ta).field("tb", &self.tb);
+        s.field("batch", &self.batch).field("m", &self.m).field("n", &self.n).field("k", &self.k);
+        if self.row_addend {
+            s.field("row_addend", &true);
+        }
+        s.finish()
+    }
 }
 
 impl MatmulKey {
@@ -71,7 +96,8 @@ impl MatmulKey {
         let batch: usize = a.dims()[..r - 2].iter().product();
         let (m, k) = if ta { (a.dims()[r - 1], a.dims()[r - 2]) } else { (a.dims()[r - 2], a.dims()[r - 1]) };
         let n = if tb { b.dims()[r - 2] } else { b.dims()[r - 1] };
-        MatmulKey { dtype: a.dtype, out: a.dtype, ta, tb, batch: batch as u64, m: m as u64, n: n as u64, k: k as u64 }
+        let (batch, m, n, k) = (batch as u64, m as u64, n as u64, k as u64);
+        MatmulKey { dtype: a.dtype, out: a.dtype, ta, tb, batch, m, n, k, row_addend: false }
     }
 }
 
@@ -232,13 +258,17 @@ impl crate::device::DeviceCache for Cache {
 
 impl Cache {
     pub fn clear(&mut self) {
-        for (_, p) in self.plans.drain() {
-            unsafe {
-                let _ = lt::destroy_matrix_layout(p.a);
-                let _ = lt::destroy_matrix_layout(p.b);
-                let _ = lt::destroy_matrix_layout(p.c);
-                let _ = lt::destroy_matmul_desc(p.desc);
-            }
+        self.plans.clear();
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.c);
+            let _ = lt::destroy_matmul_desc(self.desc);
         }
     }
 }
@@ -328,65 +358,47 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
             op_y,
             "transb"
         );
+        if key.row_addend {
+            // The row is added by the epilogue, to every column of the column-major C^T [N, M]
+            // (a row of `N` elements: one per row of C^T) and of every batch.
+            let (epilogue, stride) = (sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, 0i64);
+            set_attr!(
+                lt::set_matmul_desc_attribute,
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                epilogue,
+                "bias epilogue"
+            );
+            set_attr!(
+                lt::set_matmul_desc_attribute,
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                stride,
+                "bias batch stride"
+            );
+        }
     }
     // Stored shapes, column-major: B row-major [K, N] is [N, K] (or [K, N] when tb).
     let x = if tb { layout(ty, k, n, batch)? } else { layout(ty, n, k, batch)? };
     let y = if ta { layout(ty, m, k, batch)? } else { layout(ty, k, m, batch)? };
     let c = layout(out_ty, n, m, batch)?;
-    let pref = lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?;
+    // The plan owns its descriptors from here on (dropped on every early return).
+    let mut plan = Plan {
+        desc,
+        a: x,
+        b: y,
+        c,
+        algo: Algo::Classic,
+        workspace: 0,
+        tf32: compute == sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        f64: key.dtype == DType::F64,
+    };
     let ws = max_workspace(&knobs) as u64;
-    // No in-place split-K reduction (it uses atomics: results would vary run to run).
-    let mask: u32 = 0x7 & !0x1;
-    let heur = unsafe {
-        set_attr!(
-            lt::set_matmul_pref_attribute,
-            pref,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            ws,
-            "workspace preference"
-        );
-        set_attr!(
-            lt::set_matmul_pref_attribute,
-            pref,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-            mask,
-            "reduction preference"
-        );
-        let want = candidates(&knobs);
-        let mut found = vec![std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); want];
-        let mut count = 0i32;
-        let h = sys::cublasLtMatmulAlgoGetHeuristic(
-            dev.blas(),
-            desc,
-            x,
-            y,
-            c,
-            c,
-            pref,
-            want as i32,
-            found.as_mut_ptr() as *mut sys::cublasLtMatmulHeuristicResult_t,
-            &mut count,
-        )
-        .result();
-        let _ = lt::destroy_matmul_pref(pref);
-        h.map_err(|e| CudaError::Blas {
-            op: "matmul".into(),
-            what: format!("no algorithm for {key:?}"),
-            err: e.to_string(),
-        })?;
-        let found: Vec<_> = found[..(count.max(0) as usize).min(want)]
-            .iter()
-            .map(|r| r.assume_init())
-            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .collect();
-        if found.is_empty() {
-            return Err(CudaError::Blas {
-                op: "matmul".into(),
-                what: format!("no algorithm for {key:?}"),
-                err: "the heuristic returned none".into(),
-            });
-        }
-        found
+    let heur = match heuristic(dev, key, &plan, ws, candidates(&knobs)) {
+        // A row addend may also run on the gemv kernels: cuBLASLt having no algorithm with
+        // the epilogue leaves those.
+        Err(_) if key.row_addend => Vec::new(),
+        h => h?,
     };
     let mut cands: Vec<Candidate> =
         heur.iter().map(|h| Candidate { algo: Algo::Lt(h.algo), workspace: h.workspaceSize }).collect();
@@ -395,30 +407,89 @@ fn make_plan(dev: &Device, key: &MatmulKey) -> Result<Plan> {
         Some(_) => gemv_kernels(dev, key)?,
         None => Vec::new(),
     };
-    // Classic cuBLAS too, unless `RUMBLE_MATMUL_CLASSIC=0`.
-    if knobs.matmul_classic && dev.classic_blas().is_some() && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
+    // Classic cuBLAS too, unless `RUMBLE_MATMUL_CLASSIC=0` or the addend is a row (the classic
+    // gemm's C is the result itself).
+    let classic = knobs.matmul_classic && !key.row_addend && dev.classic_blas().is_some();
+    if classic && [m, n, k, batch].iter().all(|&v| v <= i32::MAX as u64) {
         cands.push(Candidate { algo: Algo::Classic, workspace: 0 });
         if ws > 0 {
             cands.push(Candidate { algo: Algo::Classic, workspace: ws as usize });
         }
     }
     cands.extend(gemv.into_iter().map(|g| Candidate { algo: Algo::Gemv(g), workspace: 0 }));
-    let mut plan = Plan {
-        desc,
-        a: x,
-        b: y,
-        c,
-        algo: cands[0].algo,
-        workspace: cands[0].workspace,
-        tf32: compute == sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-        f64: key.dtype == DType::F64,
-    };
+    if cands.is_empty() {
+        // Only a row addend gets here: the recipe then broadcasts the row into the result and
+        // runs the plain matmul over it.
+        return Err(CudaError::Unsupported(format!("matmul {key:?}: no algorithm adds a row")));
+    }
+    plan.algo = cands[0].algo;
+    plan.workspace = cands[0].workspace;
     if cands.len() > 1 {
         let pick = crate::matmul_tune::choose(dev, key, &mut plan, &cands);
         plan.algo = cands[pick].algo;
         plan.workspace = cands[pick].workspace;
     }
     Ok(plan)
+}
+
+/// cuBLASLt's heuristic's algorithms for `plan`'s descriptors (at most `want`, each needing at
+/// most `ws` bytes of workspace, no in-place split-K reduction): at least one, or an error.
+fn heuristic(
+    dev: &Device,
+    key: &MatmulKey,
+    plan: &Plan,
+    ws: u64,
+    want: usize,
+) -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
+    let none = |err: String| CudaError::Blas { op: "matmul".into(), what: format!("no algorithm for {key:?}"), err };
+    let pref = lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?;
+    // No in-place split-K reduction (it uses atomics: results would vary run to run).
+    let mask: u32 = 0x7 & !0x1;
+    let found = (|| -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
+        unsafe {
+            set_attr!(
+                lt::set_matmul_pref_attribute,
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                ws,
+                "workspace preference"
+            );
+            set_attr!(
+                lt::set_matmul_pref_attribute,
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                mask,
+                "reduction preference"
+            );
+            let mut found = vec![std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::zeroed(); want];
+            let mut count = 0i32;
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                dev.blas(),
+                plan.desc,
+                plan.a,
+                plan.b,
+                plan.c,
+                plan.c,
+                pref,
+                want as i32,
+                found.as_mut_ptr() as *mut sys::cublasLtMatmulHeuristicResult_t,
+                &mut count,
+            )
+            .result()
+            .map_err(|e| none(e.to_string()))?;
+            Ok(found[..(count.max(0) as usize).min(want)]
+                .iter()
+                .map(|r| r.assume_init())
+                .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .collect())
+        }
+    })();
+    let _ = unsafe { lt::destroy_matmul_pref(pref) };
+    let found = found?;
+    if found.is_empty() {
+        return Err(none("the heuristic returned none".into()));
+    }
+    Ok(found)
 }
 
 /// A gemm's `alpha = 1` and `beta` in both compute types, where cuBLAS reads them during the
@@ -473,10 +544,13 @@ impl Device {
 
     /// Launches `d = op(a) op(b) + beta * c` on the device's stream, the operands given as
     /// `[a, b, c, d, ws]`; `c` and `d` are the same buffer or do not overlap. cuBLASLt reads `c`
-    /// where it is; the classic gemm (which has no separate `c`) copies it to `d` first.
+    /// where it is; the classic gemm (which has no separate `c`) copies it to `d` first. For a
+    /// key with [`MatmulKey::row_addend`], `c` is the row added to every row of `d` (it never
+    /// overlaps `d`) and `beta` must be 1.
     ///
     /// # Safety
-    /// As [`Device::matmul`], with `c` and `d` both of the result's shape.
+    /// As [`Device::matmul`], with `c` and `d` both of the result's shape (`c` of `N` elements
+    /// for a row addend).
     pub unsafe fn matmul_add(
         &self,
         key: &MatmulKey,
@@ -521,15 +595,35 @@ impl Device {
         [a, b, c, d, ws]: [dsys::CUdeviceptr; 5],
         beta: f64,
     ) -> Result<()> {
+        if key.row_addend && (beta != 1.0 || c == d) {
+            return Err(CudaError::usage(format!("matmul {key:?} adds its row with beta = 1, from its own buffer")));
+        }
         if let Algo::Gemv(g) = p.algo {
             return unsafe { self.launch_gemv(key, &g, [a, b, c, d], beta) };
         }
+        let (c, beta) = if key.row_addend {
+            // The epilogue adds the row; C, not read (beta = 0), is d itself.
+            let bias = c as *const c_void;
+            unsafe {
+                set_attr!(
+                    lt::set_matmul_desc_attribute,
+                    p.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    bias,
+                    "bias pointer"
+                );
+            }
+            (d, 0.0)
+        } else {
+            (c, beta)
+        };
         let reads_c = beta != 0.0 && c != d;
         let scalars = Scalars::new(beta);
         let (alpha, beta) = scalars.ptrs(p.f64);
         let algo = match p.algo {
             Algo::Lt(algo) => algo,
             Algo::Gemv(_) => unreachable!("launched above"),
+            Algo::Classic if key.row_addend => unreachable!("no classic candidate adds a row"),
             Algo::Classic => {
                 if reads_c {
                     let bytes = (key.batch.max(1) * key.m * key.n) as usize * key.out.size_in_bytes();
@@ -567,8 +661,9 @@ impl Device {
     }
 
     /// `d = a b^T + beta * c` through `g`, one of `kernels/gemv.cu`'s kernels for `key`
-    /// ([`gemv_kernels`]): what the matmul of `key` runs where the tuner picked it; public for
-    /// the GPU tests, which compare each with the CPU whatever the tuner picks.
+    /// ([`gemv_kernels`]), `c` a row of `N` added to every row where `key.row_addend` (read with
+    /// row stride 0): what the matmul of `key` runs where the tuner picked it; public for the
+    /// GPU tests, which compare each with the CPU whatever the tuner picks.
     ///
     /// # Safety
     /// As [`Device::matmul`].
@@ -581,8 +676,10 @@ impl Device {
     ) -> Result<()> {
         let grid = u32::try_from(key.n.div_ceil(g.rows as u64))
             .map_err(|_| CudaError::usage(format!("gemv grid of {key:?}")))?;
-        let mut words: [u64; 8] = [a, b, c, d, key.m, key.n, key.k, (beta as f32).to_bits() as u64];
-        let mut ptrs: [*mut c_void; 8] = std::array::from_fn(|i| &mut words[i] as *mut u64 as *mut c_void);
+        // The addend's row stride: N, or 0 for a row.
+        let ldc = if key.row_addend { 0 } else { key.n };
+        let mut words: [u64; 9] = [a, b, c, d, key.m, key.n, key.k, (beta as f32).to_bits() as u64, ldc];
+        let mut ptrs: [*mut c_void; 9] = std::array::from_fn(|i| &mut words[i] as *mut u64 as *mut c_void);
         unsafe {
             crate::launch::kernel(&g.func, (grid, 1, 1), (g.threads, 1, 1), 0, self.stream(), &mut ptrs, self.pdl())
         }
@@ -606,6 +703,9 @@ impl Device {
         ws_bytes: usize,
         beta: f64,
     ) -> Result<()> {
+        if key.row_addend {
+            return Err(CudaError::usage(format!("the classic gemm adds no row ({key:?})")));
+        }
         self.bind()?;
         let tf32 = key.dtype == DType::F32 && self.knobs().tf32;
         let scalars = Scalars::new(beta);
@@ -712,5 +812,10 @@ mod tests {
             assert!(src.contains(&format!("#define {define} {v}\n")), "gemv.cu's {define}");
         }
         assert!(src.contains("__launch_bounds__(256)"), "gemv_pre's threads");
+        // The set's words as `recipe::matmul_pre` writes them: b, c, d, n, ldc, first.
+        let fields = ["const T* b[", "const T* c[", "T* d[", "i64 n[", "i64 ldc[", "i64 first["];
+        let set = &src[src.find("struct GemvSet {").expect("gemv.cu's GemvSet")..];
+        let at: Vec<usize> = fields.iter().map(|f| set.find(f).unwrap_or_else(|| panic!("GemvSet's `{f}`"))).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "GemvSet's fields in the order the recipe writes them");
     }
 }

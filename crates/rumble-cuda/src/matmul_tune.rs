@@ -13,7 +13,9 @@
 //! Choices are remembered in `matmul-<gpu>-<cublasLt version>.txt` in the kernel cache folder
 //! (`RUMBLE_CUDA_CACHE`), one `key<TAB>index` line each, so every later process on the machine
 //! runs the same algorithm and gets the same bits. The chosen algorithm's time is recorded for
-//! the cost model (`rumble_core::cost::record`, keyed by `cost::matmul_key`) in the same folder.
+//! the cost model (`rumble_core::cost::record`, keyed by `cost::matmul_key`) in the same folder,
+//! except a row addend's (`MatmulKey::row_addend`: that key does not tell it from the plain
+//! shape's, whose time the cost model takes for it, adding the row's read).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -60,7 +62,9 @@ pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Ca
         Ok(times) => {
             let ws: Vec<usize> = cands.iter().map(|c| c.workspace).collect();
             let pick = smallest_near(&times, &ws, best(&times));
-            if let (Some(ms), Some(dir)) = (times.get(pick).copied().flatten(), dev.knobs().cache) {
+            if let (Some(ms), Some(dir)) = (times.get(pick).copied().flatten(), dev.knobs().cache)
+                && !key.row_addend
+            {
                 let shape = rumble_core::cost::MatmulShape {
                     dtype: key.dtype,
                     out: key.out,
@@ -122,28 +126,32 @@ pub(crate) fn smallest_near(times: &[Option<f64>], workspace: &[usize], pick: us
 fn time_all(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Candidate]) -> Result<Vec<Option<f64>>> {
     let el = |d: rumble_core::ir::DType| d.size_in_bytes() as u64;
     let (m, n, k, bt) = (key.m, key.n, key.k, key.batch.max(1));
-    let bytes = [bt * m * k * el(key.dtype), bt * k * n * el(key.dtype), bt * m * n * el(key.out)];
+    let row = if key.row_addend { n * el(key.out) } else { 0 };
+    let bytes = [bt * m * k * el(key.dtype), bt * k * n * el(key.dtype), bt * m * n * el(key.out), row];
     let ws_bytes = cands.iter().map(|h| h.workspace).max().unwrap_or(0).max(256);
     let a = DeviceBuffer::new(dev, bytes[0] as usize, "matmul tuning")?;
     let b = DeviceBuffer::new(dev, bytes[1] as usize, "matmul tuning")?;
     let c = DeviceBuffer::new(dev, bytes[2] as usize, "matmul tuning")?;
+    let r = DeviceBuffer::new(dev, bytes[3].max(256) as usize, "matmul tuning")?;
     let ws = DeviceBuffer::new(dev, ws_bytes, "matmul tuning")?;
-    for (buf, len) in [(&a, bytes[0]), (&b, bytes[1]), (&c, bytes[2])] {
+    for (buf, len) in [(&a, bytes[0]), (&b, bytes[1]), (&c, bytes[2]), (&r, bytes[3])] {
         // 0x3c bytes: about 0.0115 in f32, bf16, f16 and f64 alike.
         crate::memory::fill(dev, buf.ptr, 0x3c, len as usize)?;
     }
+    // A row addend is read from its own buffer, as it runs; other matmuls are timed without one.
+    let (add, beta) = if key.row_addend { (r.ptr, 1.0) } else { (c.ptr, 0.0) };
     let mut times = Vec::with_capacity(cands.len());
     for h in cands {
         plan.algo = h.algo;
         plan.workspace = h.workspace;
-        times.push(time_one(dev, key, plan, [a.ptr, b.ptr, c.ptr, ws.ptr]).ok());
+        times.push(time_one(dev, key, plan, [a.ptr, b.ptr, add, c.ptr, ws.ptr], beta).ok());
     }
     dev.synchronize()?;
     Ok(times)
 }
 
-fn time_one(dev: &Device, key: &MatmulKey, plan: &Plan, p: [dsys::CUdeviceptr; 4]) -> Result<f64> {
-    let run = || unsafe { dev.launch_plan(key, plan, [p[0], p[1], p[2], p[2], p[3]], 0.0) };
+fn time_one(dev: &Device, key: &MatmulKey, plan: &Plan, p: [dsys::CUdeviceptr; 5], beta: f64) -> Result<f64> {
+    let run = || unsafe { dev.launch_plan(key, plan, p, beta) };
     run()?;
     let ev = || drv::event::create(dsys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "matmul tuning: cuEventCreate".into());
     let (e0, e1) = (ev()?, ev()?);

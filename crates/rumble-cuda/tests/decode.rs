@@ -140,14 +140,15 @@ fn decoding_ops_match_cpu() {
     assert_eq!(got.to_i64(), [7]);
 }
 
-/// `matmul_pre` against the CPU: each prologue, with and without addends, one projection and a
+/// `matmul_pre` against the CPU: each prologue, without addends, with addends of the results'
+/// types and with rows added to every row (a bias), one projection and a
 /// set of three (widths N, N / 2 + 1 and 7), on gemv.cu's prologue kernels where the tuner runs
 /// the plain matmuls there, and on the prologue's kernel then cuBLAS where it does not (8 rows:
 /// no prologue kernel).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn matmul_pre_matches_cpu() {
-    use rumble_core::ir::Prologue;
+    use rumble_core::ir::{Addend, Prologue};
     use rumble_cuda::matmul::{MatmulKey, gemv_pre_kernel};
     let dev = gpu();
     let mut rng = Rng::new(12);
@@ -158,7 +159,8 @@ fn matmul_pre_matches_cpu() {
         // (rows, K, N): a decode row against a wide and a narrow weight, a few rows, a ragged K.
         for (m, k, n) in [(1, 2048, 4096), (1, 896, 128), (3, 1000, 77), (1, 200, 9), (8, 512, 64)] {
             for pre in [Prologue::RmsNorm { eps: 1e-5 }, Prologue::SwigluPacked] {
-                for (acc, outs) in [(false, 1), (true, 1), (false, 3), (true, 3)] {
+                for (acc, outs) in [Addend::None, Addend::Full, Addend::Row].into_iter().flat_map(|a| [(a, 1), (a, 3)])
+                {
                     let widths = [n, n / 2 + 1, 7];
                     let kx = if pre == Prologue::SwigluPacked { 2 * k } else { k };
                     let mut inputs = vec![randn(t(d, &[m, kx]), &mut rng)];
@@ -168,17 +170,21 @@ fn matmul_pre_matches_cpu() {
                     for &nj in &widths[..outs] {
                         inputs.push(randn(t(d, &[nj, k]), &mut rng));
                     }
-                    for &nj in &widths[..outs * acc as usize] {
-                        inputs.push(randn(t(d, &[m, nj]), &mut rng));
+                    for &nj in &widths[..outs * acc.operands()] {
+                        let dims = if acc == Addend::Row { vec![nj] } else { vec![m, nj] };
+                        inputs.push(randn(t(d, &dims), &mut rng));
                     }
-                    let key = MatmulKey::new(&t(d, &[m, k]), &t(d, &[n, k]), false, true);
+                    let key = MatmulKey {
+                        row_addend: acc == Addend::Row,
+                        ..MatmulKey::new(&t(d, &[m, k]), &t(d, &[n, k]), false, true)
+                    };
                     let name = if pre == Prologue::SwigluPacked { "swiglu" } else { "norm" };
                     let path = match gemv_pre_kernel(&dev, &key, name).unwrap() {
                         Some(_) => "gemv.cu prologue kernel",
                         None => "prologue kernel, then the tuned matmul",
                     };
                     paths.insert(path);
-                    let what = format!("matmul_pre {name} acc {acc} outs {outs} {d} {m}x{n}x{k} ({path})");
+                    let what = format!("matmul_pre {name} acc {acc:?} outs {outs} {d} {m}x{n}x{k} ({path})");
                     for (j, (got, want)) in outputs(&dev, Op::MatmulPre { pre, acc, outs }, &inputs).iter().enumerate()
                     {
                         let r = compare(got, want, tol).unwrap_or_else(|e| panic!("{what}, result {j}: {e}"));

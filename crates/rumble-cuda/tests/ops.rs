@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use common::{away_from_zero, compare, gpu, positive, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
-use rumble_core::ir::{BinaryOp, CmpOp, DType, Graph, HeadLayout, Op, ReduceOp, RopeScaling, TensorType, UnaryOp};
+use rumble_core::ir::{
+    Addend, BinaryOp, CmpOp, DType, Graph, HeadLayout, Op, ReduceOp, RopeScaling, TensorType, UnaryOp,
+};
 use rumble_core::plan::plan_naive;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
@@ -257,10 +259,10 @@ fn matmul_and_composite_ops_match_cpu() {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
                 let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
                 let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
-                cases.push(case(Op::Matmul { ta, tb, out: None, acc: false }, vec![randn(a, r), randn(b, r)]));
+                cases.push(case(Op::Matmul { ta, tb, out: None, acc: Addend::None }, vec![randn(a, r), randn(b, r)]));
             }
             cases.push(case(
-                Op::Matmul { ta: false, tb: true, out: None, acc: false },
+                Op::Matmul { ta: false, tb: true, out: None, acc: Addend::None },
                 vec![randn(t(d, &[96, 128]), r), randn(t(d, &[200, 128]), r)],
             ));
         }
@@ -270,21 +272,26 @@ fn matmul_and_composite_ops_match_cpu() {
             let (d, out) = (DType::BF16, Some(DType::F32));
             let a = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
             let b = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
-            cases.push(case(Op::Matmul { ta, tb, out, acc: false }, vec![randn(a, r), randn(b, r)]));
+            cases.push(case(Op::Matmul { ta, tb, out, acc: Addend::None }, vec![randn(a, r), randn(b, r)]));
             let a = if ta { t(d, &[300, 96]) } else { t(d, &[96, 300]) };
             let b = if tb { t(d, &[128, 300]) } else { t(d, &[300, 128]) };
-            cases.push(case(Op::Matmul { ta, tb, out, acc: false }, vec![randn(a, r), randn(b, r)]));
+            cases.push(case(Op::Matmul { ta, tb, out, acc: Addend::None }, vec![randn(a, r), randn(b, r)]));
         }
         // With an addend (`fold_addends`: residual connections, gradient sums), read from its own
-        // buffer (cuBLASLt's C beside D); in place over it is the training tests' case.
-        for (d, out) in [(DType::F32, None), (DType::BF16, None), (DType::BF16, Some(DType::F32))] {
-            for (ta, tb, batch) in [(false, true, 1), (true, false, 1), (false, false, 2)] {
-                let (m, k, n) = (33, 70, 45);
+        // buffer (cuBLASLt's C beside D); in place over it is the training tests' case. And with
+        // a row added to every row (`fold_row_addends`: a bias; cuBLASLt's BIAS epilogue, or the
+        // gemv kernels for decoding's few rows), of f64 too (where cuBLASLt may have no such
+        // algorithm: the row broadcast into the result first).
+        let pairs = [(DType::F32, None), (DType::BF16, None), (DType::BF16, Some(DType::F32)), (DType::F64, None)];
+        for (acc, (d, out)) in [Addend::Full, Addend::Row].into_iter().flat_map(|acc| pairs.map(|p| (acc, p))) {
+            let shapes = [(false, true, 1, 33), (true, false, 1, 33), (false, false, 2, 33), (false, true, 1, 3)];
+            for (ta, tb, batch, m) in shapes {
+                let (k, n) = (70, 45);
                 let dims = |x: usize, y: usize| if batch > 1 { vec![batch, x, y] } else { vec![x, y] };
                 let a = if ta { t(d, &dims(k, m)) } else { t(d, &dims(m, k)) };
                 let b = if tb { t(d, &dims(n, k)) } else { t(d, &dims(k, n)) };
-                let c = t(out.unwrap_or(d), &dims(m, n));
-                cases.push(case(Op::Matmul { ta, tb, out, acc: true }, vec![randn(a, r), randn(b, r), randn(c, r)]));
+                let c = if acc == Addend::Row { t(out.unwrap_or(d), &[n]) } else { t(out.unwrap_or(d), &dims(m, n)) };
+                cases.push(case(Op::Matmul { ta, tb, out, acc }, vec![randn(a, r), randn(b, r), randn(c, r)]));
             }
         }
         for d in FLOATS {
@@ -465,7 +472,7 @@ fn classic_cublas_matmul_matches_cpu() {
             let at = if ta { t(d, &[2, 70, 33]) } else { t(d, &[2, 33, 70]) };
             let bt = if tb { t(d, &[2, 45, 70]) } else { t(d, &[2, 70, 45]) };
             let (a, b) = (randn(at.clone(), r), randn(bt.clone(), r));
-            let op = Op::Matmul { ta, tb, out: None, acc: false };
+            let op = Op::Matmul { ta, tb, out: None, acc: Addend::None };
             let want =
                 cpu::eval(&one_node(op.clone(), &[at.clone(), bt.clone()]), &[a.clone(), b.clone()]).unwrap().remove(0);
             let key = MatmulKey::new(&at, &bt, ta, tb);
@@ -512,7 +519,7 @@ fn classic_cublas_matmul_matches_cpu() {
 /// `kernels/gemv.cu` (decoding's matmuls, where the tuner finds one faster than cuBLASLt)
 /// against the CPU, every kernel of each shape whatever the tuner picks: each row bucket, bf16
 /// giving bf16 or f32 and f32, ragged N and K (a warp's chunks past an unrolled group), an
-/// addend beside the result or in place.
+/// addend beside the result, in place, or a row added to every row (`row_addend`: a bias).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gemv_matches_cpu() {
@@ -520,23 +527,26 @@ fn gemv_matches_cpu() {
     use rumble_cuda::memory::{DeviceBuffer, download};
     let dev = gpu();
     let mut rng = Rng::new(21);
-    for (dtype, out, m, n, k, beta, in_place) in [
-        (DType::BF16, DType::BF16, 1, 2048, 2048, 0.0, false),
-        (DType::BF16, DType::BF16, 1, 1000, 2056, 1.0, true),
-        (DType::BF16, DType::BF16, 1, 515, 8192, 0.0, false),
-        (DType::BF16, DType::BF16, 4, 77, 1544, 1.0, true),
-        (DType::BF16, DType::F32, 3, 517, 896, 1.0, false),
-        (DType::BF16, DType::BF16, 16, 130, 4096, 0.0, false),
-        (DType::F32, DType::F32, 7, 33, 1001, 1.0, true),
+    for (dtype, out, m, n, k, beta, in_place, row_addend) in [
+        (DType::BF16, DType::BF16, 1, 2048, 2048, 0.0, false, false),
+        (DType::BF16, DType::BF16, 1, 1000, 2056, 1.0, true, false),
+        (DType::BF16, DType::BF16, 1, 515, 8192, 0.0, false, false),
+        (DType::BF16, DType::BF16, 4, 77, 1544, 1.0, true, false),
+        (DType::BF16, DType::F32, 3, 517, 896, 1.0, false, false),
+        (DType::BF16, DType::BF16, 16, 130, 4096, 0.0, false, false),
+        (DType::F32, DType::F32, 7, 33, 1001, 1.0, true, false),
+        (DType::BF16, DType::BF16, 1, 896, 896, 1.0, false, true),
+        (DType::BF16, DType::BF16, 4, 130, 896, 1.0, false, true),
+        (DType::F32, DType::F32, 16, 33, 1001, 1.0, false, true),
     ] {
         let a = randn(TensorType::new(dtype, vec![m, k]), &mut rng);
         let b = randn(TensorType::new(dtype, vec![n, k]), &mut rng);
-        let c = randn(TensorType::new(out, vec![m, n]), &mut rng);
+        let c = randn(TensorType::new(out, if row_addend { vec![n] } else { vec![m, n] }), &mut rng);
         let (af, bf, cf) = (a.to_f64(), b.to_f64(), c.to_f64());
         let want: Vec<f64> = (0..m * n)
-            .map(|e| (0..k).map(|q| af[(e / n) * k + q] * bf[(e % n) * k + q]).sum::<f64>() + beta * cf[e])
+            .map(|e| (0..k).map(|q| af[(e / n) * k + q] * bf[(e % n) * k + q]).sum::<f64>() + beta * cf[e % cf.len()])
             .collect();
-        let key = MatmulKey { out, ..MatmulKey::new(&a.ty, &b.ty, false, true) };
+        let key = MatmulKey { out, row_addend, ..MatmulKey::new(&a.ty, &b.ty, false, true) };
         let kernels = gemv_kernels(&dev, &key).unwrap();
         let buf = |h: &HostTensor| {
             let d = DeviceBuffer::new(&dev, h.bytes.len(), "gemv test").unwrap();
@@ -545,16 +555,18 @@ fn gemv_matches_cpu() {
         };
         for g in &kernels {
             let (da, db, dc) = (buf(&a), buf(&b), buf(&c));
-            let dd = if in_place { None } else { Some(DeviceBuffer::new(&dev, c.bytes.len(), "gemv test").unwrap()) };
+            let d_bytes = m * n * out.size_in_bytes();
+            let dd = if in_place { None } else { Some(DeviceBuffer::new(&dev, d_bytes, "gemv test").unwrap()) };
             let d_ptr = dd.as_ref().map_or(dc.ptr, |d| d.ptr);
             unsafe { dev.launch_gemv(&key, g, [da.ptr, db.ptr, dc.ptr, d_ptr], beta) }.unwrap();
-            let got = HostTensor {
-                ty: TensorType::new(out, vec![m, n]),
-                bytes: download(&dev, d_ptr, c.bytes.len()).unwrap(),
-            };
+            let got =
+                HostTensor { ty: TensorType::new(out, vec![m, n]), bytes: download(&dev, d_ptr, d_bytes).unwrap() };
             let want = HostTensor::from_f64(out, &[m, n], &want).unwrap();
             let (rel, _) = compare(&got, &want, tolerance(out)).unwrap_or_else(|e| panic!("{} {key:?}: {e}", g.name));
-            println!("{} {dtype} -> {out} M{m} N{n} K{k} beta {beta} in place {in_place}: rel {rel:.2e}", g.name);
+            println!(
+                "{} {dtype} -> {out} M{m} N{n} K{k} beta {beta} in place {in_place} row {row_addend}: rel {rel:.2e}",
+                g.name
+            );
         }
         assert_eq!(kernels.len(), if m <= 4 { 3 } else { 1 }, "gemv kernels of {key:?}");
     }

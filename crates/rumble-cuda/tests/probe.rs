@@ -33,7 +33,7 @@ fn a_node_is_probed_once_and_remembered() {
     let cost = DeviceCost::new(dev.clone(), rates.clone());
     let (a, b) = (ty(DType::BF16, &[2048, 1024]), ty(DType::BF16, &[1024, 4096]));
     let out = ty(DType::BF16, &[2048, 4096]);
-    let mm = Op::Matmul { ta: false, tb: false, out: None, acc: false };
+    let mm = Op::Matmul { ta: false, tb: false, out: None, acc: rumble_core::ir::Addend::None };
     let s = cost.node_seconds(&mm, &[&a, &b], &[&out]);
     assert_eq!(cost.probed(), 1);
     // 17 GFLOP: more than a microsecond, less than 100 ms on any GPU this runs on.

@@ -221,6 +221,42 @@ fn the_decode_plan_writes_the_cache_in_place() {
     assert!(c.plan.copy_back.is_empty());
 }
 
+/// A Qwen2 decode step's q, k and v biases are added by their projections as rows
+/// (`fold_row_addends`, `acc=row`): the compiled step makes no broadcast for any matmul to
+/// read. (`self_consistent` checks its values against the full forward.)
+#[test]
+fn the_qwen2_decode_step_adds_its_biases_as_rows() {
+    use rumble_core::ir::{Addend, Def};
+    let (cfg, _) = fixture("qwen2_gqa7_tied");
+    assert!(cfg.qkv_bias);
+    let shape = StepShape { batch: 2, rows: 1, max_length: 32, prefill: false };
+    let t = build(&cfg, shape, &Sampling::greedy(), false).unwrap();
+    let broadcasts = |t: &rumble_core::Trace| t.nodes.iter().filter(|n| matches!(n.op, Op::Broadcast { .. })).count();
+    assert!(broadcasts(&t) >= 3 * cfg.num_hidden_layers, "the model writes a broadcast per bias");
+    let c = rumble_core::compile::compile(&t, &CompileOptions::default()).unwrap();
+    let rows: usize = c
+        .trace
+        .nodes
+        .iter()
+        .map(|n| match n.op {
+            Op::Matmul { acc: Addend::Row, .. } => 1,
+            Op::MatmulPre { acc: Addend::Row, outs, .. } => outs,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(rows, 3 * cfg.num_hidden_layers, "{}", c.trace);
+    let defs = c.trace.defs();
+    for n in c.trace.nodes.iter().filter(|n| matches!(n.op, Op::Matmul { .. } | Op::MatmulPre { .. })) {
+        for a in &n.args {
+            let made_by = match defs[a.index()] {
+                Some(Def::Node { node, .. }) => Some(&c.trace.nodes[node].op),
+                _ => None,
+            };
+            assert!(!matches!(made_by, Some(Op::Broadcast { .. })), "a matmul reads a broadcast: {}", c.trace);
+        }
+    }
+}
+
 /// On a GPU (ignored without one): the graphed prefill and decode (one arena, one persistent
 /// region, the decode step captured once) give the CPU's greedy tokens on every fixture, the
 /// sampler draws valid tokens deterministically, and the device memory held is the plan's

@@ -4,7 +4,7 @@
 //! output (`None` is a symbolic zero) and which operands need a cotangent; it records the
 //! backward ops and returns one cotangent per operand (`None` for zero or not needed).
 
-use crate::ir::{BinaryOp, Op, ReduceOp, Tensor, UnaryOp};
+use crate::ir::{Addend, BinaryOp, Op, ReduceOp, Tensor, UnaryOp};
 use crate::{Error, Result};
 
 fn zeros_like(x: &Tensor) -> Tensor {
@@ -179,12 +179,12 @@ pub fn vjp(
         }
         Op::Gather => vec![Some(args[1].scatter_add(&ct, args[0].dims()[0])?), None],
         Op::ScatterAdd { .. } => vec![None, Some(ct.gather(&args[0])?)],
-        Op::Matmul { out: Some(_), .. } | Op::Matmul { acc: true, .. } => {
+        Op::Matmul { out: Some(_), .. } | Op::Matmul { acc: Addend::Full | Addend::Row, .. } => {
             return Err(Error::Autodiff(
                 "matmul with out= or acc=: made by folding, after differentiating; no VJP".into(),
             ));
         }
-        Op::Matmul { ta, tb, out: None, acc: false } => {
+        Op::Matmul { ta, tb, out: None, acc: Addend::None } => {
             let (a, b) = (&args[0], &args[1]);
             let da = if !need[0] {
                 None

@@ -125,6 +125,17 @@ pub fn run_op(op: &Op, arg_types: &[&TensorType], args: &[&[u8]], out_types: &[&
 
 /// What `rope_at` (layout `bthd`) gives for `x` of type `ty` at positions `pos`, stored in the
 /// dtype: the rows a decoding node with `rope` (`fold_rope_at`) reads in their place.
+/// Adds a matmul's addend to its products `c`: elementwise where it has their length
+/// (`Addend::Full`), else as a row added to every row (`Addend::Row`, `c.len()` a multiple).
+fn add_addend<A: Real>(c: &mut [A], addend: &[A]) {
+    if addend.is_empty() {
+        return;
+    }
+    for row in c.chunks_mut(addend.len()) {
+        row.iter_mut().zip(addend).for_each(|(c, &x)| *c = *c + x);
+    }
+}
+
 fn rotate_rows<A: Real>(ty: &TensorType, x: &[A], pos: &[i64], r: &crate::ir::RopeNew) -> Result<Vec<u8>> {
     let inv_freq = r.scaling.inv_freq(r.theta, ty.dims()[3]);
     Ok(write_float(ty.dtype, &decode::rope_at::<A>(ty.dims(), x, pos, &inv_freq, HeadLayout::Bthd)?))
@@ -162,9 +173,9 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
         Op::ScatterAdd { rows } => one(layout::scatter_add::<A>(at[0], args[0], at[1], args[1], *rows)?),
         Op::Matmul { ta, tb, acc, .. } => {
             let mut c = matmul::matmul::<A>(at[0], &f(0), at[1], &f(1), *ta, *tb);
-            if *acc {
+            if acc.is_some() {
                 // The addend joins the products before the one rounding to the result's dtype.
-                c.iter_mut().zip(f(2)).for_each(|(c, x)| *c = *c + x);
+                add_addend(&mut c, &f(2));
             }
             one(out(&c))
         }
@@ -178,8 +189,8 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let mut res = Vec::with_capacity(*outs);
             for j in 0..*outs {
                 let mut c = matmul::matmul::<A>(&rows_ty, &rows, at[w + j], &f(w + j), false, true);
-                if *acc {
-                    c.iter_mut().zip(f(w + outs + j)).for_each(|(c, x)| *c = *c + x);
+                if acc.is_some() {
+                    add_addend(&mut c, &f(w + outs + j));
                 }
                 res.push(write_float(ot[j].dtype, &c));
             }

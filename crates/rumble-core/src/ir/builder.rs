@@ -326,7 +326,7 @@ impl Tensor {
         self.matmul_opts(rhs, false, true)
     }
     pub fn matmul_opts(&self, rhs: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
-        self.graph.apply1(Op::Matmul { ta, tb, out: None, acc: false }, &[self, rhs])
+        self.graph.apply1(Op::Matmul { ta, tb, out: None, acc: super::Addend::None }, &[self, rhs])
     }
 
     pub fn rms_norm(&self, w: &Tensor, eps: f64) -> Result<Tensor> {

@@ -131,11 +131,12 @@ impl Prologue {
 }
 
 /// `matmul_pre`'s operands: the prologue's (`x [M, Kx]` and its weight), `outs` weights
-/// `w_j [N_j, K]`, and with `acc` as many addends `[M, N_j]`; all of one float dtype.
+/// `w_j [N_j, K]`, and with `acc` as many addends (`[M, N_j]`, or rows `[N_j]`); all of one
+/// float dtype.
 pub(super) fn matmul_pre(
     pre: Prologue,
     args: &[&TensorType],
-    acc: bool,
+    acc: super::Addend,
     outs: usize,
 ) -> Result<Vec<TensorType>, String> {
     let x = args[0];
@@ -159,8 +160,8 @@ pub(super) fn matmul_pre(
             ));
         }
         let out = TensorType::new(x.dtype, [x.dims()[0], w.dims()[0]]);
-        if acc && *args[pre.operands() + outs + j] != out {
-            return Err(format!("addend {j} {} must be the result's type {out}", args[pre.operands() + outs + j]));
+        if acc.is_some() {
+            acc.check(args[pre.operands() + outs + j], &out).map_err(|e| format!("projection {j}: {e}"))?;
         }
         res.push(out);
     }

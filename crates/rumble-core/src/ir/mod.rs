@@ -1,5 +1,6 @@
 //! The trace IR: element types, ops, traces, the builder, the text form and the verifier.
 
+mod addend;
 mod builder;
 mod collective;
 mod decode;
@@ -11,6 +12,7 @@ mod text;
 mod trace;
 mod verify;
 
+pub use addend::Addend;
 pub use builder::{Graph, Tensor};
 pub use collective::collective_joins;
 pub use decode::{Prologue, RopeNew};

@@ -144,11 +144,13 @@ pub enum Op {
     /// dtype where it is not the operands' (a wider float: the products accumulate as always
     /// and are rounded once, to `out`); `passes::fold_casts` sets it to f32 where a bf16 or f16
     /// matmul's only use is a cast to f32 (the pair the CUDA matmul writes). `acc`: a third
-    /// operand `c` of the result's type is added, `op(a) op(b) + c`, the sum taken with the
-    /// products' accumulation and rounded once (cuBLAS's `beta = 1`); `passes::fold_addends` sets
-    /// it where a matmul's only use is such an add (residual connections, gradient sums). The
-    /// result may be computed over `c`.
-    Matmul { ta: bool, tb: bool, out: Option<DType>, acc: bool },
+    /// operand `c` is added ([`super::Addend`]), the sum taken with the products' accumulation
+    /// and rounded once: of the result's type (`Full`, cuBLAS's `beta = 1`; the result may be
+    /// computed over `c`), set by `passes::fold_addends` where a matmul's only use is such an
+    /// add (residual connections, gradient sums); or a row `[N]` added to every row (`Row`, a
+    /// linear layer's bias), set by `passes::fold_row_addends` where that addend is a broadcast
+    /// row.
+    Matmul { ta: bool, tb: bool, out: Option<DType>, acc: super::Addend },
     /// `(x [..., D], w [D]) -> x * rsqrt(mean(x^2) + eps) * w`, statistics in f32.
     RmsNorm { eps: f64 },
     /// `(x, w, dy) -> (dx, dw)`. `acc`: a fourth operand `c` of `x`'s type is added to `dx`
@@ -237,10 +239,11 @@ pub enum Op {
     /// `outs` projections of rows made by `pre` (see [`super::Prologue`]): `(x, [g,] w_1 ..
     /// w_outs [N_j, K][, c_1 .. c_outs]) -> pre(x) w_j^T (+ c_j)`, each `[M, N_j]`, exactly
     /// `matmul(pre(x), w_j, tb=true)` with the prologue's rows rounded to the dtype as that op's
-    /// result is (and `acc` as `matmul`'s). Made by `passes::fold_prologues` for a decode step's
+    /// result is (and `acc` as `matmul`'s, one kind for every projection: `c_j` is `[M, N_j]`
+    /// or, `Row`, `[N_j]`). Made by `passes::fold_prologues` for a decode step's
     /// few rows (the norm or swiglu's launch and intermediate gone), and joined by
     /// `passes::fold_projections` where several read the same rows (a layer's q, k and v).
-    MatmulPre { pre: super::Prologue, acc: bool, outs: usize },
+    MatmulPre { pre: super::Prologue, acc: super::Addend, outs: usize },
     /// Draws the next token of each row: `(logits [B, V] float, key int [2]) -> ids i64 [B]`,
     /// `key = (seed, step)`. `temperature == 0`: the argmax (lowest index among equals).
     /// Otherwise, with `z = logits / temperature` and `w = exp(z - max z)`: `top_k > 0` keeps
@@ -383,7 +386,7 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Full { .. } => 0,
-            Op::MatmulPre { pre, acc, outs } => pre.operands() + outs * (1 + *acc as usize),
+            Op::MatmulPre { pre, acc, outs } => pre.operands() + outs * (1 + acc.operands()),
             Op::SwigluPacked => 1,
             Op::SwigluPackedBackward => 2,
             Op::Unary(_)
@@ -404,7 +407,7 @@ impl Op {
             | Op::Compare(_)
             | Op::Gather
             | Op::ScatterAdd { .. }
-            | Op::Matmul { acc: false, .. }
+            | Op::Matmul { acc: super::Addend::None, .. }
             | Op::RmsNorm { .. }
             | Op::SoftmaxBackward
             | Op::LogSoftmaxBackward
@@ -418,7 +421,7 @@ impl Op {
             | Op::SwigluBackward
             | Op::LinearCrossEntropy { .. }
             | Op::CacheWrite { .. }
-            | Op::Matmul { acc: true, .. }
+            | Op::Matmul { acc: super::Addend::Full | super::Addend::Row, .. }
             | Op::Attention { .. } => 3,
             Op::AttentionCached { .. } | Op::LinearCrossEntropyGrad { .. } | Op::RmsNormBackward { acc: true, .. } => 4,
             Op::LinearCrossEntropyBackward { .. } => 5,
@@ -436,7 +439,8 @@ impl Op {
 
     /// True if the result may be computed over operand `i` (same buffer): pointwise ops over
     /// any operand of the result's shape, `cache_write` over its cache (operand 0) only, a
-    /// matmul with `acc` over its addend (operand 2) where no other operand shares its bytes, an
+    /// matmul with an addend of its type (`acc=true`, never a row) over it (operand 2) where no
+    /// other operand shares its bytes, an
     /// `rms_norm_backward` with `acc` (its `dx`) over its addend (operand 3) likewise, an
     /// `all_reduce` over its operand (NCCL's in-place form).
     /// The planner does so when the operand dies at this node; kernels must allow it.
@@ -444,8 +448,8 @@ impl Op {
         match self {
             Op::CacheWrite { .. } => i == 0,
             Op::Collective { op: CollectiveOp::AllReduce, .. } => i == 0,
-            Op::Matmul { acc, .. } => *acc && i == 2,
-            Op::MatmulPre { pre, acc, outs } => *acc && *outs == 1 && i == pre.operands() + 1,
+            Op::Matmul { acc, .. } => *acc == super::Addend::Full && i == 2,
+            Op::MatmulPre { pre, acc, outs } => *acc == super::Addend::Full && *outs == 1 && i == pre.operands() + 1,
             Op::RmsNormBackward { acc, .. } => *acc && i == 3,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),
         }
@@ -663,8 +667,8 @@ impl Op {
                 let mut dims = a.dims()[..r - 2].to_vec();
                 dims.extend([m, n]);
                 let res = TensorType::new(out.unwrap_or(a.dtype), dims);
-                if *acc && *args[2] != res {
-                    return Err(format!("the addend {} must be the result's type {res}", args[2]));
+                if acc.is_some() {
+                    acc.check(args[2], &res)?;
                 }
                 one(res)
             }

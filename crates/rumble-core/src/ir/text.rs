@@ -45,9 +45,7 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
         Op::Matmul { ta, tb, out, acc } => {
             let mut a = vec![("ta", ta.to_string()), ("tb", tb.to_string())];
             a.extend(out.map(|o| ("out", o.to_string())));
-            if *acc {
-                a.push(("acc", "true".into()));
-            }
+            a.extend(acc.text().map(|v| ("acc", v.to_string())));
             a
         }
         Op::RmsNorm { eps } | Op::RmsNormBackward { eps, acc: false } => vec![("eps", f(*eps))],
@@ -56,9 +54,7 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             if let super::Prologue::RmsNorm { eps } = pre {
                 a.push(("eps", f(*eps)));
             }
-            if *acc {
-                a.push(("acc", "true".into()));
-            }
+            a.extend(acc.text().map(|v| ("acc", v.to_string())));
             if *outs != 1 {
                 a.push(("outs", outs.to_string()));
             }
@@ -230,7 +226,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
             ta: a.bool("ta")?,
             tb: a.bool("tb")?,
             out: a.map.get("out").map(|v| v.parse::<DType>()).transpose()?,
-            acc: a.map.contains_key("acc") && a.bool("acc")?,
+            acc: a.map.get("acc").map_or(Ok(super::Addend::None), |v| super::Addend::parse(v))?,
         },
         "rms_norm" => Op::RmsNorm { eps: a.f64("eps")? },
         "matmul_pre" => Op::MatmulPre {
@@ -239,7 +235,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
                 "swiglu_packed" => super::Prologue::SwigluPacked,
                 v => return Err(format!("bad value `{v}` for attribute `pre` (rms_norm or swiglu_packed)")),
             },
-            acc: a.map.contains_key("acc") && a.bool("acc")?,
+            acc: a.map.get("acc").map_or(Ok(super::Addend::None), |v| super::Addend::parse(v))?,
             outs: if a.map.contains_key("outs") { a.usize("outs")? } else { 1 },
         },
         "rms_norm_backward" => {

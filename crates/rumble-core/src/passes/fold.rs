@@ -1,5 +1,6 @@
 //! Folds into a matmul what its only reader does to it: a widening cast ([`fold_casts`]) and an
-//! add ([`fold_addends`]); an add into the `rms_norm_backward` whose `dx` it reads
+//! add ([`fold_addends`]), whose addend, where it is a broadcast row, the matmul then reads
+//! unbroadcast ([`fold_row_addends`]); an add into the `rms_norm_backward` whose `dx` it reads
 //! ([`fold_norm_addends`]); and a `rope_at` into the `cache_write` or `attention_cached` that
 //! reads it ([`fold_rope_at`]); a decode step's `rms_norm` or `swiglu_packed` into the
 //! projections that read it ([`fold_prologues`]), and such projections of the same rows into one
@@ -13,7 +14,7 @@
 //! gradients, which the optimizer reads in f32.
 
 use crate::Result;
-use crate::ir::{DType, Def, Op, Trace};
+use crate::ir::{Addend, DType, Def, Op, Trace};
 
 pub fn fold_casts(trace: &Trace) -> Result<Trace> {
     let defs = trace.defs();
@@ -26,7 +27,7 @@ pub fn fold_casts(trace: &Trace) -> Result<Trace> {
         let Some(Def::Node { node: p, .. }) = defs[v.index()] else { continue };
         let m = &trace.nodes[p];
         let from = trace.ty(v).dtype;
-        let folds = matches!(m.op, Op::Matmul { out: None, acc: false, .. })
+        let folds = matches!(m.op, Op::Matmul { out: None, acc: Addend::None, .. })
             && m.phase == node.phase
             && users[v.index()].len() == 1
             && !trace.outputs.iter().any(|o| o.value == v)
@@ -60,7 +61,8 @@ pub fn fold_addends(trace: &Trace) -> Result<Trace> {
         let foldable = |v: crate::ir::ValueId| -> Option<usize> {
             let Some(Def::Node { node: p, .. }) = defs[v.index()] else { return None };
             let m = &trace.nodes[p];
-            let ok = matches!(m.op, Op::Matmul { acc: false, .. }) && !drop[p] && only_use(trace, &users, v, m, node);
+            let ok =
+                matches!(m.op, Op::Matmul { acc: Addend::None, .. }) && !drop[p] && only_use(trace, &users, v, m, node);
             ok.then_some(p)
         };
         let pick = match (foldable(x), foldable(y)) {
@@ -73,11 +75,41 @@ pub fn fold_addends(trace: &Trace) -> Result<Trace> {
         let m = &trace.nodes[p];
         let Op::Matmul { ta, tb, out, .. } = m.op else { unreachable!() };
         t.nodes[c] = crate::ir::Node {
-            op: Op::Matmul { ta, tb, out, acc: true },
+            op: Op::Matmul { ta, tb, out, acc: Addend::Full },
             args: vec![m.args[0], m.args[1], addend],
             outs: node.outs.clone(),
             phase: node.phase,
         };
+        drop[p] = true;
+    }
+    super::without(t, &drop)
+}
+
+/// Folds a broadcast row into the matmul that adds it: `matmul(a, b, broadcast(r))` with
+/// `acc=true` (what [`fold_addends`] makes of `x w^T + broadcast(bias)`), where `r` is `[N]` (or
+/// `[1, N]`, `N` the result's last dim) and the broadcast has no other use, becomes
+/// `matmul(a, b, r)` with `acc=row` (`Addend::Row`): the same sum, without the broadcast's
+/// launch and its `[M, N]` intermediate (a decode step of Qwen2 made one for each of its q, k
+/// and v biases, every layer). Runs after differentiation, as every fold does: a matmul with
+/// an addend has no VJP.
+pub fn fold_row_addends(trace: &Trace) -> Result<Trace> {
+    let (defs, users) = (trace.defs(), trace.users());
+    let mut t = trace.clone();
+    let mut drop = vec![false; trace.nodes.len()];
+    for (c, node) in trace.nodes.iter().enumerate() {
+        let Op::Matmul { ta, tb, out, acc: Addend::Full } = node.op else { continue };
+        let addend = node.args[2];
+        let Some(Def::Node { node: p, .. }) = defs[addend.index()] else { continue };
+        let bcast = &trace.nodes[p];
+        if !matches!(bcast.op, Op::Broadcast { .. }) || !only_use(trace, &users, addend, bcast, node) {
+            continue;
+        }
+        let row = bcast.args[0];
+        if Addend::Row.check(trace.ty(row), trace.ty(node.outs[0])).is_err() {
+            continue;
+        }
+        t.nodes[c].op = Op::Matmul { ta, tb, out, acc: Addend::Row };
+        t.nodes[c].args[2] = row;
         drop[p] = true;
     }
     super::without(t, &drop)
@@ -230,7 +262,8 @@ fn fold_prologues_of(trace: &Trace, norms: bool, swiglus: bool) -> Result<Trace>
 pub const PROJECTIONS: usize = 4;
 
 /// Joins `matmul_pre` nodes that make the same rows (the same prologue of the same operands,
-/// alike in `acc`, in one phase) into one node of several results, at most [`PROJECTIONS`]: a
+/// alike in `acc`: no addends, addends of their types, or rows; in one phase) into one node of
+/// several results, at most [`PROJECTIONS`]: a
 /// layer's query, key and value projections become one node, whose kernel makes the rows once
 /// for all three and reads the three weights in one launch. The joined node stands where the
 /// last of them stood; nodes that read an earlier one's result move after it, the order kept
@@ -239,7 +272,7 @@ pub fn fold_projections(trace: &Trace) -> Result<Trace> {
     if trace.nodes.iter().any(|n| matches!(n.op, Op::Collective { .. })) {
         return Ok(trace.clone());
     }
-    type Key = (crate::ir::Prologue, bool, crate::ir::Phase, Vec<crate::ir::ValueId>);
+    type Key = (crate::ir::Prologue, Addend, crate::ir::Phase, Vec<crate::ir::ValueId>);
     let mut groups: Vec<(Key, Vec<usize>)> = Vec::new();
     for (i, n) in trace.nodes.iter().enumerate() {
         let Op::MatmulPre { pre, acc, outs: 1 } = n.op else { continue };
@@ -255,7 +288,7 @@ pub fn fold_projections(trace: &Trace) -> Result<Trace> {
         let m: Vec<&crate::ir::Node> = members.iter().map(|&i| &trace.nodes[i]).collect();
         let mut args = rows.clone();
         args.extend(m.iter().map(|n| n.args[rows.len()]));
-        if acc {
+        if acc.is_some() {
             args.extend(m.iter().map(|n| n.args[rows.len() + 1]));
         }
         let outs = m.iter().map(|n| n.outs[0]).collect();

@@ -4,6 +4,7 @@
 //!
 //! - [`dce`], [`cse`]: dead code and common subexpressions;
 //! - [`fold_casts`], [`fold_addends`]: a widening cast or an add folded into the matmul it reads;
+//! - [`fold_row_addends`]: a matmul's addend that is a broadcast row read as the row itself;
 //! - [`fold_norm_addends`]: an add folded into the `rms_norm_backward` whose `dx` it reads;
 //! - [`fold_rope_at`]: a `rope_at` folded into the `cache_write` or `attention_cached` that reads it;
 //! - [`fold_prologues`]: a decode step's `rms_norm` or `swiglu_packed` folded into the
@@ -30,7 +31,7 @@ pub use cse::cse;
 pub use dce::dce;
 pub use fold::{
     PROJECTIONS, PROLOGUE_ROWS, fold_addends, fold_casts, fold_norm_addends, fold_norm_prologues, fold_projections,
-    fold_prologues, fold_rope_at, fold_swiglu_prologues,
+    fold_prologues, fold_rope_at, fold_row_addends, fold_swiglu_prologues,
 };
 pub use fuse::fuse;
 pub use loss::fold_loss_grad;

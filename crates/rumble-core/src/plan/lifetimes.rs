@@ -20,7 +20,9 @@
 //!
 //! **Classes** are derived, not declared: see [`Class`].
 
-use crate::ir::{CollectiveOp, Def, InputRole, Op, OutputRole, Phase, TensorType, Trace, ValueId, collective_joins};
+use crate::ir::{
+    Addend, CollectiveOp, Def, InputRole, Op, OutputRole, Phase, TensorType, Trace, ValueId, collective_joins,
+};
 use crate::plan::{ALIGN, Region, align_up, node_scratch_bytes};
 
 /// What a buffer is for, as the memory report groups bytes.
@@ -158,8 +160,8 @@ fn may_overwrite_any(op: &Op) -> bool {
         || matches!(
             op,
             Op::CacheWrite { .. }
-                | Op::Matmul { acc: true, .. }
-                | Op::MatmulPre { acc: true, .. }
+                | Op::Matmul { acc: Addend::Full, .. }
+                | Op::MatmulPre { acc: Addend::Full, .. }
                 | Op::RmsNormBackward { acc: true, .. }
                 | Op::Collective { op: CollectiveOp::AllReduce, .. }
         )

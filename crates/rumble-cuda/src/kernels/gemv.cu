@@ -1,5 +1,5 @@
 // Matrix times a few vectors, for the matmuls of decoding (M = the batch, at most GEMV_MAX_M):
-// d[m][n] = sum_k a[m][k] b[n][k] (+ beta c[m][n]), a [M, K] and b [N, K] row-major (b read
+// d[m][n] = sum_k a[m][k] b[n][k] (+ beta c[m * ldc + n]), a [M, K] and b [N, K] row-major (b read
 // transposed: the linear layers' [out, in] weights), f32 accumulation, one rounding to O. Two
 // ways to split the work, each a candidate the matmul tuner (matmul_tune.rs) times beside
 // cuBLASLt's algorithms, keeping the fastest for the shape:
@@ -12,8 +12,9 @@
 //   block barrier; a lane takes chunks l, l + 32, ... and issues GEMV_UNROLL of them for every
 //   row before using any, so that many loads are in flight. Suits long rows at M of 1 to 4.
 // In both the order of the sums depends only on the shapes. Where K or a pointer does not allow
-// 16-byte loads, element by element in the same pattern. c may be d (the addend in place):
-// each output is read before it is written, by the same thread.
+// 16-byte loads, element by element in the same pattern. The addend's row stride ldc is N (c
+// [M, N]) or 0 (c a row [N] added to every row: a linear layer's bias). c may be d (the addend
+// in place, ldc = N): each output is read before it is written, by the same thread.
 //
 // matmul_pre (a decode step's norm or swiglu folded into the projections that read it) runs
 // gemv_pre: each block first makes the rows of a its prologue stands for into shared memory,
@@ -59,7 +60,7 @@ __device__ __forceinline__ void gemv_prefetch(const T* b, i64 n, i64 k, i64 n0, 
 // take another (gemv_pre) and reuse `part`.
 template <typename T, typename O, int MM>
 __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
-                        float beta, i64 blk) {
+                        float beta, i64 ldc, i64 blk) {
   __shared__ float part[GEMV_WARPS][GEMV_MAX_M * GEMV_ROWS];
   constexpr int V = Vec16<T>::n;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -120,7 +121,7 @@ __device__ void gemv_tn(const T* __restrict__ a, const T* __restrict__ b, const 
     if (col >= n) continue;
     float s = part[0][e];
     for (int j = 1; j < GEMV_WARPS; ++j) s += part[j][e];
-    if (beta != 0.0f) s += beta * ld(c[mm * n + col]);
+    if (beta != 0.0f) s += beta * ld(c[mm * ldc + col]);
     st(&d[mm * n + col], s);
   }
   __syncthreads();
@@ -161,7 +162,7 @@ __device__ __forceinline__ void gemv_wr_chunks(const T* __restrict__ a, const T*
 // A block of gemv_wr: W warps of R rows each, rows blk * W * R ...
 template <typename T, typename O, int MM, int R, int W>
 __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const O* c, O* d, i64 m, i64 n, i64 k,
-                        float beta, i64 blk) {
+                        float beta, i64 ldc, i64 blk) {
   constexpr int V = Vec16<T>::n, U = GEMV_UNROLL;
   const int lane = threadIdx.x & 31;
   const i64 n0 = (blk * W + (threadIdx.x >> 5)) * R;
@@ -206,19 +207,21 @@ __device__ void gemv_wr(const T* __restrict__ a, const T* __restrict__ b, const 
       const i64 col = n0 + r;
       if (lane != mm * R + r || mm >= m || col >= n) continue;
       float s = acc[mm][r];
-      if (beta != 0.0f) s += beta * ld(c[mm * n + col]);
+      if (beta != 0.0f) s += beta * ld(c[mm * ldc + col]);
       st(&d[mm * n + col], s);
     }
 }
 
-// matmul_pre's projections of one launch: weight j (b[j] [n[j], k], its addend c[j], its result
-// d[j]) takes the blocks first[j] .. first[j + 1]; slots past the last repeat its end.
+// matmul_pre's projections of one launch: weight j (b[j] [n[j], k], its addend c[j] of row stride
+// ldc[j], its result d[j]) takes the blocks first[j] .. first[j + 1]; slots past the last repeat
+// its end.
 #define GEMV_SETS 4
 template <typename T> struct GemvSet {
   const T* b[GEMV_SETS];
   const T* c[GEMV_SETS];
   T* d[GEMV_SETS];
   i64 n[GEMV_SETS];
+  i64 ldc[GEMV_SETS];
   i64 first[GEMV_SETS + 1];
 };
 // The projection of block vb, and the block's index within it.
@@ -322,25 +325,27 @@ __device__ void gemv_pre(const GemvSet<T>& s, const T* a, const T* g, i64 m, i64
     i64 blk;
     const int j = gemv_set(s, vb, blk);
     if constexpr (S == 0)
-      gemv_tn<T, T, MM>(made, s.b[j], s.c[j], s.d[j], m, s.n[j], k, beta, blk);
+      gemv_tn<T, T, MM>(made, s.b[j], s.c[j], s.d[j], m, s.n[j], k, beta, s.ldc[j], blk);
     else
-      gemv_wr<T, T, MM, S, GEMV_PRE_WR_WARPS>(made, s.b[j], s.c[j], s.d[j], m, s.n[j], k, beta, blk);
+      gemv_wr<T, T, MM, S, GEMV_PRE_WR_WARPS>(made, s.b[j], s.c[j], s.d[j], m, s.n[j], k, beta, s.ldc[j], blk);
   }
 }
 
 #define GEMV(T, SUF, O, OSUF, MM)                                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-      gemv_tn_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+      gemv_tn_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta,   \
+                                    i64 ldc) {                                                                   \
     gemv_prefetch(b, n, k, (i64)blockIdx.x * GEMV_ROWS, GEMV_ROWS);                                              \
     pdl_enter();                                                                                                 \
-    gemv_tn<T, O, MM>(a, b, c, d, m, n, k, beta, blockIdx.x);                                                    \
+    gemv_tn<T, O, MM>(a, b, c, d, m, n, k, beta, ldc, blockIdx.x);                                               \
   }
 #define GEMV_WR(T, SUF, O, OSUF, MM, R)                                                                      \
   extern "C" __global__ void __launch_bounds__(GEMV_WR_WARPS * 32)                                         \
-      gemv_wr##R##_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta) { \
+      gemv_wr##R##_##SUF##_##OSUF##_##MM(const T* a, const T* b, const O* c, O* d, i64 m, i64 n, i64 k, float beta,   \
+                                         i64 ldc) {                                                                   \
     gemv_prefetch(b, n, k, (i64)blockIdx.x * GEMV_WR_WARPS * R, GEMV_WR_WARPS * R);                                  \
     pdl_enter();                                                                                                      \
-    gemv_wr<T, O, MM, R, GEMV_WR_WARPS>(a, b, c, d, m, n, k, beta, blockIdx.x);                                       \
+    gemv_wr<T, O, MM, R, GEMV_WR_WARPS>(a, b, c, d, m, n, k, beta, ldc, blockIdx.x);                                  \
   }
 #define GEMV_ALL(T, SUF, O, OSUF)                                                                          \
   GEMV(T, SUF, O, OSUF, 1) GEMV(T, SUF, O, OSUF, 4) GEMV(T, SUF, O, OSUF, 8) GEMV(T, SUF, O, OSUF, 16)    \

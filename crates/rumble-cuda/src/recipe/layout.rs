@@ -39,7 +39,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], ot: &[&Tenso
         Op::Permute { perm } => {
             let ins = contiguous(at[0].dims());
             let inp: Vec<i64> = perm.iter().map(|&p| ins[p]).collect();
-            copy(b, at[0].dtype, ot[0].dims(), &inp, &contiguous(ot[0].dims()), 0, 0, 0)?;
+            copy(b, at[0].dtype, ot[0].dims(), &inp, &contiguous(ot[0].dims()), (0, 0), 0, 0)?;
         }
         Op::Broadcast { shape } => {
             let (x, od) = (at[0].dims(), shape.dims());
@@ -47,18 +47,18 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], ot: &[&Tenso
             let off = od.len() - x.len();
             let inp: Vec<i64> =
                 (0..od.len()).map(|i| if i < off || x[i - off] == 1 { 0 } else { xs[i - off] }).collect();
-            copy(b, at[0].dtype, od, &inp, &contiguous(od), 0, 0, 0)?;
+            copy(b, at[0].dtype, od, &inp, &contiguous(od), (0, 0), 0, 0)?;
         }
         Op::Slice { axis, start, .. } => {
             let xs = contiguous(at[0].dims());
             let off = *start as i64 * xs[*axis];
-            copy(b, at[0].dtype, ot[0].dims(), &xs, &contiguous(ot[0].dims()), 0, off, 0)?;
+            copy(b, at[0].dtype, ot[0].dims(), &xs, &contiguous(ot[0].dims()), (0, 0), off, 0)?;
         }
         Op::Concat { axis } => {
             let os = contiguous(ot[0].dims());
             let mut at_axis = 0i64;
             for (i, t) in at.iter().enumerate() {
-                copy(b, t.dtype, t.dims(), &contiguous(t.dims()), &os, i, 0, at_axis * os[*axis])?;
+                copy(b, t.dtype, t.dims(), &contiguous(t.dims()), &os, (i, 0), 0, at_axis * os[*axis])?;
                 at_axis += t.dims()[*axis] as i64;
             }
         }
@@ -158,6 +158,19 @@ fn copy_fits_i32(dims: &[usize], inp: &[i64], out: &[i64], in_off: i64, out_off:
     non_negative && n < i32::MAX as usize && last(inp, in_off) < i32::MAX as i64 && last(out, out_off) < i32::MAX as i64
 }
 
+/// `rows` copies of the row operand `src` (`n` elements of `dt`) into output `dst`, `[rows, n]`:
+/// a matmul's row addend where the matmul itself cannot add it (`recipe::matmul_steps`).
+pub(super) fn broadcast_row(
+    b: &mut Builder,
+    dt: DType,
+    (src, dst): (usize, usize),
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    copy(b, dt, &[rows, n], &[0, 1], &[n as i64, 1], (src, dst), 0, 0)
+}
+
+/// A strided copy of operand `src` into output `dst`.
 #[allow(clippy::too_many_arguments)]
 fn copy(
     b: &mut Builder,
@@ -165,7 +178,7 @@ fn copy(
     dims: &[usize],
     inp: &[i64],
     out: &[i64],
-    arg: usize,
+    (src, dst): (usize, usize),
     in_off: i64,
     out_off: i64,
 ) -> Result<()> {
@@ -176,7 +189,7 @@ fn copy(
     let (dims, inp, out) = simplify_copy(dims, inp, out);
     let blob = strides_blob(&dims, &inp, &out)?;
     let args =
-        vec![Arg::In(arg), Arg::Out(0), Arg::Blob(blob), Arg::I64(n as i64), Arg::I64(in_off), Arg::I64(out_off)];
+        vec![Arg::In(src), Arg::Out(dst), Arg::Blob(blob), Arg::I64(n as i64), Arg::I64(in_off), Arg::I64(out_off)];
     let grid = grid_for(b.dev, n, 256);
     let kind = if copy_fits_i32(&dims, &inp, &out, in_off, out_off) { "copy32" } else { "copy" };
     b.k(KernelFile::Layout, format!("{kind}_{}", dt.size_in_bytes()), grid, 256, 0, args)

@@ -12,7 +12,7 @@ mod rows;
 
 pub(crate) use rows::rope_freqs;
 
-use rumble_core::ir::{DType, Op, Prologue, TensorType};
+use rumble_core::ir::{Addend, DType, Op, Prologue, TensorType};
 
 use crate::compile::Options;
 use crate::device::Device;
@@ -156,15 +156,9 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
         Op::Reduce { op: r, axes, .. } => reduce::reduce(&mut b, *r, axes, at[0], out_n)?,
         Op::Matmul { ta, tb, acc, .. } => {
             let key = MatmulKey { out: ot[0].dtype, ..MatmulKey::new(at[0], at[1], *ta, *tb) };
-            let bytes = ot[0].size_in_bytes();
-            if key.k == 0 {
-                // No products: the addend alone (skipped where the result sits over it).
-                b.steps.push(if *acc { Step::Copy { src: 2, dst: 0, bytes } } else { Step::ZeroOut { out: 0, bytes } });
-            } else if out_n > 0 {
-                let ws = dev.matmul_workspace(&key)?;
-                b.scratch = ws;
-                let (a, bm, c, addend) = (Arg::In(0), Arg::In(1), Arg::Out(0), acc.then_some(Arg::In(2)));
-                b.steps.push(Step::Matmul { key, a, b: bm, c, addend, ws: 0, ws_bytes: ws, beta: 0.0 });
+            let key = MatmulKey { row_addend: *acc == Addend::Row, ..key };
+            if out_n > 0 {
+                matmul_steps(&mut b, key, (Arg::In(0), Arg::In(1)), 0, acc.is_some().then_some(2))?;
             }
         }
         Op::MatmulPre { pre, acc, outs } => matmul_pre(&mut b, *pre, *acc, *outs, at)?,
@@ -204,13 +198,44 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
     Ok(Recipe { op: b.op, steps: b.steps, scratch: b.scratch, node_scratch: b.node })
 }
 
+/// The steps of one matmul into output `out`, `key` its shape (with `row_addend` where its
+/// addend is a row), `addend` the operand it adds, if any: the tuned matmul with its workspace
+/// at scratch 0, or, with no products (`k == 0`), the addend alone (a copy, skipped where the
+/// planner put the result over it, or the row broadcast). A row addend no candidate adds
+/// (cuBLASLt without a `BIAS` algorithm for these types, and no gemv kernel) is broadcast into
+/// the result first, and the matmul adds the result in place.
+fn matmul_steps(b: &mut Builder, key: MatmulKey, (a, bm): (Arg, Arg), out: usize, addend: Option<usize>) -> Result<()> {
+    let (rows, n) = ((key.batch.max(1) * key.m) as usize, key.n as usize);
+    let bytes = rows * n * key.out.size_in_bytes();
+    if key.k == 0 {
+        match addend {
+            None => b.steps.push(Step::ZeroOut { out, bytes }),
+            Some(c) if key.row_addend => layout::broadcast_row(b, key.out, (c, out), rows, n)?,
+            Some(c) => b.steps.push(Step::Copy { src: c, dst: out, bytes }),
+        }
+        return Ok(());
+    }
+    let unsupported = key.row_addend && matches!(b.dev.matmul_workspace(&key), Err(CudaError::Unsupported(_)));
+    let (key, addend) = match addend {
+        Some(c) if unsupported => {
+            layout::broadcast_row(b, key.out, (c, out), rows, n)?;
+            (MatmulKey { row_addend: false, ..key }, Some(Arg::Out(out)))
+        }
+        addend => (key, addend.map(Arg::In)),
+    };
+    let ws = b.dev.matmul_workspace(&key)?;
+    b.scratch = b.scratch.max(ws);
+    b.steps.push(Step::Matmul { key, a, b: bm, c: Arg::Out(out), addend, ws: 0, ws_bytes: ws, beta: 0.0 });
+    Ok(())
+}
+
 /// `matmul_pre`: where the tuner runs the plain matmul of the made rows on gemv.cu for every
 /// projection ([`crate::matmul::gemv_pre_kernel`]), one launch of a prologue kernel for all of
 /// them, split as the widest one's was, its grid as many blocks as the device holds at once
 /// (each makes the rows once, then takes block after block of weight rows); otherwise the prologue's own kernel writes the rows into
 /// the node's scratch once, the tuned matmul of each projection without a prologue kernel reads
 /// them, and the others each launch theirs.
-fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&TensorType]) -> Result<()> {
+fn matmul_pre(b: &mut Builder, pre: Prologue, acc: Addend, outs: usize, at: &[&TensorType]) -> Result<()> {
     let w = pre.operands();
     let (m, dt) = (at[0].dims()[0], at[0].dtype);
     let rows = TensorType::new(dt, [m, at[w].dims()[1]]);
@@ -219,7 +244,9 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
         Prologue::RmsNorm { eps } => ("norm", Arg::In(1), eps),
         Prologue::SwigluPacked => ("swiglu", Arg::I64(0), 0.0),
     };
-    let keys: Vec<MatmulKey> = (0..outs).map(|j| MatmulKey::new(&rows, at[w + j], false, true)).collect();
+    let row_addend = acc == Addend::Row;
+    let keys: Vec<MatmulKey> =
+        (0..outs).map(|j| MatmulKey { row_addend, ..MatmulKey::new(&rows, at[w + j], false, true) }).collect();
     let kernels = keys
         .iter()
         .map(|key| if key.k > 0 && key.n > 0 { crate::matmul::gemv_pre_kernel(b.dev, key, pname) } else { Ok(None) })
@@ -229,9 +256,12 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
         let kernel = pre.kernel;
         let (mut words, mut first) = (vec![0u64; 3 * GEMV_SETS], 0u64);
         let (mut ns, mut firsts) = (vec![0u64; GEMV_SETS], vec![0u64; GEMV_SETS + 1]);
+        // Each addend's row stride: its width, or 0 for a row.
+        let mut ldcs = vec![0u64; GEMV_SETS];
         let mut ptrs = Vec::new();
         for (slot, &j) in js.iter().enumerate() {
             ns[slot] = keys[j].n;
+            ldcs[slot] = if row_addend { 0 } else { keys[j].n };
             firsts[slot] = first;
             first += keys[j].n.div_ceil(kernel.rows as u64);
             ptrs.push((slot, j));
@@ -240,6 +270,7 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
             *f = first;
         }
         words.extend(ns);
+        words.extend(ldcs);
         words.extend(firsts);
         let grid = u32::try_from(first)
             .map_err(|_| CudaError::usage(format!("matmul_pre grid of {keys:?}")))?
@@ -247,13 +278,13 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
         // The set's pointers (b, c, d of each slot) are the node's operands and results.
         let mut addrs = Vec::new();
         for &(slot, j) in &ptrs {
-            let c = if acc { Arg::In(w + outs + j) } else { Arg::Out(j) };
+            let c = if acc.is_some() { Arg::In(w + outs + j) } else { Arg::Out(j) };
             addrs.extend([(slot, Arg::In(w + j)), (GEMV_SETS + slot, c), (2 * GEMV_SETS + slot, Arg::Out(j))]);
         }
         let set = Arg::Struct { words, addrs };
         let args = vec![set, Arg::In(0), g.clone(), Arg::I64(m as i64), Arg::I64(k as i64)]
             .into_iter()
-            .chain([Arg::F64(if acc { 1.0 } else { 0.0 }), Arg::F64(eps)])
+            .chain([Arg::F64(if acc.is_some() { 1.0 } else { 0.0 }), Arg::F64(eps)])
             .collect();
         let name = format!("{}:{pname}", kernel.name);
         b.steps.push(Step::Kernel {
@@ -286,19 +317,8 @@ fn matmul_pre(b: &mut Builder, pre: Prologue, acc: bool, outs: usize, at: &[&Ten
             launch(b, kernel, &[j])?;
             continue;
         }
-        let addend = acc.then_some(Arg::In(w + outs + j));
-        if k == 0 {
-            let bytes = keys[j].m as usize * keys[j].n as usize * dt.size_in_bytes();
-            b.steps.push(match acc {
-                true => Step::Copy { src: w + outs + j, dst: j, bytes },
-                false => Step::ZeroOut { out: j, bytes },
-            });
-            continue;
-        }
-        let ws = b.dev.matmul_workspace(&keys[j])?;
-        b.scratch = b.scratch.max(ws);
-        let (key, a, bm, c) = (keys[j], Arg::Node(node), Arg::In(w + j), Arg::Out(j));
-        b.steps.push(Step::Matmul { key, a, b: bm, c, addend, ws: 0, ws_bytes: ws, beta: 0.0 });
+        let addend = acc.is_some().then_some(w + outs + j);
+        matmul_steps(b, keys[j], (Arg::Node(node), Arg::In(w + j)), j, addend)?;
     }
     Ok(())
 }

@@ -205,6 +205,7 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, pas
         m: m as u64,
         n: nn as u64,
         k: k as u64,
+        row_addend: false,
     };
     let mut ws = 0;
     for &r0 in &starts {
