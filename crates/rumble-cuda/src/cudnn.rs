@@ -27,11 +27,10 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::cudnn::sys as cs;
-use cudarc::driver::{result as drv, sys as dsys};
+use cudarc::driver::sys as dsys;
 use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 
 use cs::cudnnBackendAttributeName_t as A;
@@ -41,10 +40,11 @@ use cs::cudnnDataType_t as Dt;
 use cs::cudnnPointwiseMode_t as Pw;
 
 use crate::device::{Device, DeviceCache};
-use crate::error::{CudaError, DriverContext, Result};
+use crate::error::{CudaError, Result};
 use crate::knobs::AttentionImpl;
 use crate::launch::{Arg, Buffers, Recipe, Step};
 use crate::memory::DeviceBuffer;
+use crate::tune;
 
 /// The oldest cuDNN whose engines take this graph (9.10: -inf as the mask value).
 const MIN_VERSION: usize = 91000;
@@ -738,14 +738,12 @@ fn choose(dev: &Device, g: &Sdpa, r: &Recipe, op: &Op, at: &[&TensorType]) -> bo
         return c;
     }
     let key = format!("{g:?}");
-    let file = cache_file(dev);
-    let pick = match file.as_ref().and_then(|f| remembered(f, &key)) {
-        Some(p) => p,
-        None => {
-            let capturing = unsafe { drv::stream::is_capturing(dev.stream()) }
-                .map(|s| s != dsys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-                .unwrap_or(true);
-            if capturing {
+    let file = tune::cache_file(dev, "attention", version().unwrap_or(0));
+    let pick = match file.as_ref().and_then(|f| tune::remembered(f, &key)).as_deref() {
+        Some("cudnn") => true,
+        Some("flash") => false,
+        _ => {
+            if tune::capturing(dev) {
                 return false;
             }
             let Some(Ok(flash)) = crate::flash::recipe(dev, op, at) else { return true };
@@ -755,7 +753,7 @@ fn choose(dev: &Device, g: &Sdpa, r: &Recipe, op: &Op, at: &[&TensorType]) -> bo
                 _ => false,
             };
             if let Some(f) = &file {
-                remember(f, &key, p);
+                tune::remember(f, &key, if p { "cudnn" } else { "flash" });
             }
             p
         }
@@ -779,53 +777,7 @@ fn time(dev: &Device, r: &Recipe, op: &Op, at: &[&TensorType]) -> Result<f64> {
     let ptrs: Vec<dsys::CUdeviceptr> = bufs.iter().map(|b| b.ptr).collect();
     let (args, outp) = ptrs.split_at(at.len());
     let b = Buffers { args, outs: outp, scratch: scratch.ptr, scratch_bytes: scratch.bytes, node: node.ptr };
-    let run = || unsafe { r.launch(dev, 0, &b) };
-    run()?;
-    let ev =
-        || drv::event::create(dsys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "attention timing: cuEventCreate".into());
-    let (e0, e1) = (ev()?, ev()?);
-    let timed = (|| -> Result<f64> {
-        let rec = |e| unsafe { drv::event::record(e, dev.stream()) }.ctx(|| "attention timing: cuEventRecord".into());
-        rec(e0)?;
-        for _ in 0..RUNS {
-            run()?;
-        }
-        rec(e1)?;
-        dev.synchronize()?;
-        let ms = unsafe { drv::event::elapsed(e0, e1) }.ctx(|| "attention timing: cuEventElapsedTime".into())?;
-        Ok(ms as f64 / RUNS as f64)
-    })();
-    unsafe {
-        let _ = drv::event::destroy(e0);
-        let _ = drv::event::destroy(e1);
-    }
-    timed
-}
-
-fn cache_file(dev: &Device) -> Option<PathBuf> {
-    let dir = dev.knobs().cache?;
-    let gpu: String = dev.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-    Some(dir.join(format!("attention-{gpu}-{}.txt", version().unwrap_or(0))))
-}
-
-fn remembered(file: &PathBuf, key: &str) -> Option<bool> {
-    let text = std::fs::read_to_string(file).ok()?;
-    text.lines().rev().find_map(|l| match l.strip_prefix(key)?.strip_prefix('\t')?.trim() {
-        "cudnn" => Some(true),
-        "flash" => Some(false),
-        _ => None,
-    })
-}
-
-/// Appends one line (a whole line per write: concurrent processes at worst repeat a key).
-fn remember(file: &PathBuf, key: &str, cudnn: bool) {
-    use std::io::Write;
-    if let Some(d) = file.parent() {
-        let _ = std::fs::create_dir_all(d);
-    }
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(file) {
-        let _ = f.write_all(format!("{key}\t{}\n", if cudnn { "cudnn" } else { "flash" }).as_bytes());
-    }
+    tune::time_ms(dev, RUNS, "attention timing", || unsafe { r.launch(dev, 0, &b) })
 }
 
 #[cfg(test)]
@@ -865,19 +817,5 @@ mod tests {
         let (q, k) = (tt(DType::BF16, &[1, 2, 16, 64]), tt(DType::BF16, &[1, 2, 32, 64]));
         assert!(Sdpa::of(&op, &[&q, &k, &k]).is_none(), "causal with T != S");
         assert!(Sdpa::of(&Op::Softmax, &[&q]).is_none());
-    }
-
-    #[test]
-    fn choices_are_remembered_per_shape() {
-        let dir = std::env::temp_dir().join(format!("rumble-attn-choice-{}", std::process::id()));
-        let f = dir.join("attention.txt");
-        assert_eq!(remembered(&f, "k1"), None);
-        remember(&f, "k1", true);
-        remember(&f, "k2", false);
-        assert_eq!((remembered(&f, "k1"), remembered(&f, "k2")), (Some(true), Some(false)));
-        // The last line of a key wins.
-        remember(&f, "k1", false);
-        assert_eq!(remembered(&f, "k1"), Some(false));
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -31,6 +31,7 @@ mod matmul_tune;
 pub mod memory;
 pub mod nccl;
 pub mod recipe;
+mod tune;
 
 pub use device::{Device, available};
 pub use error::{CudaError, Result};

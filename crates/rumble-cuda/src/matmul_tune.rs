@@ -17,16 +17,16 @@
 //! except a row addend's (`MatmulKey::row_addend`: that key does not tell it from the plain
 //! shape's, whose time the cost model takes for it, adding the row's read).
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use cudarc::cublaslt::sys;
-use cudarc::driver::{result as drv, sys as dsys};
+use cudarc::driver::sys as dsys;
 
 use crate::device::Device;
-use crate::error::{DriverContext, Result};
+use crate::error::Result;
 use crate::matmul::{Algo, Candidate, MatmulKey, Plan};
 use crate::memory::DeviceBuffer;
+use crate::tune;
 
 /// How much faster a candidate must be than the heuristic's first choice to replace it.
 const MARGIN: f64 = 0.98;
@@ -47,15 +47,12 @@ pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Ca
     let classic = cands.iter().filter(|c| matches!(c.algo, Algo::Classic)).count();
     let line_key = format!("{key:?} tf32={tf32} ws={cap} candidates={}+classic{classic}", cands.len() - classic);
     let file = cache_file(dev);
-    if let Some(i) = file.as_ref().and_then(|f| remembered(f, &line_key))
+    if let Some(i) = file.as_ref().and_then(|f| tune::remembered(f, &line_key)?.parse::<usize>().ok())
         && i < cands.len()
     {
         return i;
     }
-    let capturing = unsafe { drv::stream::is_capturing(dev.stream()) }
-        .map(|s| s != dsys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-        .unwrap_or(true);
-    if capturing {
+    if tune::capturing(dev) {
         return 0;
     }
     let pick = match time_all(dev, key, plan, cands) {
@@ -84,7 +81,7 @@ pub(crate) fn choose(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Ca
         Err(_) => return 0,
     };
     if let Some(f) = file {
-        remember(&f, &line_key, pick);
+        tune::remember(&f, &line_key, &pick.to_string());
     }
     pick
 }
@@ -151,48 +148,11 @@ fn time_all(dev: &Device, key: &MatmulKey, plan: &mut Plan, cands: &[Candidate])
 }
 
 fn time_one(dev: &Device, key: &MatmulKey, plan: &Plan, p: [dsys::CUdeviceptr; 5], beta: f64) -> Result<f64> {
-    let run = || unsafe { dev.launch_plan(key, plan, p, beta) };
-    run()?;
-    let ev = || drv::event::create(dsys::CUevent_flags::CU_EVENT_DEFAULT).ctx(|| "matmul tuning: cuEventCreate".into());
-    let (e0, e1) = (ev()?, ev()?);
-    let timed = (|| -> Result<f64> {
-        let rec = |e| unsafe { drv::event::record(e, dev.stream()) }.ctx(|| "matmul tuning: cuEventRecord".into());
-        rec(e0)?;
-        for _ in 0..RUNS {
-            run()?;
-        }
-        rec(e1)?;
-        dev.synchronize()?;
-        Ok(unsafe { drv::event::elapsed(e0, e1) }.ctx(|| "matmul tuning: cuEventElapsedTime".into())? as f64
-            / RUNS as f64)
-    })();
-    unsafe {
-        let _ = drv::event::destroy(e0);
-        let _ = drv::event::destroy(e1);
-    }
-    timed
+    tune::time_ms(dev, RUNS, "matmul tuning", || unsafe { dev.launch_plan(key, plan, p, beta) })
 }
 
 fn cache_file(dev: &Device) -> Option<PathBuf> {
-    let dir = dev.knobs().cache?;
-    let gpu: String = dev.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-    let version = unsafe { sys::cublasLtGetVersion() };
-    Some(dir.join(format!("matmul-{gpu}-{version}.txt")))
-}
-
-fn remembered(file: &PathBuf, key: &str) -> Option<usize> {
-    let text = std::fs::read_to_string(file).ok()?;
-    text.lines().rev().find_map(|l| l.strip_prefix(key)?.strip_prefix('\t')?.trim().parse().ok())
-}
-
-/// Appends one line (a whole line per write: concurrent processes at worst repeat a key).
-fn remember(file: &PathBuf, key: &str, index: usize) {
-    if let Some(d) = file.parent() {
-        let _ = std::fs::create_dir_all(d);
-    }
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(file) {
-        let _ = f.write_all(format!("{key}\t{index}\n").as_bytes());
-    }
+    tune::cache_file(dev, "matmul", unsafe { sys::cublasLtGetVersion() })
 }
 
 #[cfg(test)]
