@@ -157,7 +157,7 @@ fn row_addends_are_typed_kept_apart_and_not_differentiated() {
     let got = cpu::eval(&t, &ins).unwrap()[0].to_f64()[0];
     assert!((got - want).abs() < 1e-4 * want.abs().max(1.0), "{got} vs {want}");
     let mm = |acc| Op::Matmul { ta: false, tb: true, out: None, acc };
-    assert!(!mm(Addend::Row).may_overwrite(2) && mm(Addend::Full).may_overwrite(2));
+    assert!(!mm(Addend::Row).may_overwrite(0, 2) && mm(Addend::Full).may_overwrite(0, 2));
     assert_eq!(mm(Addend::Row).arity(), Some(3));
     let e = autodiff::grad(&t, "loss", &["w"]).unwrap_err().to_string();
     assert!(e.contains("no VJP"), "{e}");

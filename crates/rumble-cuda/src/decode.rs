@@ -1,11 +1,13 @@
-//! Recipes of the decoding ops (`rope_at`, `cache_write`, `attention_cached`, `sample`), whose
-//! kernels are in `kernels/decode.cu`. All four are graph-capturable: positions and the
-//! sampling key are read from device memory, so one captured decode step serves every token.
+//! Recipes of the decoding ops (`rope_at`, `cache_write`, `cache_write_kv`, `attention_cached`,
+//! `sample`), whose kernels are in `kernels/decode.cu`. All are graph-capturable: positions and
+//! the sampling key are read from device memory, so one captured decode step serves every token.
 //!
 //! - `rope_at` takes `rope`'s inverse-frequency table (`RopeScaling::inv_freq`, packed by
 //!   `recipe::rope_freqs`), so a scaled RoPE rotates a decode step's token as training did.
 //! - `cache_write` copies the cache to its result first unless the plan put them in one buffer
-//!   (the planner does, `Op::may_overwrite`), then writes the new rows only.
+//!   (the planner does, `Op::may_overwrite`), then writes the new rows only; `cache_write_kv`
+//!   does so for a layer's two caches, their rows written by one launch (the keys rotated with
+//!   `rope`).
 //! - `attention_cached` is flash-decoding: a block takes all query heads of one kv head (so K
 //!   and V are read once) and one run of the visible keys, a tile at a time with an online
 //!   softmax in f32; the run count ([`AttentionSplit`]) brings a decode step's few groups to
@@ -99,6 +101,37 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                     kernel("cache_write", blocks(at[1].numel()), THREADS, args)?;
                 }
             }
+            s.append(&mut steps);
+            steps = s;
+        }
+        Op::CacheWriteKv { rope } => {
+            // Each cache copied to its result unless planned over it, then both caches' new
+            // rows written by one kernel: a thread an element of each, or with `rope` a pair.
+            let (c, n) = (at[0].dims(), at[2].dims());
+            let bytes = at[0].size_in_bytes();
+            let mut s = vec![Step::Copy { src: 0, dst: 0, bytes }, Step::Copy { src: 1, dst: 1, bytes }];
+            let freqs = match rope {
+                Some(r) => crate::recipe::rope_freqs("cache_write_kv", &r.scaling.inv_freq(r.theta, c[3]))?,
+                None => crate::recipe::rope_freqs("cache_write_kv", &[])?,
+            };
+            let args = vec![
+                Arg::Out(0),
+                Arg::Out(1),
+                Arg::In(2),
+                Arg::In(3),
+                Arg::In(4),
+                Arg::I64(c[0] as i64),
+                Arg::I64(c[1] as i64),
+                Arg::I64(n[1] as i64),
+                Arg::I64((c[2] * c[3]) as i64),
+                Arg::I64(c[3] as i64),
+                Arg::Blob(freqs),
+                Arg::I32(rope.is_some() as i32),
+                Arg::Status,
+                Arg::Tag,
+            ];
+            let units = if rope.is_some() { at[2].numel() / 2 } else { at[2].numel() };
+            kernel("cache_write_kv", blocks(units), THREADS, args)?;
             s.append(&mut steps);
             steps = s;
         }

@@ -1,6 +1,7 @@
 //! The decoding ops' kernels (`kernels/decode.cu`) against the CPU reference, one node at a
 //! time in the planned executor over a poisoned arena: RoPE at positions, the cache write (not
-//! in place here: the copy, then the rows; also rotating the rows it writes), attention over a
+//! in place here: the copy, then the rows; also rotating the rows it writes; and a layer's keys
+//! and values in one launch, `cache_write_kv`), attention over a
 //! cache prefix (caches up to 4096 positions, split one to many ways, grouped heads in one or
 //! two blocks; also rotating its queries), and the sampler
 //! (greedy exactly; with temperature, top-k and top-p the same token on these well-separated
@@ -67,6 +68,16 @@ fn decoding_ops_match_cpu() {
             let op = Op::CacheWrite { rope };
             check(op.clone(), vec![cache.clone(), randn(t(d, &[3, 4, 2, 8]), &mut rng), ids(&[0, 9, 16])]);
             check(op, vec![cache.clone(), randn(t(d, &[3, 1, 2, 8]), &mut rng), ids(&[19, 0, 5])]);
+            // A layer's keys and values in one launch (`fold_cache_writes`' node): both results.
+            let values = randn(t(d, &[3, 20, 2, 8]), &mut rng);
+            for (rows, pos) in [(4, [0, 9, 16]), (1, [19, 0, 5])] {
+                let (k, v) = (randn(t(d, &[3, rows, 2, 8]), &mut rng), randn(t(d, &[3, rows, 2, 8]), &mut rng));
+                let inputs = [cache.clone(), values.clone(), k, v, ids(&pos)];
+                for (j, (got, want)) in outputs(&dev, Op::CacheWriteKv { rope }, &inputs).iter().enumerate() {
+                    let r = compare(got, want, tol).unwrap_or_else(|e| panic!("cache_write_kv {d}, result {j}: {e}"));
+                    println!("cache_write_kv     {d:<5} result {j} rel {:.2e} max {:.2e}", r.0, r.1);
+                }
+            }
         }
         for (tq, hd) in [(1, 64), (3, 64), (1, 1), (2, 128)] {
             let q = randn(t(d, &[2, tq, 6, hd]), &mut rng);

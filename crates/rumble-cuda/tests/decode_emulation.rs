@@ -6,8 +6,9 @@
 //! or two, head sizes 1 to 256, several query rows; the splits combined by each group's last
 //! block (counting in the device's counters, which it leaves at zero); five cases also by the
 //! combine kernel, and with the queries rotated by the kernel (`Op::AttentionCached`'s `rope`).
-//! Also the cache writes, plain and rotated, on a grid whose threads take several elements,
-//! against the rows copied by hand (a row past the cache skipped). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
+//! Also the cache writes, plain and rotated, one cache or a layer's keys and values in one
+//! launch (`cache_write_kv`), on a grid whose threads take several elements, against the rows
+//! copied by hand (a row past the cache skipped). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
 
 mod common;
 
@@ -78,9 +79,14 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
             );
         }
     }
-    // The cache writes (`cw B T S H D POS...`): one row a sequence, a prefill chunk, a row past
-    // the cache (skipped).
-    for args in [["1", "1", "40", "8", "64", "17"], ["2", "5", "30", "2", "16", "0"], ["2", "3", "9", "4", "8", "7"]] {
+    // The cache writes (`cw B T S H D POS...`), single and joined (`cache_write_kv`): one row a
+    // sequence, a prefill chunk, a row past the cache (skipped), an odd head size (plain only).
+    for args in [
+        ["1", "1", "40", "8", "64", "17"],
+        ["2", "5", "30", "2", "16", "0"],
+        ["2", "3", "9", "4", "8", "7"],
+        ["2", "2", "6", "3", "5", "1"],
+    ] {
         let mut all = vec!["cw"];
         all.extend(args);
         all.push("4");

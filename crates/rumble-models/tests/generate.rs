@@ -207,10 +207,12 @@ fn the_decode_plan_writes_the_cache_in_place() {
         assert_eq!(p.plan.inplace_of[n.outs[0].index()], Some(n.args[0]), "cache_write over its cache");
     }
     // Through the passes, each layer's key and query rotations are folded into its cache write
-    // and its attention (two launches fewer a layer), and the caches are still written in place.
+    // and its attention (two launches fewer a layer), its two cache writes are one node (one
+    // launch fewer), and the caches are still written in place.
     let c = rumble_core::compile::compile(&t, &CompileOptions::default()).unwrap();
     let count = |f: &dyn Fn(&Op) -> bool| c.trace.nodes.iter().filter(|n| f(&n.op)).count();
-    assert_eq!(count(&|op| matches!(op, Op::CacheWrite { rope: Some(_) })), cfg.num_hidden_layers);
+    assert_eq!(count(&|op| matches!(op, Op::CacheWriteKv { rope: Some(_) })), cfg.num_hidden_layers);
+    assert_eq!(count(&|op| matches!(op, Op::CacheWrite { .. })), 0);
     assert_eq!(count(&|op| matches!(op, Op::AttentionCached { rope: Some(_), .. })), cfg.num_hidden_layers);
     assert_eq!(count(&|op| matches!(op, Op::RopeAt { .. })), 0);
     // Each layer's two norms and its swiglu are made by the projections reading them (q, k and
@@ -219,6 +221,58 @@ fn the_decode_plan_writes_the_cache_in_place() {
     assert_eq!(count(&|op| matches!(op, Op::MatmulPre { .. })), 3 * cfg.num_hidden_layers + 1);
     assert_eq!(count(&|op| matches!(op, Op::MatmulPre { outs: 3, .. })), cfg.num_hidden_layers);
     assert!(c.plan.copy_back.is_empty());
+}
+
+/// `fold_cache_writes` on decode steps of Llama, Qwen2 and Qwen2 of head size 1 (its keys
+/// rotated by a factor, so no rotation folds into their write): each layer's key and value
+/// cache writes are one `cache_write_kv` node, rotating the keys where `fold_rope_at` folded
+/// their rotation, each result planned over its own cache; and the step compiled with the pass
+/// computes the same bits (the next tokens, the logits, every cache) on the CPU as without it.
+#[test]
+fn decode_steps_write_a_layers_keys_and_values_in_one_node() {
+    use rumble_core::compile::PIPELINE;
+    use rumble_core::cpu::Rng;
+    use rumble_core::ir::InputRole;
+    use rumble_core::passes::{self, Pass};
+    for (name, rotates) in [("llama_gqa_tied", true), ("qwen2_gqa7_tied", true), ("qwen2_head_dim_1", false)] {
+        let (cfg, w) = fixture(name);
+        let shape = StepShape { batch: 2, rows: 1, max_length: 32, prefill: false };
+        let t = build(&cfg, shape, &Sampling::greedy(), true).unwrap();
+        let layers = cfg.num_hidden_layers;
+        let c = rumble_core::compile::compile(&t, &CompileOptions::default()).unwrap();
+        let joined: Vec<_> = c.trace.nodes.iter().filter(|n| matches!(n.op, Op::CacheWriteKv { .. })).collect();
+        assert_eq!(joined.len(), layers, "{name}: {}", c.trace);
+        assert!(!c.trace.nodes.iter().any(|n| matches!(n.op, Op::CacheWrite { .. })), "{name}: {}", c.trace);
+        for n in &joined {
+            assert_eq!(matches!(n.op, Op::CacheWriteKv { rope: Some(_) }), rotates, "{name}");
+            for j in 0..2 {
+                assert_eq!(c.plan.inplace_of[n.outs[j].index()], Some(n.args[j]), "{name}: result {j} over its cache");
+            }
+        }
+        assert!(c.plan.copy_back.is_empty(), "{name}: {:?}", c.plan.copy_back);
+        let without: Vec<Pass> = PIPELINE.iter().copied().filter(|(p, _)| *p != "fold_cache_writes").collect();
+        let (plain, _) = passes::run(&t, &without).unwrap();
+        let (folded, _) = passes::run(&t, PIPELINE).unwrap();
+        assert_eq!(plain.nodes.iter().filter(|n| matches!(n.op, Op::CacheWrite { .. })).count(), 2 * layers);
+        // Random caches (the step attends over them), the fixture's weights, tokens in range.
+        let rng = &mut Rng::new(4);
+        let weights: std::collections::HashMap<_, _> = w.tensors.iter().cloned().collect();
+        let inputs: Vec<HostTensor> = t
+            .inputs
+            .iter()
+            .map(|i| match (i.role, i.name.as_str()) {
+                (InputRole::Param, n) => weights[n].clone(),
+                (InputRole::State, _) => HostTensor::randn(t.ty(i.value).clone(), 1.0, rng),
+                (_, "tokens") => HostTensor::from_i64(DType::I64, &[2, 1], &[3, cfg.vocab_size as i64 - 1]).unwrap(),
+                (_, "pos") => HostTensor::from_i64(DType::I64, &[2], &[7, 31]).unwrap(),
+                (_, "last") => HostTensor::from_i64(DType::I64, &[2], &[0, 1]).unwrap(),
+                (_, _) => HostTensor::from_i64(DType::I64, &[2], &[0, 0]).unwrap(),
+            })
+            .collect();
+        let (a, b) = (eval(&plain, &inputs).unwrap(), eval(&folded, &inputs).unwrap());
+        assert_eq!(a.len(), 2 * layers + 2, "{name}: the caches, next and logits");
+        assert_eq!(a, b, "{name}: the same bits with and without fold_cache_writes");
+    }
 }
 
 /// A Qwen2 decode step's q, k and v biases are added by their projections as rows

@@ -251,6 +251,7 @@ pub fn vjp(
         // Decoding ops: inference only.
         Op::RopeAt { .. }
         | Op::CacheWrite { .. }
+        | Op::CacheWriteKv { .. }
         | Op::AttentionCached { .. }
         | Op::Sample { .. }
         | Op::MatmulPre { .. } => {

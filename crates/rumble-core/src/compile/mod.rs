@@ -31,9 +31,10 @@ use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned,
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
 /// optimizer's shared scalars, repeated broadcasts), dead code again, widening casts and adds
 /// folded into the matmuls (and norm backwards) they read (a broadcast bias read as its row),
-/// a decode step's rotations folded into
-/// its cache write and attention and its norms and swiglus into the projections reading them
-/// (a layer's q, k and v then one node), the fused loss and its backward as one node, elementwise fusion.
+/// a decode step's rotations folded into its cache write and attention, a layer's two cache
+/// writes joined into one node, and its norms and swiglus into the projections reading them (a
+/// layer's q, k and v then one node), the fused loss and its backward as one node, elementwise
+/// fusion.
 pub const PIPELINE: &[Pass] = &[
     ("dce", passes::dce),
     ("cse", passes::cse),
@@ -43,6 +44,7 @@ pub const PIPELINE: &[Pass] = &[
     ("fold_row_addends", passes::fold_row_addends),
     ("fold_norm_addends", passes::fold_norm_addends),
     ("fold_rope_at", passes::fold_rope_at),
+    ("fold_cache_writes", passes::fold_cache_writes),
     ("fold_prologues", passes::fold_prologues),
     ("fold_projections", passes::fold_projections),
     ("fold_loss_grad", passes::fold_loss_grad),

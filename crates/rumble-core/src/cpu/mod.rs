@@ -276,6 +276,19 @@ fn dispatch<A: Real>(op: &Op, at: &[&TensorType], args: &[&[u8]], ot: &[&TensorT
             let new = rotated.as_deref().unwrap_or(args[1]);
             one(decode::cache_write(at[0].dims(), args[0], at[1].dims()[1], new, &pos, esize)?)
         }
+        // Two `cache_write`s: the keys (rotated with `rope`) and the values.
+        Op::CacheWriteKv { rope } => {
+            let pos = read_int(at[4].dtype, args[4]);
+            let esize = at[0].dtype.size_in_bytes();
+            let rotated = match rope {
+                Some(r) => Some(rotate_rows::<A>(at[2], &f(2), &pos, r)?),
+                None => None,
+            };
+            let k = rotated.as_deref().unwrap_or(args[2]);
+            let t = at[2].dims()[1];
+            let kc = decode::cache_write(at[0].dims(), args[0], t, k, &pos, esize)?;
+            Ok(vec![kc, decode::cache_write(at[1].dims(), args[1], t, args[3], &pos, esize)?])
+        }
         Op::AttentionCached { scale, rope } => {
             let pos = read_int(at[3].dtype, args[3]);
             // With `rope`, the queries `rope_at` would give attend.

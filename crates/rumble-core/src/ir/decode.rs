@@ -1,6 +1,7 @@
-//! Type rules of the decoding ops (`rope_at`, `cache_write`, `attention_cached`, `sample`,
-//! `matmul_pre`): the ops a generation step needs on top of the training ops. Their specs are the variants'
-//! doc comments in `op.rs`; messages name the shapes each op expects.
+//! Type rules of the decoding ops (`rope_at`, `cache_write`, `cache_write_kv`,
+//! `attention_cached`, `sample`, `matmul_pre`): the ops a generation step needs on top of the
+//! training ops. Their specs are the variants' doc comments in `op.rs`; messages name the shapes
+//! each op expects.
 
 use super::dtype::{DType, TensorType};
 use super::heads::{HeadLayout, RopeScaling};
@@ -50,6 +51,20 @@ pub(super) fn cache_write(
     }
     positions(pos, c[0])?;
     Ok(vec![cache.clone()])
+}
+
+/// `cache_write_kv`'s operands `(k_cache, v_cache, k, v, pos)`: each pair a `cache_write`
+/// (the keys rotated with `rope`), the two caches of one type and the new rows of one type.
+pub(super) fn cache_write_kv(args: &[&TensorType], rope: bool) -> Result<Vec<TensorType>, String> {
+    let [kc, vc, k, v, pos] = [args[0], args[1], args[2], args[3], args[4]];
+    if kc != vc || k != v {
+        return Err(format!(
+            "needs caches of one type and new rows of one type, got caches {kc}, {vc} and rows {k}, {v}"
+        ));
+    }
+    let mut out = cache_write(kc, k, pos, rope)?;
+    out.extend(cache_write(vc, v, pos, false)?);
+    Ok(out)
 }
 
 pub(super) fn attention_cached(

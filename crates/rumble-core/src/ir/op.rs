@@ -228,6 +228,12 @@ pub enum Op {
     /// backend writes the `T` new rows only. With `rope` the new rows are rotated first, as
     /// `rope_at` (layout `bthd`, D even) would: `cache_write(c, rope_at(n, pos), pos)` exactly.
     CacheWrite { rope: Option<super::decode::RopeNew> },
+    /// A layer's key and value cache writes as one node: `(k_cache, v_cache [B, S, H, D], k,
+    /// v [B, T, H, D], pos int [B]) -> (k_cache, v_cache)`, exactly `cache_write(k_cache, k, pos)`
+    /// with `rope` and `cache_write(v_cache, v, pos)` (never rotated); the caches of one type,
+    /// `k` and `v` of one type. Result `j` may be computed over cache `j` only. Made by
+    /// `passes::fold_cache_writes` (one launch a layer instead of two).
+    CacheWriteKv { rope: Option<super::decode::RopeNew> },
     /// Attention of `T` new queries per sequence over a cache: `(q [B, T, Hq, D],
     /// k [B, S, Hkv, D], v [B, S, Hkv, D], pos int [B]) -> o [B, T, Hq, D]` (sequence-major);
     /// query `t` of sequence `b` sees keys `0 ..= pos[b] + t` (fewer when that passes `S`),
@@ -375,6 +381,7 @@ impl Op {
             Op::Fused(_) => "fused",
             Op::RopeAt { .. } => "rope_at",
             Op::CacheWrite { .. } => "cache_write",
+            Op::CacheWriteKv { .. } => "cache_write_kv",
             Op::AttentionCached { .. } => "attention_cached",
             Op::Sample { .. } => "sample",
             Op::MatmulPre { .. } => "matmul_pre",
@@ -424,7 +431,7 @@ impl Op {
             | Op::Matmul { acc: super::Addend::Full | super::Addend::Row, .. }
             | Op::Attention { .. } => 3,
             Op::AttentionCached { .. } | Op::LinearCrossEntropyGrad { .. } | Op::RmsNormBackward { acc: true, .. } => 4,
-            Op::LinearCrossEntropyBackward { .. } => 5,
+            Op::LinearCrossEntropyBackward { .. } | Op::CacheWriteKv { .. } => 5,
             Op::AttentionBackward { .. } => 6,
             Op::Concat { .. } | Op::Fused(_) => return None,
         })
@@ -437,20 +444,22 @@ impl Op {
         matches!(self, crate::elementwise_ops!())
     }
 
-    /// True if the result may be computed over operand `i` (same buffer): pointwise ops over
-    /// any operand of the result's shape, `cache_write` over its cache (operand 0) only, a
+    /// True if result `out` may be computed over operand `i` (same buffer): pointwise ops any
+    /// result over any operand of its shape, `cache_write` over its cache (operand 0) only,
+    /// `cache_write_kv` each result over its own cache (result `j` over operand `j`), a
     /// matmul with an addend of its type (`acc=true`, never a row) over it (operand 2) where no
     /// other operand shares its bytes, an
-    /// `rms_norm_backward` with `acc` (its `dx`) over its addend (operand 3) likewise, an
-    /// `all_reduce` over its operand (NCCL's in-place form).
+    /// `rms_norm_backward` with `acc` (its `dx`, result 0) over its addend (operand 3) likewise,
+    /// an `all_reduce` over its operand (NCCL's in-place form).
     /// The planner does so when the operand dies at this node; kernels must allow it.
-    pub fn may_overwrite(&self, i: usize) -> bool {
+    pub fn may_overwrite(&self, out: usize, i: usize) -> bool {
         match self {
             Op::CacheWrite { .. } => i == 0,
+            Op::CacheWriteKv { .. } => i == out,
             Op::Collective { op: CollectiveOp::AllReduce, .. } => i == 0,
             Op::Matmul { acc, .. } => *acc == super::Addend::Full && i == 2,
             Op::MatmulPre { pre, acc, outs } => *acc == super::Addend::Full && *outs == 1 && i == pre.operands() + 1,
-            Op::RmsNormBackward { acc, .. } => *acc && i == 3,
+            Op::RmsNormBackward { acc, .. } => *acc && out == 0 && i == 3,
             op => op.is_elementwise() || matches!(op, Op::Fused(_)),
         }
     }
@@ -778,6 +787,7 @@ impl Op {
             }
             Op::RopeAt { layout, .. } => super::decode::rope_at(args[0], args[1], *layout),
             Op::CacheWrite { rope } => super::decode::cache_write(args[0], args[1], args[2], rope.is_some()),
+            Op::CacheWriteKv { rope } => super::decode::cache_write_kv(args, rope.is_some()),
             Op::AttentionCached { rope, .. } => {
                 super::decode::attention_cached(args[0], args[1], args[2], args[3], rope.is_some())
             }

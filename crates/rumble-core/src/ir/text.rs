@@ -99,7 +99,7 @@ pub fn op_attrs(op: &Op) -> Vec<(&'static str, String)> {
             vec![("temperature", f(*temperature)), ("top_k", top_k.to_string()), ("top_p", f(*top_p))]
         }
         Op::Collective { world, rank, .. } => vec![("world", world.to_string()), ("rank", rank.to_string())],
-        Op::CacheWrite { rope } => rope.map_or_else(Vec::new, |r| {
+        Op::CacheWrite { rope } | Op::CacheWriteKv { rope } => rope.map_or_else(Vec::new, |r| {
             let mut a = vec![("theta", f(r.theta))];
             a.extend(r.scaling.text().map(|s| ("scaling", s)));
             a
@@ -272,6 +272,7 @@ fn op_from_text(name: &str, a: &Attrs) -> Result<Op, String> {
         }
         "rope_at" => Op::RopeAt { theta: a.f64("theta")?, layout: a.layout()?, scaling: a.rope_scaling()? },
         "cache_write" => Op::CacheWrite { rope: a.rope_new()? },
+        "cache_write_kv" => Op::CacheWriteKv { rope: a.rope_new()? },
         "attention_cached" => Op::AttentionCached { scale: a.f64("scale")?, rope: a.rope_new()? },
         "sample" => Op::Sample { temperature: a.f64("temperature")?, top_k: a.usize("top_k")?, top_p: a.f64("top_p")? },
         "all_reduce" | "reduce_scatter" | "all_gather" => Op::Collective {

@@ -2,7 +2,8 @@
 //! add ([`fold_addends`]), whose addend, where it is a broadcast row, the matmul then reads
 //! unbroadcast ([`fold_row_addends`]); an add into the `rms_norm_backward` whose `dx` it reads
 //! ([`fold_norm_addends`]); and a `rope_at` into the `cache_write` or `attention_cached` that
-//! reads it ([`fold_rope_at`]); a decode step's `rms_norm` or `swiglu_packed` into the
+//! reads it ([`fold_rope_at`]), and a layer's key and value cache writes into one node
+//! ([`fold_cache_writes`]); a decode step's `rms_norm` or `swiglu_packed` into the
 //! projections that read it ([`fold_prologues`]), and such projections of the same rows into one
 //! node ([`fold_projections`]).
 //!
@@ -189,6 +190,73 @@ pub fn fold_rope_at(trace: &Trace) -> Result<Trace> {
         drop[p] = true;
     }
     super::without(t, &drop)
+}
+
+/// Joins a layer's two cache writes into one node: `cache_write(kc, k, pos)` (rotating or not)
+/// and `cache_write(vc, v, pos)` (not rotating), with the same `pos`, caches of one type and new
+/// rows of one type, in one phase, become `cache_write_kv(kc, vc, k, v, pos)` (`Op::CacheWriteKv`,
+/// the rotating one as the keys): one launch writing both caches, each result still planned
+/// over its own cache. Writes are paired in order, each with the first earlier unpaired one it
+/// may join; never two rotating writes, two writes of one cache, or a write that reads the
+/// other's result (its operands made from it). The joined node stands where the later write
+/// stood; nodes that read the earlier one's result move after it, the order kept otherwise.
+/// Traces with collectives are left as they are (their order is not only data).
+pub fn fold_cache_writes(trace: &Trace) -> Result<Trace> {
+    if trace.nodes.iter().any(|n| matches!(n.op, Op::Collective { .. })) {
+        return Ok(trace.clone());
+    }
+    let key = |n: &crate::ir::Node| (n.args[2], trace.ty(n.args[0]), trace.ty(n.args[1]), n.phase);
+    let (mut open, mut pairs): (Vec<usize>, Vec<[usize; 2]>) = (Vec::new(), Vec::new());
+    for (i, n) in trace.nodes.iter().enumerate() {
+        let Op::CacheWrite { rope } = n.op else { continue };
+        let joins = |&j: &usize| {
+            let m = &trace.nodes[j];
+            let Op::CacheWrite { rope: other } = m.op else { return false };
+            key(m) == key(n) && !(rope.is_some() && other.is_some()) && m.args[0] != n.args[0] && !reads(trace, j, i)
+        };
+        match open.iter().position(joins) {
+            Some(p) => pairs.push([open.remove(p), i]),
+            None => open.push(i),
+        }
+    }
+    if pairs.is_empty() {
+        return Ok(trace.clone());
+    }
+    let mut nodes: Vec<Option<crate::ir::Node>> = trace.nodes.iter().cloned().map(Some).collect();
+    for [a, b] in pairs {
+        let later_rotates = matches!(trace.nodes[b].op, Op::CacheWrite { rope: Some(_) });
+        let (k, v) =
+            if later_rotates { (&trace.nodes[b], &trace.nodes[a]) } else { (&trace.nodes[a], &trace.nodes[b]) };
+        let Op::CacheWrite { rope } = k.op else { unreachable!() };
+        let joined = crate::ir::Node {
+            op: Op::CacheWriteKv { rope },
+            args: vec![k.args[0], v.args[0], k.args[1], v.args[1], k.args[2]],
+            outs: vec![k.outs[0], v.outs[0]],
+            phase: k.phase,
+        };
+        nodes[a] = None;
+        nodes[b] = Some(joined);
+    }
+    let mut t = trace.clone();
+    t.nodes = stable_order(nodes.into_iter().flatten().collect());
+    t.compact()?;
+    Ok(t)
+}
+
+/// Whether node `later` reads, through any chain of nodes, a result of node `earlier`.
+fn reads(trace: &Trace, earlier: usize, later: usize) -> bool {
+    let mut made = vec![false; trace.num_values()];
+    for &o in &trace.nodes[earlier].outs {
+        made[o.index()] = true;
+    }
+    for n in &trace.nodes[earlier + 1..later] {
+        if n.args.iter().any(|a| made[a.index()]) {
+            for &o in &n.outs {
+                made[o.index()] = true;
+            }
+        }
+    }
+    trace.nodes[later].args.iter().any(|a| made[a.index()])
 }
 
 /// The most rows a prologue folds for ([`fold_prologues`]): a decode step of a few sequences,

@@ -7,6 +7,7 @@
 //! - [`fold_row_addends`]: a matmul's addend that is a broadcast row read as the row itself;
 //! - [`fold_norm_addends`]: an add folded into the `rms_norm_backward` whose `dx` it reads;
 //! - [`fold_rope_at`]: a `rope_at` folded into the `cache_write` or `attention_cached` that reads it;
+//! - [`fold_cache_writes`]: a layer's key and value `cache_write`s joined into one node;
 //! - [`fold_prologues`]: a decode step's `rms_norm` or `swiglu_packed` folded into the
 //!   projections that read it (`matmul_pre`), and [`fold_projections`]: such projections of the
 //!   same rows joined into one node;
@@ -30,8 +31,8 @@ use std::time::Instant;
 pub use cse::cse;
 pub use dce::dce;
 pub use fold::{
-    PROJECTIONS, PROLOGUE_ROWS, fold_addends, fold_casts, fold_norm_addends, fold_norm_prologues, fold_projections,
-    fold_prologues, fold_rope_at, fold_row_addends, fold_swiglu_prologues,
+    PROJECTIONS, PROLOGUE_ROWS, fold_addends, fold_cache_writes, fold_casts, fold_norm_addends, fold_norm_prologues,
+    fold_projections, fold_prologues, fold_rope_at, fold_row_addends, fold_swiglu_prologues,
 };
 pub use fuse::fuse;
 pub use loss::fold_loss_grad;

@@ -78,7 +78,7 @@ pub fn flops(op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> u64 {
         Op::RmsNorm { .. } => 4 * out,
         Op::RmsNormBackward { .. } => 8 * inp,
         Op::Rope { .. } | Op::RopeAt { .. } => 3 * out,
-        Op::CacheWrite { .. } => 0,
+        Op::CacheWrite { .. } | Op::CacheWriteKv { .. } => 0,
         // Sums of `world` buffers (the exchange is the collective's cost, not FLOPs).
         Op::Collective { world, .. } => *world as u64 * inp,
         Op::Sample { .. } => 8 * inp,

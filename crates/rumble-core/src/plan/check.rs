@@ -11,7 +11,8 @@
 //!    `slice`, a `permute` of size-1 axes, a `broadcast` adding size-1 axes) of `s`, lies in
 //!    `s`'s region at `s`'s offset plus the view's byte offset, and within `s`'s bytes;
 //! 4. in place: a value with `inplace_of = a` is a result of a pointwise node (elementwise or
-//!    fused; or a `cache_write` over its cache, a matmul over its addend, `Op::may_overwrite`)
+//!    fused; or a `cache_write` over its cache, each result of a `cache_write_kv` over its own
+//!    cache, a matmul over its addend: `Op::may_overwrite` of that result and operand)
 //!    reading `a` unbroadcast (same shape), has `a`'s exact slot and element size, and every
 //!    operand of that node that touches those bytes reads them with the same layout (a
 //!    pointwise node), or is `a` itself (any other node);
@@ -180,10 +181,14 @@ impl<'a> Checker<'a> {
         for (i, a) in self.plan.inplace_of.iter().enumerate() {
             let Some(a) = *a else { continue };
             let nd = self.node[i].map(|k| &self.trace.nodes[k]);
-            // Pointwise ops over any operand; `cache_write` over its cache, a matmul over its
-            // addend (`Op::may_overwrite`).
-            let over = |op: &Op, args: &[ValueId]| args.iter().enumerate().any(|(k, &x)| x == a && op.may_overwrite(k));
-            let Some(nd) = nd.filter(|nd| over(&nd.op, &nd.args)) else {
+            // Pointwise ops over any operand; `cache_write` over its cache (`cache_write_kv`
+            // each result over its own), a matmul over its addend (`Op::may_overwrite`).
+            let out = ValueId(i as u32);
+            let over = |nd: &crate::ir::Node| {
+                let j = nd.outs.iter().position(|&x| x == out);
+                j.is_some_and(|j| nd.args.iter().enumerate().any(|(k, &x)| x == a && nd.op.may_overwrite(j, k)))
+            };
+            let Some(nd) = nd.filter(|nd| over(nd)) else {
                 return Err(err(format!("%{i} is marked in place over {a}, but is not pointwise on it")));
             };
             if self.trace.ty(a).shape != self.trace.types[i].shape {

@@ -160,6 +160,7 @@ fn may_overwrite_any(op: &Op) -> bool {
         || matches!(
             op,
             Op::CacheWrite { .. }
+                | Op::CacheWriteKv { .. }
                 | Op::Matmul { acc: Addend::Full, .. }
                 | Op::MatmulPre { acc: Addend::Full, .. }
                 | Op::RmsNormBackward { acc: true, .. }
@@ -401,9 +402,11 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
 
     /// An operand of node `node` whose arena buffer `o` may continue in place.
     fn arena_inplace(&self, node: usize, o: ValueId) -> Option<(ValueId, usize)> {
-        for (k, &a) in self.trace.nodes[node].args.iter().enumerate() {
+        let nd = &self.trace.nodes[node];
+        let j = nd.outs.iter().position(|&x| x == o)?;
+        for (k, &a) in nd.args.iter().enumerate() {
             let (r, _) = self.resolve(a);
-            if !self.trace.nodes[node].op.may_overwrite(k) {
+            if !nd.op.may_overwrite(j, k) {
                 continue;
             }
             let Storage::Buffer(buf) = self.values[r.index()].storage else { continue };
@@ -440,9 +443,10 @@ impl<F: Fn(ValueId) -> Option<usize>> Builder<'_, F> {
         if self.values[cur.index()].storage != Storage::Buffer(usize::MAX) {
             return false; // already placed
         }
+        let Some(j) = nd.outs.iter().position(|&x| x == cur) else { return false };
         for (k, &a) in nd.args.iter().enumerate() {
             let (r, _) = self.resolve(a);
-            if !nd.op.may_overwrite(k) || !self.overwritable(node, a, cur, r) {
+            if !nd.op.may_overwrite(j, k) || !self.overwritable(node, a, cur, r) {
                 continue;
             }
             chain.push((a, cur));

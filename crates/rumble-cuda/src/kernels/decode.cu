@@ -1,5 +1,6 @@
 // The decoding ops (specs in rumble_core's ir/op.rs, CPU reference in cpu/decode.rs):
-// rope_at, cache_write, attention_cached and sample. Positions and sampling keys are i64.
+// rope_at, cache_write (and cache_write_kv), attention_cached and sample. Positions and sampling
+// keys are i64.
 
 // rope_at's rotation of one pair (u, v) = (x[j], x[j + d/2]) of a row at position p: the angle
 // p * inv[j] in float, its cosine and sine in double rounded to A. The one formula of the three
@@ -96,6 +97,48 @@ __device__ void cache_write_rope(T* __restrict__ cache, const T* __restrict__ nw
     rope_pair((float)p, inv[j], ldf(x[j]), ldf(x[j + half]), y0, y1);
     stf(&y[j], y0);
     stf(&y[j + half], y1);
+  }
+}
+
+// A layer's keys and values written in one launch (Op::CacheWriteKv): new rows kn and vn
+// [B, T, R] into caches kc and vc [B, S, R] at rows pos[b] + t. With `rope` a thread takes
+// frequency j of a head: the keys' elements j and j + d/2 rotated as cache_write_rope rotates
+// them, the values' same two elements copied; without, one element of each. Rows outside the
+// cache are skipped and reported as cache_write does.
+template <typename T>
+__device__ void cache_write_kv(T* __restrict__ kc, T* __restrict__ vc, const T* __restrict__ kn,
+                               const T* __restrict__ vn, const i64* __restrict__ pos, i64 b_len, i64 s, i64 t_len,
+                               i64 r, i64 d, const RopeFreqs& f, int rope, int* status, int tag) {
+  __shared__ float inv[ROPE_MAX_HALF];
+  const i64 half = d / 2, units = rope ? r / 2 : r;  // r = H * d elements a row
+  if (rope) stage_rope_freqs(inv, f, half);
+  typedef typename Acc<T>::t A;
+  const i64 total = b_len * t_len * units;
+  for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+    i64 b, t, q;
+    split3(e, total, t_len, units, b, t, q);
+    const i64 p = pos[b] + t;
+    if (p < 0 || p >= s) {
+      if (q == 0) report(status, tag, 1, p);
+      continue;
+    }
+    const T* k = kn + (b * t_len + t) * r;
+    const T* v = vn + (b * t_len + t) * r;
+    T* kd = kc + (b * s + p) * r;
+    T* vd = vc + (b * s + p) * r;
+    if (rope) {
+      const int hf = (int)half, h = (int)q / hf, j = (int)q - h * hf;  // q < units: 32 bits
+      const i64 at = (i64)h * d + j;
+      A y0, y1;
+      rope_pair((float)p, inv[j], ldf(k[at]), ldf(k[at + half]), y0, y1);
+      stf(&kd[at], y0);
+      stf(&kd[at + half], y1);
+      vd[at] = v[at];
+      vd[at + half] = v[at + half];
+    } else {
+      kd[q] = k[q];
+      vd[q] = v[q];
+    }
   }
 }
 
@@ -610,6 +653,12 @@ __device__ void sample(const T* __restrict__ x, const i64* __restrict__ key, i64
                                                     i64 t_len, i64 r, i64 d, RopeFreqs f, int* status, int tag) {\
     pdl_enter();                                                                                                \
     cache_write_rope<T>(cache, nw, pos, b_len, s, t_len, r, d, f, status, tag);                                 \
+  }                                                                                                             \
+  extern "C" __global__ void cache_write_kv_##SUF(T* kc, T* vc, const T* kn, const T* vn, const i64* pos,     \
+                                                  i64 b_len, i64 s, i64 t_len, i64 r, i64 d, RopeFreqs f,       \
+                                                  int rope, int* status, int tag) {                             \
+    pdl_enter();                                                                                                \
+    cache_write_kv<T>(kc, vc, kn, vn, pos, b_len, s, t_len, r, d, f, rope, status, tag);                        \
   }                                                                                                             \
   AC_KERNEL(T, SUF, 4) AC_KERNEL(T, SUF, 8) AC_KERNEL(T, SUF, 16)                                              \
   extern "C" __global__ void attention_cached_combine_##SUF(const float* part, const float* ml, T* o, i64 d,    \

@@ -138,7 +138,11 @@ fn prepare_device(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType])
             return fused_recipe(dev, op.name(), &f, out_n);
         }
         Op::Fused(body) => return fused_recipe(dev, op.name(), &Fused::of_body(body)?, out_n),
-        Op::RopeAt { .. } | Op::CacheWrite { .. } | Op::AttentionCached { .. } | Op::Sample { .. } => {
+        Op::RopeAt { .. }
+        | Op::CacheWrite { .. }
+        | Op::CacheWriteKv { .. }
+        | Op::AttentionCached { .. }
+        | Op::Sample { .. } => {
             return crate::decode::recipe(dev, op, at, ot);
         }
         // NCCL on the step's stream (crate::nccl), from the operand into the result.

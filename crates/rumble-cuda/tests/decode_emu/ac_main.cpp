@@ -27,22 +27,33 @@ inline void stage_rope_freqs(float* inv, const RopeFreqs& f, i64 half) {
 }
 #include "ac.cuh"
 // cw B T S H D POS...: cache_write and cache_write_rope (theta 10000) of new rows [B, T, H * D]
-// into caches [B, S, H * D] at each sequence's position, on a grid of 3 blocks of 64 threads (so
-// each thread takes several elements), against the rows copied (rotated as rope_pair does) by
-// hand; rows past the cache are skipped. Exit 1 on any difference.
+// into caches [B, S, H * D] at each sequence's position, and cache_write_kv (plain and
+// rotating) writing those rows as keys and other rows as values into two caches, on a grid of 3
+// blocks of 64 threads (so each thread takes several elements), against the rows copied (keys
+// rotated as rope_pair does) by hand; rows past the cache are skipped. Exit 1 on any difference.
 static int cache_writes(int argc, char** argv) {
   const i64 b = atoi(argv[2]), t = atoi(argv[3]), s = atoi(argv[4]), h = atoi(argv[5]), d = atoi(argv[6]);
   const i64 r = h * d;
   std::vector<i64> pos(b);
   for (i64 i = 0; i < b; ++i) pos[i] = argc > 7 + i ? atoi(argv[7 + i]) : 0;
   std::mt19937 g(9); std::normal_distribution<float> n(0, 1);
-  std::vector<float> nw(b * t * r);
+  std::vector<float> nw(b * t * r), vn(b * t * r);
   for (auto& x : nw) x = n(g);
+  for (auto& x : vn) x = n(g);
   RopeFreqs f{};
   for (i64 j = 0; j < d / 2; ++j) f.inv[j] = (float)pow(10000.0, -2.0 * j / d);
   int fails = 0;
-  for (int rope = 0; rope < 2; ++rope) {
-    std::vector<float> cache(b * s * r, -7.0f), want(cache);
+  auto report_diff = [&](const char* what, int rope, const std::vector<float>& got, const std::vector<float>& want) {
+    int bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
+    printf("%s %s%s b %lld t %lld s %lld h %lld d %lld: %d elements differ\n", bad ? "FAIL" : "ok  ", what,
+           rope ? " rope" : "", b, t, s, h, d, bad);
+    fails += bad != 0;
+  };
+  // An odd head size has no rotation: only the plain writes.
+  for (int rope = 0; rope < (d % 2 ? 1 : 2); ++rope) {
+    // The keys' cache as expected (rotated with rope), and the values' (copied).
+    std::vector<float> cache(b * s * r, -7.0f), want(cache), vcache(b * s * r, -5.0f), vwant(vcache);
     for (i64 bb = 0; bb < b; ++bb) for (i64 tt = 0; tt < t; ++tt) {
       const i64 p = pos[bb] + tt;
       if (p < 0 || p >= s) continue;
@@ -52,17 +63,20 @@ static int cache_writes(int argc, char** argv) {
         if (rope && j < d / 2) { float y0, y1; rope_pair((float)p, f.inv[j], x[j], x[j + d / 2], y0, y1); y = y0; }
         if (rope && j >= d / 2) { float y0, y1; rope_pair((float)p, f.inv[j - d / 2], x[j - d / 2], x[j], y0, y1); y = y1; }
         want[(bb * s + p) * r + hh * d + j] = y;
+        vwant[(bb * s + p) * r + hh * d + j] = vn[(bb * t + tt) * r + hh * d + j];
       }
     }
+    std::vector<float> kc(cache), vc(vcache);
     emu::launch({3, 1, 1}, 64, 0, [&] {
       if (rope) cache_write_rope<float>(cache.data(), nw.data(), pos.data(), b, s, t, r, d, f, nullptr, 0);
       else cache_write<float>(cache.data(), nw.data(), pos.data(), b, s, t, r, nullptr, 0);
     });
-    int bad = 0;
-    for (size_t i = 0; i < cache.size(); ++i) bad += cache[i] != want[i];
-    printf("%s cache_write%s b %lld t %lld s %lld h %lld d %lld: %d elements differ\n", bad ? "FAIL" : "ok  ",
-           rope ? "_rope" : "", b, t, s, h, d, bad);
-    fails += bad != 0;
+    report_diff(rope ? "cache_write_rope" : "cache_write", 0, cache, want);
+    emu::launch({3, 1, 1}, 64, 0, [&] {
+      cache_write_kv<float>(kc.data(), vc.data(), nw.data(), vn.data(), pos.data(), b, s, t, r, d, f, rope, nullptr, 0);
+    });
+    report_diff("cache_write_kv keys", rope, kc, want);
+    report_diff("cache_write_kv values", rope, vc, vwant);
   }
   return fails ? 1 : 0;
 }

@@ -13,7 +13,8 @@
 //! Persistent inputs: the parameters (`param`, `param_specs` order), then `cache.{l}.k` and
 //! `cache.{l}.v` (`state`, `(B, S, Hkv, D)` in the model's dtype, S = the maximum length),
 //! each rewritten by a `cache_write` whose result is its `Update` output (planned in place, so
-//! a step writes only its new rows). Outputs: `next` i64 `(B)` (the sampled tokens) and, when
+//! a step writes only its new rows; `passes::fold_cache_writes` joins a layer's two into one
+//! node). Outputs: `next` i64 `(B)` (the sampled tokens) and, when
 //! asked, `logits` `(B, V)`.
 //!
 //! A prefill attends causally within its own rows (flash attention, positions `0..T`); a
