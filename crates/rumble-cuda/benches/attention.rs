@@ -2,7 +2,9 @@
 //! 8 kv heads, causal, head size 64 and 128, seq 2048 and 4096) and the attention of the
 //! `seed-qwen2` (bf16, head size 1, 28/4 heads, seq 4096) and `seed-llama` (f32, head size 100,
 //! 32 heads, seq 2048) workloads. Kernels run straight on device buffers (no executor, no
-//! host copies in the timed loop). Prints a table; `RUMBLE_ATTN_ITERS` sets the timed
+//! host copies in the timed loop), prepared as the executors prepare them: `RUMBLE_ATTENTION`
+//! decides (by default cuDNN's fused attention where it times faster for the shape, `flash`
+//! for rumble's kernels alone). Prints a table; `RUMBLE_ATTN_ITERS` sets the timed
 //! iterations, `RUMBLE_ATTN_SHAPES=name,name` picks shapes, `RUMBLE_ATTN_LAYOUT=bthd` runs the
 //! operands in the sequence-major layout `[B, T, H, D]` the models use (default `bhtd`; the
 //! dump below needs `bhtd`).
