@@ -747,15 +747,19 @@ fn choose(dev: &Device, g: &Sdpa, r: &Recipe, op: &Op, at: &[&TensorType]) -> bo
                 return false;
             }
             let Some(Ok(flash)) = crate::flash::recipe(dev, op, at) else { return true };
-            let p = match (time(dev, &flash, op, at), time(dev, r, op, at)) {
-                (Ok(f), Ok(c)) => c < MARGIN * f,
+            match (time(dev, &flash, op, at), time(dev, r, op, at)) {
+                (Ok(f), Ok(c)) => {
+                    let p = c < MARGIN * f;
+                    if let Some(f) = &file {
+                        tune::remember(f, &key, if p { "cudnn" } else { "flash" });
+                    }
+                    p
+                }
+                // A timing that failed (scratch buffers that did not fit, say) decides for this
+                // process only: nothing is remembered that a later process would not re-time.
                 (Err(_), Ok(_)) => true,
                 _ => false,
-            };
-            if let Some(f) = &file {
-                tune::remember(f, &key, if p { "cudnn" } else { "flash" });
             }
-            p
         }
     };
     cache.lock().unwrap_or_else(|e| e.into_inner()).chosen.insert(g.clone(), pick);

@@ -623,7 +623,9 @@ impl Device {
         let algo = match p.algo {
             Algo::Lt(algo) => algo,
             Algo::Gemv(_) => unreachable!("launched above"),
-            Algo::Classic if key.row_addend => unreachable!("no classic candidate adds a row"),
+            Algo::Classic if key.row_addend => {
+                return Err(CudaError::usage(format!("matmul {key:?}: classic cuBLAS cannot add a row addend")));
+            }
             Algo::Classic => {
                 if reads_c {
                     let bytes = (key.batch.max(1) * key.m * key.n) as usize * key.out.size_in_bytes();
