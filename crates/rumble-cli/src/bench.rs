@@ -159,6 +159,8 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
             let ms = t.elapsed().as_secs_f64() * 1e3;
             if i == 0 { first_ms = ms } else { times.push(ms) }
         }
+        // Each step's time in order, so a drift (a device slowing as it heats) shows.
+        let in_order: Vec<f64> = times.iter().map(|&t| round2(t)).collect();
         times.sort_by(f64::total_cmp);
         let median = times.get(times.len() / 2).copied().unwrap_or(first_ms);
         let tokens = (sc.batch * sc.seq * sc.grad_accum) as f64;
@@ -170,7 +172,7 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
             "workload": r.name, "executor": executor, "train": a.train,
             "batch": sc.batch, "seq": sc.seq, "grad_accum": sc.grad_accum, "steps": times.len(),
             "build_ms": round2(build_ms), "first_step_ms": round2(first_ms + build_ms), "median_step_ms": round2(median),
-            "tokens_per_s": (tokens / median * 1e3).round(), "last_loss": loss,
+            "tokens_per_s": (tokens / median * 1e3).round(), "last_loss": loss, "step_ms": in_order,
         });
         // The executor's byte counts (peak_allocated_bytes, load_bytes, arena_bytes, ...), and
         // what compile chose under the memory budget, if priced.
@@ -220,6 +222,8 @@ fn profile(
     // With --train, the optimizer states start at zero (a first step's values).
     let persistent = rumble_models::trainer::persistent_values(config, sc, weights, &step.states)?;
     let mut exec = CudaExecutor::with_options(trace, persistent, CudaMode::Planned, &opts)?;
+    // What the cost model predicted for each node, asked before the profile records its times.
+    let predicted = exec.predicted_node_seconds(&opts)?;
     let causal = sc.objective == Objective::CausalLm;
     let mut rng = Rng::for_name(a.seed, "bench");
     let mut times = Vec::new();
@@ -248,6 +252,21 @@ fn profile(
     }
     let mut by_op: Vec<_> = by_op.into_iter().collect();
     by_op.sort_by(|x, y| y.1.1.total_cmp(&x.1.1));
+    // Measured against predicted, by op (a node's launches together).
+    let mut by_node_op: std::collections::BTreeMap<&str, (usize, f64, f64)> = Default::default();
+    let mut seen = vec![false; predicted.len()];
+    for t in &times {
+        let k = by_node_op.entry(t.op).or_default();
+        k.1 += t.ms;
+        if let Some(s) = seen.get_mut(t.node).filter(|s| !**s) {
+            *s = true;
+            k.0 += 1;
+            k.2 += predicted[t.node] * 1e3;
+        }
+    }
+    let mut by_node_op: Vec<_> = by_node_op.into_iter().collect();
+    by_node_op.sort_by(|x, y| y.1.1.total_cmp(&x.1.1));
+    let predicted_ms: f64 = predicted.iter().sum::<f64>() * 1e3;
     let mut top: Vec<_> = times.iter().collect();
     top.sort_by(|x, y| y.ms.total_cmp(&x.ms));
     top.truncate(20);
@@ -260,9 +279,14 @@ fn profile(
             .iter()
             .map(|t| json!({"node": t.node, "op": t.op, "kernel": t.kernel, "out": t.out, "phase": t.phase, "ms": round3(t.ms)}))
             .collect();
-        crate::output::line(
-            json!({"workload": name, "executor": "rumble-profile", "device_ms": round3(total), "by_op": ops, "slowest": nodes}),
-        )?;
+        let predicted: Vec<_> = by_node_op
+            .iter()
+            .map(|(op, (n, ms, p))| json!({"op": op, "nodes": n, "ms": round3(*ms), "predicted_ms": round3(*p)}))
+            .collect();
+        crate::output::line(json!({
+            "workload": name, "executor": "rumble-profile", "device_ms": round3(total),
+            "predicted_ms": round3(predicted_ms), "by_op": ops, "predicted_by_op": predicted, "slowest": nodes
+        }))?;
         return Ok(());
     }
     crate::outln!(
@@ -272,6 +296,11 @@ fn profile(
     crate::outln!("{:<22} {:<40} {:>6} {:>10} {:>6}", "op", "kernel", "steps", "ms", "%")?;
     for ((op, k), (n, ms)) in &by_op {
         crate::outln!("{op:<22} {k:<40} {n:>6} {ms:>10.3} {:>5.1}%", 100.0 * ms / total.max(1e-9))?;
+    }
+    crate::outln!("\nmeasured against the cost model's prediction ({predicted_ms:.3} ms in all), by op:")?;
+    crate::outln!("{:<22} {:>6} {:>10} {:>12} {:>8}", "op", "nodes", "ms", "predicted", "pred/ms")?;
+    for (op, (n, ms, p)) in &by_node_op {
+        crate::outln!("{op:<22} {n:>6} {ms:>10.3} {p:>12.3} {:>8.2}", p / ms.max(1e-9))?;
     }
     crate::outln!("\nslowest launches:")?;
     crate::outln!("{:>6} {:<9} {:<22} {:<40} {:<26} {:>9}", "node", "phase", "op", "kernel", "output", "ms")?;

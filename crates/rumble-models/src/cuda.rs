@@ -125,6 +125,15 @@ impl CudaExecutor {
         &self.prog
     }
 
+    /// Each node's time as the compiler's cost model predicts it (`opts.cost`, else the
+    /// device's: `Program::compile_options`), in node order. Asked before a profile, it shows
+    /// which nodes the prediction misses (a profile records its own times for later models).
+    pub fn predicted_node_seconds(&self, opts: &CompileOptions) -> Result<Vec<f64>> {
+        let opts = Program::compile_options(&self.prog.dev, opts)?;
+        let cost = opts.cost.ok_or_else(|| ModelError::Usage("no cost model".into()))?;
+        Ok(rumble_core::cost::node_times(cost.as_ref(), &self.prog.trace))
+    }
+
     /// One step timed launch by launch (device events around each kernel or matmul): `None` unless the
     /// executor launches node by node (planned). Each node's time is recorded for the cost model
     /// (`Program::record_times`). Launch gaps are not counted, so the sum is
