@@ -244,6 +244,29 @@ impl Roofline {
         compute.max(bytes / r.memory) + r.launch
     }
 
+    /// The share of a node's time its tensor-core work takes, 0 to 1: its FLOPs at the
+    /// tensor cores' rate over the whole roofline time, for the ops that run on them (matmuls,
+    /// attention, the fused loss); 0 for the others. A device whose clocks drop under a long
+    /// load slows this share of a node (`DeviceCost`'s sustained slowdown).
+    pub fn tensor_share(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        let tensor = matches!(
+            op,
+            Op::Matmul { .. }
+                | Op::MatmulPre { .. }
+                | Op::Attention { .. }
+                | Op::AttentionBackward { .. }
+                | Op::LinearCrossEntropy { .. }
+                | Op::LinearCrossEntropyBackward { .. }
+                | Op::LinearCrossEntropyGrad { .. }
+        );
+        let Some(a) = args.first().filter(|_| tensor) else { return 0.0 };
+        let total = self.node_seconds(op, args, outs);
+        if total <= 0.0 {
+            return 0.0;
+        }
+        (flops(op, args, outs) as f64 / self.rates.matmul_rate(a.dtype) / total).clamp(0.0, 1.0)
+    }
+
     /// Seconds of a kernel streaming `bytes` and doing `flops` on the vector units.
     pub fn stream_seconds(&self, bytes: f64, flops: f64, launches: usize) -> f64 {
         (bytes / self.rates.memory).max(flops / self.rates.vector) + launches as f64 * self.rates.launch
@@ -413,11 +436,13 @@ impl CostModel for Measured {
     }
 }
 
-/// The file of measured times for device `device` in folder `dir`: `times-<device>.txt`, one
-/// `key<TAB>seconds` line each (the last line of a key wins).
+/// The file of measured times for device `device` in folder `dir`: `times2-<device>.txt`, one
+/// `key<TAB>seconds` line each (the last line of a key wins). Version 2: a probe's time is
+/// what the node takes on a device kept busy (`DeviceCost`'s sustained slowdown applied), so
+/// the files of version 1, timed at the clocks of a device at rest, are not read.
 pub fn times_file(dir: &Path, device: &str) -> PathBuf {
     let name: String = device.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-    dir.join(format!("times-{name}.txt"))
+    dir.join(format!("times2-{name}.txt"))
 }
 
 /// Appends measured times to `device`'s file in `dir` (one whole line per write, so
@@ -567,5 +592,21 @@ mod tests {
         );
         assert!(other < 1e-4, "unmeasured shapes fall back to the roofline: {other}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn tensor_share_is_a_large_matmuls_nearly_all_and_a_norms_none() {
+        let r = Roofline::default();
+        let mm = Op::Matmul { ta: false, tb: true, out: None, acc: crate::ir::Addend::None };
+        let (x, w, y) =
+            (ty(DType::BF16, &[4096, 4096]), ty(DType::BF16, &[14336, 4096]), ty(DType::BF16, &[4096, 14336]));
+        let big = r.tensor_share(&mm, &[&x, &w], &[&y]);
+        assert!(big > 0.8 && big <= 1.0, "a large matmul is compute-bound: {big}");
+        // One row: the weight's bytes, not the tensor cores, set its time.
+        let (x1, y1) = (ty(DType::BF16, &[1, 4096]), ty(DType::BF16, &[1, 14336]));
+        let thin = r.tensor_share(&mm, &[&x1, &w], &[&y1]);
+        assert!(thin < 0.05, "a matrix-vector product is memory-bound: {thin}");
+        let g = ty(DType::BF16, &[4096]);
+        assert_eq!(r.tensor_share(&Op::RmsNorm { eps: 1e-5 }, &[&x, &g], &[&x]), 0.0);
     }
 }
