@@ -37,6 +37,6 @@ pub use device::{Device, available};
 pub use error::{CudaError, Result};
 
 pub use exec::{
-    BucketedGraphs, DeviceCost, EagerExecutor, Executor, GraphMode, GraphedExecutor, MemoryStats, PlannedExecutor,
-    Program,
+    BucketedGraphs, DeviceCost, EagerExecutor, Executor, GraphMode, GraphedExecutor, MAX_SLOWDOWN, MemoryStats,
+    PlannedExecutor, Program, SLOWDOWN_KEY,
 };

@@ -11,7 +11,7 @@ use common::{gpu, tiny_step};
 use rumble_core::compile::{CompileOptions, compile};
 use rumble_core::cost::{CostModel, DeviceRates, node_key, times_file};
 use rumble_core::ir::{DType, Op, Shape, TensorType};
-use rumble_cuda::{DeviceCost, Program};
+use rumble_cuda::{DeviceCost, MAX_SLOWDOWN, Program, SLOWDOWN_KEY};
 
 fn ty(dtype: DType, dims: &[usize]) -> TensorType {
     TensorType::new(dtype, Shape::from(dims))
@@ -53,9 +53,17 @@ fn a_node_is_probed_once_and_remembered() {
     assert_eq!(cost.node_seconds(&r, &[&x], &[&ty(DType::F32, &[1024, 4096])]), 0.0);
     assert_eq!(cost.probed(), 2);
 
-    // The file has both keys; a new model reads them instead of probing.
+    // The file has both keys, and the device's sustained slowdown, measured before the first
+    // probe; a new model reads them instead of probing.
     let text = std::fs::read_to_string(times_file(&dir, &dev.name)).expect("times file");
     assert!(text.contains(&node_key(&mm, &[&a, &b], &[&out])), "{text}");
+    let slowdown: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{SLOWDOWN_KEY}\t")))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the slowdown in the times file");
+    assert!((1.0..=MAX_SLOWDOWN).contains(&slowdown), "{slowdown}");
+    assert!(cost.describe().contains("sustained slowdown"), "{}", cost.describe());
     let later = DeviceCost::new(dev.clone(), rates);
     let s2 = later.node_seconds(&mm, &[&a, &b], &[&out]);
     assert_eq!(later.probed(), 0);

@@ -65,7 +65,7 @@ const BURN_LAUNCHES: usize = 4000;
 const SLOWDOWN_DIM: usize = 8192;
 pub const MAX_SLOWDOWN: f64 = 1.5;
 /// The key of the slowdown in the device's times file.
-const SLOWDOWN_KEY: &str = "sustained tensor-core slowdown";
+pub const SLOWDOWN_KEY: &str = "sustained tensor-core slowdown";
 /// Bytes overwritten before each timed run (more than any current GPU's L2 cache).
 const SCRUB_BYTES: usize = 256 << 20;
 
