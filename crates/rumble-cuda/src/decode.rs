@@ -11,7 +11,9 @@
 //! - `attention_cached` is flash-decoding: a block takes all query heads of one kv head (so K
 //!   and V are read once) and one run of the visible keys, a tile at a time with an online
 //!   softmax in f32; the run count ([`AttentionSplit`]) brings a decode step's few groups to
-//!   two waves of blocks. A decode step's attention is latency-bound, so the kernel issues a
+//!   two waves of blocks, each run holding at least a number of keys timed once per shape
+//!   ([`split_keys`]: shorter runs put more blocks on a step of few groups, longer ones leave
+//!   less to combine). A decode step's attention is latency-bound, so the kernel issues a
 //!   tile's K and V loads together, before it reads the queries. With several runs each leaves
 //!   its (max, sum, p.v) in the recipe's scratch and the last block of its group to finish
 //!   rescales and sums them (counting in the device's counters; `attention_cached_combine`, a
@@ -59,7 +61,6 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
     }
     let m = dev.module(KernelFile::Decode.name(), &source(), Options { fmad: false })?;
     let mut steps = Vec::new();
-    let mut scratch = 0;
     let mut kernel = |name: &str, grid: u32, block: u32, args: Vec<Arg>| -> Result<()> {
         let name = format!("{name}_{sfx}");
         steps.push(Step::Kernel { func: m.function(&name)?, name, grid: (grid.max(1), 1, 1), block, smem: 0, args });
@@ -181,53 +182,9 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
             if d > THREADS as usize {
                 return unsupported(&format!("head size {d} (at most {THREADS})"));
             }
-            let plan = AttentionSplit::new([b, t, hq, hkv, s, d], dev.multiprocessors);
-            let rows = b * t * hq;
-            let (part_bytes, ml_at) = plan.scratch(rows, d);
-            let grid = u32::try_from(plan.groups * plan.splits)
-                .map_err(|_| CudaError::usage(format!("attention_cached: {} blocks", plan.groups * plan.splits)))?;
-            let mut args = vec![
-                Arg::In(0),
-                Arg::In(1),
-                Arg::In(2),
-                Arg::In(3),
-                Arg::Out(0),
-                Arg::Scratch(0),
-                Arg::Scratch(ml_at),
-                Arg::I64(t as i64),
-                Arg::I64(hq as i64),
-                Arg::I64(s as i64),
-                Arg::I64(hkv as i64),
-                Arg::I64(d as i64),
-                Arg::I64(plan.heads as i64),
-                Arg::I64(plan.rows as i64),
-                Arg::I64(plan.splits as i64),
-                Arg::I64(plan.chunk as i64),
-                Arg::F64(*scale),
-                Arg::Blob(freqs),
-                Arg::I32(rope.is_some() as i32),
-            ];
-            // The last block of each group combines the splits where the device's counters
-            // hold one per group; otherwise a combine kernel of its own does.
-            let counted = plan.splits > 1 && plan.groups <= crate::device::COUNTERS;
-            args.push(if counted { Arg::Counters } else { Arg::I64(0) });
-            // The instance of the least slot bound holding the block's slots (`AC_KERNEL`).
-            let slots = plan.heads * plan.rows;
-            let ns = [4, 8].into_iter().find(|&n| slots <= n).unwrap_or(MAX_SLOTS);
-            kernel(&format!("attention_cached{ns}"), grid, THREADS, args)?;
-            if counted {
-                scratch = part_bytes;
-            } else if plan.splits > 1 {
-                let args = vec![
-                    Arg::Scratch(0),
-                    Arg::Scratch(ml_at),
-                    Arg::Out(0),
-                    Arg::I64(d as i64),
-                    Arg::I64(plan.splits as i64),
-                ];
-                kernel("attention_cached_combine", rows as u32, (d as u32).next_multiple_of(32).min(THREADS), args)?;
-                scratch = part_bytes;
-            }
+            let shape = [b, t, hq, hkv, s, d];
+            let keys = split_keys(dev, op, at, shape)?;
+            return cached_attention(dev, op, at, AttentionSplit::with_min_keys(shape, dev.multiprocessors, keys));
         }
         Op::Sample { temperature, top_k, top_p } => {
             let (rows, v) = (at[0].dims()[0], at[0].dims()[1]);
@@ -245,7 +202,170 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
         _ => return unsupported("this op (not a decoding op)"),
     }
     let _ = ot;
+    Ok(Recipe { op: op.name(), steps, scratch: 0, node_scratch: 0 })
+}
+
+/// How the recipe of `attention_cached` on `at` splits its work on `dev` (the split timed per
+/// shape, [`split_keys`]), or `None` where it runs on the flash forward (a prefill chunk of
+/// [`FLASH_MIN_ROWS`] rows or more that the flash kernels take).
+pub fn attention_split(dev: &Device, op: &Op, at: &[&TensorType]) -> Result<Option<AttentionSplit>> {
+    let Op::AttentionCached { scale, .. } = op else {
+        return Err(CudaError::usage(format!("{}: not attention_cached", op.name())));
+    };
+    let (q, k) = (at[0].dims(), at[1].dims());
+    let shape = [q[0], q[1], q[2], k[2], k[1], q[3]];
+    if q[1] >= FLASH_MIN_ROWS && crate::flash::cached_recipe(dev, at, *scale).is_some() {
+        return Ok(None);
+    }
+    Ok(Some(AttentionSplit::with_min_keys(shape, dev.multiprocessors, split_keys(dev, op, at, shape)?)))
+}
+
+/// `attention_cached`'s recipe on the decode kernel, split as `plan` says.
+fn cached_attention(dev: &Device, op: &Op, at: &[&TensorType], plan: AttentionSplit) -> Result<Recipe> {
+    let Op::AttentionCached { scale, rope } = op else {
+        return Err(CudaError::usage(format!("{}: not attention_cached", op.name())));
+    };
+    let (q, k) = (at[0].dims(), at[1].dims());
+    let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
+    let sfx = match at[0].dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => return Err(CudaError::Unsupported(format!("attention_cached on {dt}"))),
+    };
+    let freqs = match rope {
+        Some(r) => crate::recipe::rope_freqs("attention_cached", &r.scaling.inv_freq(r.theta, d))?,
+        None => crate::recipe::rope_freqs("attention_cached", &[])?,
+    };
+    let m = dev.module(KernelFile::Decode.name(), &source(), Options { fmad: false })?;
+    let mut steps = Vec::new();
+    let mut scratch = 0;
+    let mut kernel = |name: &str, grid: u32, block: u32, args: Vec<Arg>| -> Result<()> {
+        let name = format!("{name}_{sfx}");
+        steps.push(Step::Kernel { func: m.function(&name)?, name, grid: (grid.max(1), 1, 1), block, smem: 0, args });
+        Ok(())
+    };
+    let rows = b * t * hq;
+    let (part_bytes, ml_at) = plan.scratch(rows, d);
+    let grid = u32::try_from(plan.groups * plan.splits)
+        .map_err(|_| CudaError::usage(format!("attention_cached: {} blocks", plan.groups * plan.splits)))?;
+    let mut args = vec![
+        Arg::In(0),
+        Arg::In(1),
+        Arg::In(2),
+        Arg::In(3),
+        Arg::Out(0),
+        Arg::Scratch(0),
+        Arg::Scratch(ml_at),
+        Arg::I64(t as i64),
+        Arg::I64(hq as i64),
+        Arg::I64(s as i64),
+        Arg::I64(hkv as i64),
+        Arg::I64(d as i64),
+        Arg::I64(plan.heads as i64),
+        Arg::I64(plan.rows as i64),
+        Arg::I64(plan.splits as i64),
+        Arg::I64(plan.chunk as i64),
+        Arg::F64(*scale),
+        Arg::Blob(freqs),
+        Arg::I32(rope.is_some() as i32),
+    ];
+    // The last block of each group combines the splits where the device's counters
+    // hold one per group; otherwise a combine kernel of its own does.
+    let counted = plan.splits > 1 && plan.groups <= crate::device::COUNTERS;
+    args.push(if counted { Arg::Counters } else { Arg::I64(0) });
+    // The instance of the least slot bound holding the block's slots (`AC_KERNEL`).
+    let slots = plan.heads * plan.rows;
+    let ns = [4, 8].into_iter().find(|&n| slots <= n).unwrap_or(MAX_SLOTS);
+    kernel(&format!("attention_cached{ns}"), grid, THREADS, args)?;
+    if counted {
+        scratch = part_bytes;
+    } else if plan.splits > 1 {
+        let args =
+            vec![Arg::Scratch(0), Arg::Scratch(ml_at), Arg::Out(0), Arg::I64(d as i64), Arg::I64(plan.splits as i64)];
+        kernel("attention_cached_combine", rows as u32, (d as u32).next_multiple_of(32).min(THREADS), args)?;
+        scratch = part_bytes;
+    }
     Ok(Recipe { op: op.name(), steps, scratch, node_scratch: 0 })
+}
+
+/// The least keys a split of `attention_cached` holds on the decode kernel, for q `[b, t, hq,
+/// d]` over a cache of `s` positions and `hkv` heads: each of [`SPLIT_KEYS`] that gives a
+/// split of its own is timed once per shape on the device, over a full cache, and the fastest
+/// is kept (remembered in `attention-cached-<gpu>-1.txt` in the kernel cache folder where there
+/// is one, like the matmul tuner's choices). More, shorter splits put more blocks on a
+/// latency-bound step; fewer leave less for the combine. [`MIN_SPLIT_KEYS`] where nothing can
+/// be timed (a graph being captured, every timing failed).
+fn split_keys(dev: &Device, op: &Op, at: &[&TensorType], shape: [usize; 6]) -> Result<usize> {
+    let mut plans: Vec<(usize, AttentionSplit)> = Vec::new();
+    for keys in SPLIT_KEYS {
+        let p = AttentionSplit::with_min_keys(shape, dev.multiprocessors, keys);
+        if !plans.iter().any(|(_, q)| q.splits == p.splits) {
+            plans.push((keys, p));
+        }
+    }
+    if plans.len() < 2 {
+        return Ok(MIN_SPLIT_KEYS);
+    }
+    let key = format!("{op:?} {shape:?} {}", at[0].dtype);
+    let cache = dev.cache::<SplitCache>();
+    if let Some(&k) = cache.lock().unwrap_or_else(|e| e.into_inner()).0.get(&key) {
+        return Ok(k);
+    }
+    let file = crate::tune::cache_file(dev, "attention-cached", 1);
+    let remembered = file.as_ref().and_then(|f| crate::tune::remembered(f, &key)).and_then(|v| v.parse().ok());
+    let keys = match remembered {
+        Some(k) => k,
+        None if crate::tune::capturing(dev) => return Ok(MIN_SPLIT_KEYS),
+        None => {
+            let mut best: Option<(f64, usize)> = None;
+            for (keys, plan) in plans {
+                // A candidate that fails to build or to time (scratch that does not fit, say) is
+                // left out.
+                let Ok(r) = cached_attention(dev, op, at, plan) else { continue };
+                if let Ok(ms) = time_split(dev, &r, op, at, shape)
+                    && best.is_none_or(|(b, _)| ms < b)
+                {
+                    best = Some((ms, keys));
+                }
+            }
+            let Some((_, keys)) = best else { return Ok(MIN_SPLIT_KEYS) };
+            if let Some(f) = &file {
+                crate::tune::remember(f, &key, &keys.to_string());
+            }
+            keys
+        }
+    };
+    cache.lock().unwrap_or_else(|e| e.into_inner()).0.insert(key, keys);
+    Ok(keys)
+}
+
+/// The split choices this process made or read, by shape.
+#[derive(Default)]
+struct SplitCache(std::collections::HashMap<String, usize>);
+
+impl crate::device::DeviceCache for SplitCache {
+    fn release(&mut self) {}
+}
+
+/// Milliseconds per run of `r` on buffers of the op's shapes: small values everywhere, every
+/// sequence's position at the end of the cache (the most keys a step reads).
+fn time_split(dev: &Device, r: &Recipe, op: &Op, at: &[&TensorType], [b, t, _, _, s, _]: [usize; 6]) -> Result<f64> {
+    use crate::memory::DeviceBuffer;
+    let outs = op.infer(at).map_err(|e| CudaError::usage(format!("timing attention_cached: {e}")))?;
+    let mut bufs = Vec::new();
+    for ty in at.iter().copied().chain(outs.iter()) {
+        let buf = DeviceBuffer::new(dev, ty.size_in_bytes().max(1), "timing attention_cached")?;
+        crate::memory::fill(dev, buf.ptr, 0x3c, ty.size_in_bytes())?;
+        bufs.push(buf);
+    }
+    let pos: Vec<u8> = (0..b).flat_map(|_| (s.saturating_sub(t) as i64).to_le_bytes()).collect();
+    crate::memory::upload(dev, bufs[3].ptr, &pos)?;
+    let scratch = DeviceBuffer::new(dev, r.scratch.max(1), "timing attention_cached")?;
+    let ptrs: Vec<_> = bufs.iter().map(|x| x.ptr).collect();
+    let (args, outp) = ptrs.split_at(at.len());
+    let bb = crate::launch::Buffers { args, outs: outp, scratch: scratch.ptr, scratch_bytes: scratch.bytes, node: 0 };
+    crate::tune::time_ms(dev, SPLIT_RUNS, "attention_cached split timing", || unsafe { r.launch(dev, 0, &bb) })
 }
 
 /// The arguments of `rope_at_<dtype>`: `[x, pos, y]`, then `rows` rows of `d` in `[B, n1, n2]`
@@ -288,10 +408,14 @@ pub struct AttentionSplit {
     pub chunk: usize,
 }
 
-/// Keys a split holds at least: one tile of the kernel (`AC_TK` keys at bf16 head sizes up to 64),
-/// so a block's fixed costs (its query rows, the combine's partials) stay small beside its
-/// reads.
+/// Keys a split holds at least where the split is not timed ([`split_keys`]): one tile of the
+/// kernel (`AC_TK` keys at bf16 head sizes up to 64), so a block's fixed costs (its query rows,
+/// the combine's partials) stay small beside its reads.
 const MIN_SPLIT_KEYS: usize = 64;
+/// The least keys a split may hold, each timed per shape ([`split_keys`]).
+const SPLIT_KEYS: [usize; 4] = [16, 32, 64, 128];
+/// Timed runs of each candidate split.
+const SPLIT_RUNS: usize = 20;
 /// Slots (query rows times heads) a block takes at most (`AC_H` in `decode.cu`).
 const MAX_SLOTS: usize = 16;
 /// Splits at most (the combine reads every split's partial; `AC_MAX_SPLITS` in `decode.cu`).
@@ -301,13 +425,18 @@ impl AttentionSplit {
     /// For q `[b, t, hq, d]` over a cache of `s` positions and `hkv` heads on a device of `sms`
     /// multiprocessors: as many splits as bring the blocks to two waves, each of at least
     /// `MIN_SPLIT_KEYS` keys; one split when the groups alone fill the device (prefill).
-    pub fn new([b, t, hq, hkv, s, d]: [usize; 6], sms: usize) -> Self {
+    pub fn new(shape: [usize; 6], sms: usize) -> Self {
+        Self::with_min_keys(shape, sms, MIN_SPLIT_KEYS)
+    }
+
+    /// As [`AttentionSplit::new`], each split holding at least `min_keys` keys.
+    pub fn with_min_keys([b, t, hq, hkv, s, d]: [usize; 6], sms: usize, min_keys: usize) -> Self {
         let g = hq / hkv.max(1);
         let heads = g.min(MAX_SLOTS).min(2048 / d.max(1)).max(1);
         let rows = t.min(MAX_SLOTS / heads).min(2048 / (heads * d.max(1))).max(1);
         let groups = b * t.div_ceil(rows) * hkv * g.div_ceil(heads);
         let want = (2 * sms.max(1)).div_ceil(groups.max(1));
-        let splits = want.min(s.div_ceil(MIN_SPLIT_KEYS)).clamp(1, MAX_SPLITS);
+        let splits = want.min(s.div_ceil(min_keys.max(1))).clamp(1, MAX_SPLITS);
         let chunk = s.div_ceil(splits).max(1);
         AttentionSplit { heads, rows, groups, splits: s.div_ceil(chunk).max(1), chunk }
     }
@@ -343,6 +472,12 @@ mod tests {
         assert_eq!((p.heads, p.groups, p.splits), (7, 32, 9));
         // A decode step's block takes one query row.
         assert_eq!(p.rows, 1);
+        // The split lengths the recipe times: Qwen2.5-0.5B's batch-1 step has two groups, so
+        // shorter splits put more blocks on the device (at most MAX_SPLITS of them a group).
+        let qwen = [1, 1, 14, 2, 768, 64];
+        let splits = super::SPLIT_KEYS.map(|k| AttentionSplit::with_min_keys(qwen, 132, k).splits);
+        assert_eq!(splits, [48, 24, 12, 6]);
+        assert_eq!(AttentionSplit::new(qwen, 132), AttentionSplit::with_min_keys(qwen, 132, super::MIN_SPLIT_KEYS));
         // Prefill fills the device on its own, its rows sharing a block's keys, as many as fit
         // the kernel's 16 slots (4 rows of 4 heads); a head size of 256 halves the heads a
         // block takes.

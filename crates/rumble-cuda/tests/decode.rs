@@ -16,7 +16,7 @@ use common::{compare, gpu, randn, tolerance};
 use rumble_core::cpu::{self, HostTensor, Rng};
 use rumble_core::ir::{DType, Graph, HeadLayout, Op, RopeScaling, TensorType};
 use rumble_core::plan::plan_naive;
-use rumble_cuda::decode::AttentionSplit;
+use rumble_cuda::decode::attention_split;
 use rumble_cuda::{Device, Executor, PlannedExecutor, Program};
 
 fn one_node(dev: &Arc<Device>, op: Op, inputs: &[HostTensor]) -> (HostTensor, HostTensor) {
@@ -101,13 +101,16 @@ fn decoding_ops_match_cpu() {
         let mut splits = std::collections::BTreeSet::new();
         for (dims, pos) in cases {
             let [b, tq, hq, hkv, s, hd] = dims;
-            let split = AttentionSplit::new(dims, dev.multiprocessors);
-            splits.insert(split.splits);
-            println!("attention_cached b {b} t {tq} hq {hq} hkv {hkv} s {s} d {hd}: {split:?}");
             let q = randn(t(d, &[b, tq, hq, hd]), &mut rng);
             let (k, v) = (randn(t(d, &[b, s, hkv, hd]), &mut rng), randn(t(d, &[b, s, hkv, hd]), &mut rng));
             let scale = 1.0 / (hd as f64).sqrt();
-            check(Op::AttentionCached { scale, rope: None }, vec![q, k, v, ids(pos)]);
+            let op = Op::AttentionCached { scale, rope: None };
+            // The split the recipe runs (timed per shape), one split where the flash forward does.
+            let tys = [q.ty.clone(), k.ty.clone(), v.ty.clone(), t(DType::I64, &[b])];
+            let split = attention_split(&dev, &op, &tys.iter().collect::<Vec<_>>()).expect("the split");
+            splits.insert(split.map_or(1, |p| p.splits));
+            println!("attention_cached b {b} t {tq} hq {hq} hkv {hkv} s {s} d {hd}: {split:?}");
+            check(op, vec![q, k, v, ids(pos)]);
         }
         // The queries rotated by the node itself (`fold_rope_at`'s result): one decode row on
         // the flash-decoding kernel, a few rows, and prefill chunks on the flash forward (bf16,

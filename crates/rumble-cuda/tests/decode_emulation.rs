@@ -5,7 +5,8 @@
 //! runs (a position before the last run), positions past the cache, grouped heads in one block
 //! or two, head sizes 1 to 256, several query rows; the splits combined by each group's last
 //! block (counting in the device's counters, which it leaves at zero); five cases also by the
-//! combine kernel, and with the queries rotated by the kernel (`Op::AttentionCached`'s `rope`).
+//! combine kernel, and with the queries rotated by the kernel (`Op::AttentionCached`'s `rope`);
+//! a decode shape with every split length the recipe may time (`decode::split_keys`).
 //! Also the cache writes, plain and rotated, one cache or a layer's keys and values in one
 //! launch (`cache_write_kv`), on a grid whose threads take several elements, against the rows
 //! copied by hand (a row past the cache skipped). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".
@@ -77,6 +78,22 @@ fn attention_cached_matches_exact_attention_on_the_cpu_emulator() {
                 out.status.success(),
                 "{dims:?} on {sms} SMs ({p:?}, counted {counted}, rope {rope:?}): {text}{err}"
             );
+        }
+    }
+    // The split lengths the recipe times per shape (`decode::split_keys`), down to 16 keys a
+    // split, on a Qwen2.5-0.5B-like step (two groups of seven query heads, up to 48 splits).
+    for (dims, pos) in [([1, 1, 14, 2, 768, 64], &[767i64][..])] {
+        for keys in [16, 32, 128] {
+            let p = AttentionSplit::with_min_keys(dims, 132, keys);
+            splits.insert(p.splits);
+            let mut args: Vec<String> = dims.iter().map(|x| x.to_string()).collect();
+            args.extend([p.heads, p.rows, p.splits, p.chunk].map(|x| x.to_string()));
+            args.extend(pos.iter().map(|x| x.to_string()));
+            let out = Command::new(&bin).env("AC_COUNTERS", "1").args(&args).output().expect("running the emulator");
+            let text = String::from_utf8_lossy(&out.stdout);
+            print!("{text}");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{dims:?}, {keys} keys a split ({p:?}): {text}{err}");
         }
     }
     // The cache writes (`cw B T S H D POS...`), single and joined (`cache_write_kv`): one row a
