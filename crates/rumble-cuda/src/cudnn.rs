@@ -18,8 +18,8 @@
 //! The forward is deterministic.
 //!
 //! Plans are made once per shape ([`Sdpa::plan`]: heuristic mode A, the first engine
-//! configuration that finalizes) and kept per device with the cuDNN handle ([`CudnnCache`]); a
-//! shape no engine takes has no plan, and the flash kernels run it. [`recipe`] decides per
+//! configuration that finalizes) and kept per device with the cuDNN handle (`CudnnCache`); a
+//! shape no engine takes has no plan, and the flash kernels run it. `recipe` decides per
 //! shape (`RUMBLE_ATTENTION`): `auto` times both on scratch buffers once and keeps cuDNN only if
 //! it is faster by more than 2%, remembered in `attention-<gpu>-<cudnn version>.txt` in the
 //! kernel cache folder like the matmul tuner's choices. cuDNN's workspace, the delta rows and

@@ -12,7 +12,7 @@
 //!   and V are read once) and one run of the visible keys, a tile at a time with an online
 //!   softmax in f32; the run count ([`AttentionSplit`]) brings a decode step's few groups to
 //!   two waves of blocks, each run holding at least a number of keys timed once per shape
-//!   ([`split_keys`]: shorter runs put more blocks on a step of few groups, longer ones leave
+//!   (`split_keys`: shorter runs put more blocks on a step of few groups, longer ones leave
 //!   less to combine). A decode step's attention is latency-bound, so the kernel issues a
 //!   tile's K and V loads together, before it reads the queries. With several runs each leaves
 //!   its (max, sum, p.v) in the recipe's scratch and the last block of its group to finish
@@ -206,8 +206,8 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
 }
 
 /// How the recipe of `attention_cached` on `at` splits its work on `dev` (the split timed per
-/// shape, [`split_keys`]), or `None` where it runs on the flash forward (a prefill chunk of
-/// [`FLASH_MIN_ROWS`] rows or more that the flash kernels take).
+/// shape, `split_keys`), or `None` where it runs on the flash forward (a prefill chunk of
+/// `FLASH_MIN_ROWS` rows or more that the flash kernels take).
 pub fn attention_split(dev: &Device, op: &Op, at: &[&TensorType]) -> Result<Option<AttentionSplit>> {
     let Op::AttentionCached { scale, .. } = op else {
         return Err(CudaError::usage(format!("{}: not attention_cached", op.name())));
