@@ -244,7 +244,7 @@ fn fill_small(dev: &Device, p: sys::CUdeviceptr, dtype: rumble_core::ir::DType, 
 
 /// Seconds one run of `op` on operands of types `args` giving `outs` takes on `dev` (the
 /// median of [`PROBE_RUNS`] runs; see the module doc), at the clocks of the probe: multiply by
-/// [`sustained`] for a node inside a step.
+/// `sustained` for a node inside a step.
 pub fn probe(
     dev: &Arc<Device>,
     op: &Op,
@@ -256,7 +256,7 @@ pub fn probe(
     timed(dev, &placed, scrub)
 }
 
-/// How much slower the tensor cores run on a device kept busy for [`BURN_SECONDS`] than in a
+/// How much slower the tensor cores run on a device kept busy for `BURN_SECONDS` than in a
 /// probe, 1 to [`MAX_SLOWDOWN`]: a large bf16 matmul probed, run back to back for that long,
 /// then timed again the probe's way. A step holds a large model's device at its power limit
 /// for as long as it runs, and its clocks sink below those a probe of tens of milliseconds
