@@ -217,6 +217,9 @@ pub fn attention_split(dev: &Device, op: &Op, at: &[&TensorType]) -> Result<Opti
     if q[1] >= FLASH_MIN_ROWS && crate::flash::cached_recipe(dev, at, *scale).is_some() {
         return Ok(None);
     }
+    if q[3] > THREADS as usize {
+        return Err(CudaError::Unsupported(format!("attention_cached on head size {} (at most {THREADS})", q[3])));
+    }
     Ok(Some(AttentionSplit::with_min_keys(shape, dev.multiprocessors, split_keys(dev, op, at, shape)?)))
 }
 
@@ -227,6 +230,9 @@ fn cached_attention(dev: &Device, op: &Op, at: &[&TensorType], plan: AttentionSp
     };
     let (q, k) = (at[0].dims(), at[1].dims());
     let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
+    if d > THREADS as usize {
+        return Err(CudaError::Unsupported(format!("attention_cached on head size {d} (at most {THREADS})")));
+    }
     let sfx = match at[0].dtype {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -318,19 +324,19 @@ fn split_keys(dev: &Device, op: &Op, at: &[&TensorType], shape: [usize; 6]) -> R
         Some(k) => k,
         None if crate::tune::capturing(dev) => return Ok(MIN_SPLIT_KEYS),
         None => {
-            let mut best: Option<(f64, usize)> = None;
-            for (keys, plan) in plans {
+            let mut times: Vec<(usize, f64)> = Vec::new();
+            for (keys, plan) in &plans {
                 // A candidate that fails to build or to time (scratch that does not fit, say) is
                 // left out.
-                let Ok(r) = cached_attention(dev, op, at, plan) else { continue };
-                if let Ok(ms) = time_split(dev, &r, op, at, shape)
-                    && best.is_none_or(|(b, _)| ms < b)
+                if let Ok(r) = cached_attention(dev, op, at, *plan)
+                    && let Ok(ms) = time_split(dev, &r, op, at, shape)
                 {
-                    best = Some((ms, keys));
+                    times.push((*keys, ms));
                 }
             }
-            let Some((_, keys)) = best else { return Ok(MIN_SPLIT_KEYS) };
-            if let Some(f) = &file {
+            let keys = pick_split(&times);
+            // A choice made without every candidate's time holds for this process only.
+            if let Some(f) = file.as_ref().filter(|_| times.len() == plans.len()) {
                 crate::tune::remember(f, &key, &keys.to_string());
             }
             keys
@@ -338,6 +344,17 @@ fn split_keys(dev: &Device, op: &Op, at: &[&TensorType], shape: [usize; 6]) -> R
     };
     cache.lock().unwrap_or_else(|e| e.into_inner()).0.insert(key, keys);
     Ok(keys)
+}
+
+/// The split length kept among timed `(keys, ms)`: [`MIN_SPLIT_KEYS`] unless another is faster
+/// by more than [`SPLIT_MARGIN`] (a gain inside the timing's noise changes nothing), then the
+/// fastest; [`MIN_SPLIT_KEYS`] too where it was not timed.
+fn pick_split(times: &[(usize, f64)]) -> usize {
+    let Some(&(_, base)) = times.iter().find(|t| t.0 == MIN_SPLIT_KEYS) else { return MIN_SPLIT_KEYS };
+    match times.iter().min_by(|a, b| a.1.total_cmp(&b.1)) {
+        Some(&(k, ms)) if ms < SPLIT_MARGIN * base => k,
+        _ => MIN_SPLIT_KEYS,
+    }
 }
 
 /// The split choices this process made or read, by shape.
@@ -365,7 +382,7 @@ fn time_split(dev: &Device, r: &Recipe, op: &Op, at: &[&TensorType], [b, t, _, _
     let ptrs: Vec<_> = bufs.iter().map(|x| x.ptr).collect();
     let (args, outp) = ptrs.split_at(at.len());
     let bb = crate::launch::Buffers { args, outs: outp, scratch: scratch.ptr, scratch_bytes: scratch.bytes, node: 0 };
-    crate::tune::time_ms(dev, SPLIT_RUNS, "attention_cached split timing", || unsafe { r.launch(dev, 0, &bb) })
+    crate::tune::graph_time_ms(dev, SPLIT_RUNS, "attention_cached split timing", || unsafe { r.launch(dev, 0, &bb) })
 }
 
 /// The arguments of `rope_at_<dtype>`: `[x, pos, y]`, then `rows` rows of `d` in `[B, n1, n2]`
@@ -414,8 +431,10 @@ pub struct AttentionSplit {
 const MIN_SPLIT_KEYS: usize = 64;
 /// The least keys a split may hold, each timed per shape ([`split_keys`]).
 const SPLIT_KEYS: [usize; 4] = [16, 32, 64, 128];
-/// Timed runs of each candidate split.
+/// Runs of each candidate split captured in the graph that times it.
 const SPLIT_RUNS: usize = 20;
+/// Another split length is kept only if it takes less than this fraction of the default's time.
+const SPLIT_MARGIN: f64 = 0.98;
 /// Slots (query rows times heads) a block takes at most (`AC_H` in `decode.cu`).
 const MAX_SLOTS: usize = 16;
 /// Splits at most (the combine reads every split's partial; `AC_MAX_SPLITS` in `decode.cu`).
@@ -478,6 +497,12 @@ mod tests {
         let splits = super::SPLIT_KEYS.map(|k| AttentionSplit::with_min_keys(qwen, 132, k).splits);
         assert_eq!(splits, [48, 24, 12, 6]);
         assert_eq!(AttentionSplit::new(qwen, 132), AttentionSplit::with_min_keys(qwen, 132, super::MIN_SPLIT_KEYS));
+        // The default stays unless another length is faster by more than the margin.
+        use super::pick_split;
+        assert_eq!(pick_split(&[(16, 9.0), (32, 9.5), (64, 10.0), (128, 12.0)]), 16);
+        assert_eq!(pick_split(&[(16, 9.9), (64, 10.0)]), 64);
+        assert_eq!(pick_split(&[(16, 5.0)]), 64, "the default untimed: nothing to compare with");
+        assert_eq!(pick_split(&[]), 64);
         // Prefill fills the device on its own, its rows sharing a block's keys, as many as fit
         // the kernel's 16 slots (4 rows of 4 heads); a head size of 256 halves the heads a
         // block takes.

@@ -43,6 +43,47 @@ pub(crate) fn time_ms(dev: &Device, runs: usize, what: &str, run: impl Fn() -> R
     timed
 }
 
+/// Milliseconds per call of `run` as a CUDA graph replays it: `runs` calls captured into one
+/// graph, replayed once untimed and [`GRAPH_REPLAYS`] times timed. For kernels of a few
+/// microseconds, about what a launch from the host costs, [`time_ms`] would time the launches;
+/// a decode step replays them from a graph.
+pub(crate) fn graph_time_ms(dev: &Device, runs: usize, what: &str, run: impl Fn() -> Result<()>) -> Result<f64> {
+    let stream = dev.stream();
+    unsafe { drv::stream::begin_capture(stream, dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
+        .ctx(|| format!("{what}: cuStreamBeginCapture"))?;
+    let body = (0..runs).try_for_each(|_| run());
+    let ended = unsafe { drv::stream::end_capture(stream) }.ctx(|| format!("{what}: cuStreamEndCapture"));
+    let graph = match (body, ended) {
+        (Ok(()), Ok(g)) => g,
+        (Err(e), g) => {
+            if let Ok(g) = g {
+                unsafe {
+                    let _ = drv::graph::destroy(g);
+                }
+            }
+            return Err(e);
+        }
+        (Ok(()), Err(e)) => return Err(e),
+    };
+    let exec = unsafe { drv::graph::instantiate(graph, dsys::CUgraphInstantiate_flags(0)) }
+        .ctx(|| format!("{what}: cuGraphInstantiate"));
+    let timed = exec.and_then(|exec| {
+        let launch = || unsafe { drv::graph::launch(exec, stream) }.ctx(|| format!("{what}: cuGraphLaunch"));
+        let t = time_ms(dev, GRAPH_REPLAYS, what, launch);
+        unsafe {
+            let _ = drv::graph::exec_destroy(exec);
+        }
+        t
+    });
+    unsafe {
+        let _ = drv::graph::destroy(graph);
+    }
+    Ok(timed? / runs.max(1) as f64)
+}
+
+/// Timed replays of [`graph_time_ms`]'s graph (after one untimed).
+const GRAPH_REPLAYS: usize = 3;
+
 /// `<cache>/<what>-<gpu>-<version>.txt`, or `None` without a kernel cache folder.
 pub(crate) fn cache_file(dev: &Device, what: &str, version: impl std::fmt::Display) -> Option<PathBuf> {
     let dir = dev.knobs().cache?;

@@ -6,7 +6,9 @@
 //! or two, head sizes 1 to 256, several query rows; the splits combined by each group's last
 //! block (counting in the device's counters, which it leaves at zero); five cases also by the
 //! combine kernel, and with the queries rotated by the kernel (`Op::AttentionCached`'s `rope`);
-//! a decode shape with every split length the recipe may time (`decode::split_keys`).
+//! a decode shape with the other split lengths the recipe may time (`decode::split_keys`: 16,
+//! 32 and 128 keys a split beside the default 64 of the cases above), combined by the last
+//! blocks.
 //! Also the cache writes, plain and rotated, one cache or a layer's keys and values in one
 //! launch (`cache_write_kv`), on a grid whose threads take several elements, against the rows
 //! copied by hand (a row past the cache skipped). No GPU needed; needs `g++` (C++20), else prints "skipped: no g++".

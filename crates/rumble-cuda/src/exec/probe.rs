@@ -29,7 +29,10 @@
 //! remembered in the times file); each probe's time is then stretched by that slowdown in
 //! proportion to its node's tensor-core share (`Roofline::tensor_share`: a matmul's nearly
 //! all, a norm's none), and recorded so. `--profile`'s times, measured inside a step, are
-//! recorded as measured.
+//! recorded as measured; the matmul tuner's as it timed them (they price a matmul inside a node
+//! only where that node could not be probed). A process that cannot measure the slowdown (too
+//! little free memory) probes at rest and keeps those times to itself: the file holds
+//! sustained times only.
 //!
 //! So the compiler weighs every variant (the fused loss's chunk rows, recomputation) by times
 //! measured on the device it runs on, and `rumble plan`/`bench` predict the step from them.
@@ -61,8 +64,10 @@ const SUSTAIN_LAUNCHES: usize = 400;
 /// [`sustained_slowdown`]: how long its matmul keeps the device busy (at most
 /// [`BURN_LAUNCHES`] launches), its size, and the most slowdown it reports.
 const BURN_SECONDS: f64 = 1.5;
-const BURN_LAUNCHES: usize = 4000;
-const SLOWDOWN_DIM: usize = 8192;
+const BURN_LAUNCHES: usize = 20_000;
+/// 4096 x 4096 x 4096 in bf16: 137 GFLOP, compute-bound on any GPU this runs on, three 32 MiB
+/// operands.
+const SLOWDOWN_DIM: usize = 4096;
 pub const MAX_SLOWDOWN: f64 = 1.5;
 /// The key of the slowdown in the device's times file.
 pub const SLOWDOWN_KEY: &str = "sustained tensor-core slowdown";
@@ -83,6 +88,8 @@ struct State {
     scrub: Option<DeviceBuffer>,
     /// [`sustained_slowdown`], once known (measured, or read from the times file).
     slowdown: Option<f64>,
+    /// Measuring it failed in this process (not retried).
+    slowdown_failed: bool,
 }
 
 impl std::fmt::Debug for DeviceCost {
@@ -100,7 +107,14 @@ impl DeviceCost {
         };
         DeviceCost {
             dev,
-            state: Mutex::new(State { measured, failed: HashSet::new(), probed: 0, scrub: None, slowdown: None }),
+            state: Mutex::new(State {
+                measured,
+                failed: HashSet::new(),
+                probed: 0,
+                scrub: None,
+                slowdown: None,
+                slowdown_failed: false,
+            }),
         }
     }
 
@@ -157,19 +171,26 @@ impl CostModel for DeviceCost {
         };
         let got = scrub.and_then(|b| {
             let slowdown = match st.slowdown.or_else(|| st.measured.get(SLOWDOWN_KEY)) {
-                Some(f) => f,
+                Some(f) => Some(f),
+                None if st.slowdown_failed => None,
                 None => {
-                    // Measured once per device and remembered; a failure counts as none.
-                    let f = sustained_slowdown(&self.dev, &b);
-                    if let (Ok(f), Some(dir)) = (&f, self.dev.knobs().cache) {
-                        let _ = record(&dir, &self.dev.name, &[(SLOWDOWN_KEY.to_string(), *f)]);
+                    // Measured once per device and remembered. A failure (too little free
+                    // memory, say) is not retried in this process, whose probes then go
+                    // unstretched and unrecorded: the file holds sustained times only.
+                    let f = sustained_slowdown(&self.dev, &b).ok();
+                    match (f, self.dev.knobs().cache) {
+                        (Some(f), Some(dir)) => {
+                            let _ = record(&dir, &self.dev.name, &[(SLOWDOWN_KEY.to_string(), f)]);
+                        }
+                        (None, _) => st.slowdown_failed = true,
+                        _ => {}
                     }
-                    f.unwrap_or(1.0)
+                    f
                 }
             };
-            st.slowdown = Some(slowdown);
+            st.slowdown = slowdown;
             let share = st.measured.roofline.tensor_share(op, args, outs);
-            let r = probe(&self.dev, op, args, outs, &b).map(|s| sustained(s, share, slowdown));
+            let r = probe(&self.dev, op, args, outs, &b).map(|s| sustained(s, share, slowdown.unwrap_or(1.0)));
             st.scrub = Some(b);
             r
         });
@@ -177,7 +198,7 @@ impl CostModel for DeviceCost {
             Ok(s) => {
                 st.probed += 1;
                 st.measured.times.insert(key.clone(), s);
-                if let Some(dir) = self.dev.knobs().cache {
+                if let Some(dir) = self.dev.knobs().cache.filter(|_| st.slowdown.is_some()) {
                     // A cache that cannot be written only loses the measurement.
                     let _ = record(&dir, &self.dev.name, &[(key, s)]);
                 }
