@@ -53,18 +53,14 @@ pub(crate) fn graph_time_ms(dev: &Device, runs: usize, what: &str, run: impl Fn(
         .ctx(|| format!("{what}: cuStreamBeginCapture"))?;
     let body = (0..runs).try_for_each(|_| run());
     let ended = unsafe { drv::stream::end_capture(stream) }.ctx(|| format!("{what}: cuStreamEndCapture"));
-    let graph = match (body, ended) {
-        (Ok(()), Ok(g)) => g,
-        (Err(e), g) => {
-            if let Ok(g) = g {
-                unsafe {
-                    let _ = drv::graph::destroy(g);
-                }
-            }
-            return Err(e);
+    // A recording that failed leaves no graph behind; its error is the one to report.
+    if let (Err(_), Ok(g)) = (&body, &ended) {
+        unsafe {
+            let _ = drv::graph::destroy(*g);
         }
-        (Ok(()), Err(e)) => return Err(e),
-    };
+    }
+    body?;
+    let graph = ended?;
     let exec = unsafe { drv::graph::instantiate(graph, dsys::CUgraphInstantiate_flags(0)) }
         .ctx(|| format!("{what}: cuGraphInstantiate"));
     let timed = exec.and_then(|exec| {
