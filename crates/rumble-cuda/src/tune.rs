@@ -1,5 +1,6 @@
-//! What the tuners share (the matmul tuner, `matmul_tune`, and the attention choice,
-//! `cudnn::recipe`): timing a launch with CUDA events, and the per-GPU files in the kernel cache
+//! What the tuners share (the matmul tuner, `matmul_tune`, the attention choice,
+//! `cudnn::recipe`, and the decode attention's split length, `decode::split_keys`): timing a
+//! launch with CUDA events (or as a graph replays it), and the per-GPU files in the kernel cache
 //! folder that remember each shape's choice, one `key<TAB>value` line each (the last line of a
 //! key wins), so every later process on the machine runs what the first one chose.
 
