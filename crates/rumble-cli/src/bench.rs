@@ -223,7 +223,7 @@ fn profile(
     let persistent = rumble_models::trainer::persistent_values(config, sc, weights, &step.states)?;
     let mut exec = CudaExecutor::with_options(trace, persistent, CudaMode::Planned, &opts)?;
     // What the cost model predicted for each node, asked before the profile records its times.
-    let predicted = exec.predicted_node_seconds(&opts)?;
+    let predicted = exec.predicted_node_seconds()?;
     let causal = sc.objective == Objective::CausalLm;
     let mut rng = Rng::for_name(a.seed, "bench");
     let mut times = Vec::new();

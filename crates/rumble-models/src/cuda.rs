@@ -46,6 +46,8 @@ pub struct CudaExecutor {
     inner: Box<dyn Executor<Error = rumble_cuda::CudaError>>,
     prog: Arc<Program>,
     report: PlanReport,
+    /// The cost model the compile weighed its choices by.
+    cost: Option<rumble_core::cost::Cost>,
     /// Seconds spent planning, compiling and capturing.
     pub build_secs: f64,
 }
@@ -113,7 +115,7 @@ impl CudaExecutor {
                 Box::new(GraphedExecutor::new(prog.clone(), &values, GraphMode::ForwardBackward)?)
             }
         };
-        Ok(CudaExecutor { inner, prog, report, build_secs: t0.elapsed().as_secs_f64() })
+        Ok(CudaExecutor { inner, prog, report, cost: opts.cost.clone(), build_secs: t0.elapsed().as_secs_f64() })
     }
 
     /// The planner's report on the program (LOAD, arena, classes).
@@ -125,12 +127,12 @@ impl CudaExecutor {
         &self.prog
     }
 
-    /// Each node's time as the compiler's cost model predicts it (`opts.cost`, else the
-    /// device's: `Program::compile_options`), in node order. Asked before a profile, it shows
-    /// which nodes the prediction misses (a profile records its own times for later models).
-    pub fn predicted_node_seconds(&self, opts: &CompileOptions) -> Result<Vec<f64>> {
-        let opts = Program::compile_options(&self.prog.dev, opts)?;
-        let cost = opts.cost.ok_or_else(|| ModelError::Usage("no cost model".into()))?;
+    /// Each node's time as the cost model the compile weighed its choices by predicts it, in
+    /// node order (what it measured is in memory: nothing is probed again). Asked before a
+    /// profile, it shows which nodes the prediction misses (a profile records its own times for
+    /// later models).
+    pub fn predicted_node_seconds(&self) -> Result<Vec<f64>> {
+        let cost = self.cost.as_ref().ok_or_else(|| ModelError::Usage("no cost model".into()))?;
         Ok(rumble_core::cost::node_times(cost.as_ref(), &self.prog.trace))
     }
 
