@@ -28,7 +28,7 @@
 
 use rumble_core::ir::{DType, HeadLayout, Op, TensorType};
 
-use crate::compile::Options;
+use crate::compile::{Module, Options};
 use crate::device::Device;
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelFile;
@@ -48,13 +48,7 @@ pub fn source() -> String {
 /// The recipe of a decoding op.
 pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> Result<Recipe> {
     let unsupported = |what: &str| Err(CudaError::Unsupported(format!("{} on {what}", op.name())));
-    let dt = at[0].dtype;
-    let sfx = match dt {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        d => return unsupported(&format!("{d} (kernels take f32, bf16, f16)")),
-    };
+    let sfx = suffix(op, at[0].dtype)?;
     let ints = at.iter().skip(1).filter(|t| t.dtype.is_int());
     if let Some(t) = ints.clone().find(|t| t.dtype != DType::I64) {
         return unsupported(&format!("{} positions or keys (kernels take i64)", t.dtype));
@@ -62,8 +56,7 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
     let m = dev.module(KernelFile::Decode.name(), &source(), Options { fmad: false })?;
     let mut steps = Vec::new();
     let mut kernel = |name: &str, grid: u32, block: u32, args: Vec<Arg>| -> Result<()> {
-        let name = format!("{name}_{sfx}");
-        steps.push(Step::Kernel { func: m.function(&name)?, name, grid: (grid.max(1), 1, 1), block, smem: 0, args });
+        steps.push(kernel_step(&m, sfx, name, grid, block, args)?);
         Ok(())
     };
     let blocks = |n: usize| n.div_ceil(THREADS as usize).clamp(1, dev.multiprocessors.max(1) * 32) as u32;
@@ -139,11 +132,6 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
         Op::AttentionCached { scale, rope } => {
             let (q, k) = (at[0].dims(), at[1].dims());
             let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
-            // The rotation's frequencies (`rope`), or none: the kernel reads them only with it.
-            let freqs = match rope {
-                Some(r) => crate::recipe::rope_freqs("attention_cached", &r.scaling.inv_freq(r.theta, d))?,
-                None => crate::recipe::rope_freqs("attention_cached", &[])?,
-            };
             if t >= FLASH_MIN_ROWS
                 && let Some(r) = crate::flash::cached_recipe(dev, at, *scale)
             {
@@ -151,7 +139,9 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                     None => r,
                     // A prefill chunk on the flash kernels: rope_at's kernel rotates the queries
                     // into scratch first, and the flash kernels read them there.
-                    Some(_) => {
+                    Some(rope) => {
+                        let freqs =
+                            crate::recipe::rope_freqs("attention_cached", &rope.scaling.inv_freq(rope.theta, d))?;
                         let mut r = r?;
                         let at_q = r.scratch.next_multiple_of(256);
                         for step in &mut r.steps {
@@ -178,9 +168,6 @@ pub fn recipe(dev: &Device, op: &Op, at: &[&TensorType], ot: &[&TensorType]) -> 
                         Ok(r)
                     }
                 };
-            }
-            if d > THREADS as usize {
-                return unsupported(&format!("head size {d} (at most {THREADS})"));
             }
             let shape = [b, t, hq, hkv, s, d];
             let keys = split_keys(dev, op, at, shape)?;
@@ -217,10 +204,32 @@ pub fn attention_split(dev: &Device, op: &Op, at: &[&TensorType]) -> Result<Opti
     if q[1] >= FLASH_MIN_ROWS && crate::flash::cached_recipe(dev, at, *scale).is_some() {
         return Ok(None);
     }
-    if q[3] > THREADS as usize {
-        return Err(CudaError::Unsupported(format!("attention_cached on head size {} (at most {THREADS})", q[3])));
-    }
+    head_size_fits(q[3])?;
     Ok(Some(AttentionSplit::with_min_keys(shape, dev.multiprocessors, split_keys(dev, op, at, shape)?)))
+}
+
+/// The decode kernels' name suffix for operands of `dt`.
+fn suffix(op: &Op, dt: DType) -> Result<&'static str> {
+    match dt {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        d => Err(CudaError::Unsupported(format!("{} on {d} (kernels take f32, bf16, f16)", op.name()))),
+    }
+}
+
+/// A step launching `<name>_<sfx>` of the decode module `m`.
+fn kernel_step(m: &Module, sfx: &str, name: &str, grid: u32, block: u32, args: Vec<Arg>) -> Result<Step> {
+    let name = format!("{name}_{sfx}");
+    Ok(Step::Kernel { func: m.function(&name)?, name, grid: (grid.max(1), 1, 1), block, smem: 0, args })
+}
+
+/// The decode attention kernel takes head sizes up to a block's threads.
+fn head_size_fits(d: usize) -> Result<()> {
+    if d > THREADS as usize {
+        return Err(CudaError::Unsupported(format!("attention_cached on head size {d} (at most {THREADS})")));
+    }
+    Ok(())
 }
 
 /// `attention_cached`'s recipe on the decode kernel, split as `plan` says.
@@ -230,15 +239,8 @@ fn cached_attention(dev: &Device, op: &Op, at: &[&TensorType], plan: AttentionSp
     };
     let (q, k) = (at[0].dims(), at[1].dims());
     let ([b, t, hq, d], [s, hkv]) = ([q[0], q[1], q[2], q[3]], [k[1], k[2]]);
-    if d > THREADS as usize {
-        return Err(CudaError::Unsupported(format!("attention_cached on head size {d} (at most {THREADS})")));
-    }
-    let sfx = match at[0].dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        dt => return Err(CudaError::Unsupported(format!("attention_cached on {dt}"))),
-    };
+    head_size_fits(d)?;
+    let sfx = suffix(op, at[0].dtype)?;
     let freqs = match rope {
         Some(r) => crate::recipe::rope_freqs("attention_cached", &r.scaling.inv_freq(r.theta, d))?,
         None => crate::recipe::rope_freqs("attention_cached", &[])?,
@@ -247,8 +249,7 @@ fn cached_attention(dev: &Device, op: &Op, at: &[&TensorType], plan: AttentionSp
     let mut steps = Vec::new();
     let mut scratch = 0;
     let mut kernel = |name: &str, grid: u32, block: u32, args: Vec<Arg>| -> Result<()> {
-        let name = format!("{name}_{sfx}");
-        steps.push(Step::Kernel { func: m.function(&name)?, name, grid: (grid.max(1), 1, 1), block, smem: 0, args });
+        steps.push(kernel_step(&m, sfx, name, grid, block, args)?);
         Ok(())
     };
     let rows = b * t * hq;

@@ -86,9 +86,8 @@ struct State {
     failed: HashSet<String>,
     probed: usize,
     scrub: Option<DeviceBuffer>,
-    /// [`sustained_slowdown`], once known (measured, or read from the times file).
-    slowdown: Option<f64>,
-    /// Measuring it failed in this process (not retried).
+    /// Measuring [`sustained_slowdown`] failed in this process (not retried). Once measured, it
+    /// is in `measured` under [`SLOWDOWN_KEY`], like any time.
     slowdown_failed: bool,
 }
 
@@ -112,7 +111,6 @@ impl DeviceCost {
                 failed: HashSet::new(),
                 probed: 0,
                 scrub: None,
-                slowdown: None,
                 slowdown_failed: false,
             }),
         }
@@ -170,7 +168,7 @@ impl CostModel for DeviceCost {
             None => DeviceBuffer::new(&self.dev, SCRUB_BYTES, "the cost probe's L2 scrub"),
         };
         let got = scrub.and_then(|b| {
-            let slowdown = match st.slowdown.or_else(|| st.measured.get(SLOWDOWN_KEY)) {
+            let slowdown = match st.measured.get(SLOWDOWN_KEY) {
                 Some(f) => Some(f),
                 None if st.slowdown_failed => None,
                 None => {
@@ -178,17 +176,18 @@ impl CostModel for DeviceCost {
                     // memory, say) is not retried in this process, whose probes then go
                     // unstretched and unrecorded: the file holds sustained times only.
                     let f = sustained_slowdown(&self.dev, &b).ok();
-                    match (f, self.dev.knobs().cache) {
-                        (Some(f), Some(dir)) => {
-                            let _ = record(&dir, &self.dev.name, &[(SLOWDOWN_KEY.to_string(), f)]);
+                    match f {
+                        Some(f) => {
+                            st.measured.times.insert(SLOWDOWN_KEY.to_string(), f);
+                            if let Some(dir) = self.dev.knobs().cache {
+                                let _ = record(&dir, &self.dev.name, &[(SLOWDOWN_KEY.to_string(), f)]);
+                            }
                         }
-                        (None, _) => st.slowdown_failed = true,
-                        _ => {}
+                        None => st.slowdown_failed = true,
                     }
                     f
                 }
             };
-            st.slowdown = slowdown;
             let share = st.measured.roofline.tensor_share(op, args, outs);
             let r = probe(&self.dev, op, args, outs, &b).map(|s| sustained(s, share, slowdown.unwrap_or(1.0)));
             st.scrub = Some(b);
@@ -198,7 +197,7 @@ impl CostModel for DeviceCost {
             Ok(s) => {
                 st.probed += 1;
                 st.measured.times.insert(key.clone(), s);
-                if let Some(dir) = self.dev.knobs().cache.filter(|_| st.slowdown.is_some()) {
+                if let Some(dir) = self.dev.knobs().cache.filter(|_| !st.slowdown_failed) {
                     // A cache that cannot be written only loses the measurement.
                     let _ = record(&dir, &self.dev.name, &[(key, s)]);
                 }
@@ -218,7 +217,7 @@ impl CostModel for DeviceCost {
                 s.measured.roofline.rates.name,
                 s.measured.times.len(),
                 s.probed,
-                match s.slowdown.or_else(|| s.measured.get(SLOWDOWN_KEY)) {
+                match s.measured.get(SLOWDOWN_KEY) {
                     Some(f) => format!("{f:.3}"),
                     None => "not measured".into(),
                 }
@@ -283,7 +282,7 @@ pub fn probe(
 /// for as long as it runs, and its clocks sink below those a probe of tens of milliseconds
 /// sees (on an H100 the suite's 7-8B steps ran 6-12% longer than their probed nodes summed,
 /// the matmuls and attention 5-16% longer, the memory-bound kernels as probed).
-pub fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<f64> {
+fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<f64> {
     let t = TensorType::new(DType::BF16, [SLOWDOWN_DIM, SLOWDOWN_DIM]);
     let op = Op::Matmul { ta: false, tb: false, out: None, acc: Addend::None };
     let placed = probe_program(dev, &op, &[&t, &t], &[&t])?;
@@ -297,7 +296,7 @@ pub fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<f64
 
 /// A probe's time `seconds` of a node whose tensor-core share is `share`
 /// (`Roofline::tensor_share`) on a device `slowdown` times slower under a long load.
-pub fn sustained(seconds: f64, share: f64, slowdown: f64) -> f64 {
+fn sustained(seconds: f64, share: f64, slowdown: f64) -> f64 {
     seconds * (1.0 + (slowdown - 1.0) * share)
 }
 
