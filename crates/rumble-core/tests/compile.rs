@@ -134,6 +134,15 @@ fn budgets_parse_and_the_report_names_the_choice() {
     assert!(c.report.chosen.starts_with("linear_cross_entropy chunk"), "{}", c.report.chosen);
     assert!(c.report.to_json().contains("\"predicted_step_ms\""));
     assert!(c.report.to_string().contains("predicted"));
+    // The step's time by op: every node counted once, slowest first, summing to the step.
+    let by_op = &c.report.predicted_by_op;
+    assert_eq!(by_op.iter().map(|t| t.nodes).sum::<usize>(), c.trace.nodes.len());
+    assert!(by_op.windows(2).all(|w| w[0].ms >= w[1].ms), "{by_op:?}");
+    let sum: f64 = by_op.iter().map(|t| t.ms).sum();
+    assert!((sum - c.seconds * 1e3).abs() <= 1e-9 * sum.max(1.0), "{sum} against {}", c.seconds * 1e3);
+    assert!(by_op.iter().any(|t| t.op == "matmul" && t.ms > 0.0), "{by_op:?}");
+    assert!(c.report.to_json().contains("\"predicted_by_op\""));
+    assert!(c.report.to_string().contains("by op (ms)"));
 }
 
 #[test]

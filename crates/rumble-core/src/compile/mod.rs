@@ -19,13 +19,14 @@ use std::sync::Arc;
 
 pub use choose::Budget;
 
-use crate::cost::{Cost, Roofline};
+use crate::cost::{Cost, CostModel, Roofline, node_times};
 use crate::ir::{Trace, verify};
 use crate::passes::data_parallel::{DataParallel, data_parallel};
 use crate::passes::remat::{Remat, remat_costed};
 use crate::passes::schedule::schedule;
 use crate::passes::{self, Pass, PassLog};
 use crate::plan::lifetimes::Lifetimes;
+use crate::plan::report::OpTime;
 use crate::plan::{LifetimeOptions, MemoryPlan, PlanOptions, PlanReport, Planned, plan_order};
 
 /// The passes a step goes through before it is planned: dead code, common subexpressions (the
@@ -168,7 +169,25 @@ pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
     if weighed.len() > 1 {
         report.weighed = weighed;
     }
+    report.predicted_by_op = by_op(&trace, cost.as_ref());
     Ok(Compiled { trace, plan, lifetimes, report, passes: logs, seconds: pick.seconds })
+}
+
+/// The cost model's time for `trace` by op, slowest first (ties by name).
+fn by_op(trace: &Trace, cost: &dyn CostModel) -> Vec<OpTime> {
+    let mut ops: Vec<OpTime> = Vec::new();
+    for (n, s) in trace.nodes.iter().zip(node_times(cost, trace)) {
+        let op = n.op.name();
+        match ops.iter_mut().find(|t| t.op == op) {
+            Some(t) => {
+                t.nodes += 1;
+                t.ms += s * 1e3;
+            }
+            None => ops.push(OpTime { op: op.to_string(), nodes: 1, ms: s * 1e3 }),
+        }
+    }
+    ops.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.op.cmp(&b.op)));
+    ops
 }
 
 /// The trace-level part of [`compile`]: if `opts.passes`, the rank program of

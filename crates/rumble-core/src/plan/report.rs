@@ -51,6 +51,14 @@ pub struct PeakBuffer {
     pub offset: usize,
 }
 
+/// The cost model's time for one op's nodes together (`PlanReport::predicted_by_op`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OpTime {
+    pub op: String,
+    pub nodes: usize,
+    pub ms: f64,
+}
+
 /// What one pass did to LOAD.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct PassReport {
@@ -111,6 +119,9 @@ pub struct PlanReport {
     /// Every variant weighed: its choices, predicted time and peak (empty if only one).
     #[serde(skip)]
     pub weighed: Vec<String>,
+    /// The chosen plan's predicted time by op, slowest first (each op's nodes summed).
+    #[serde(skip)]
+    pub predicted_by_op: Vec<OpTime>,
 }
 
 impl PlanReport {
@@ -214,6 +225,7 @@ impl PlanReport {
             budget: String::new(),
             chosen: String::new(),
             weighed: Vec::new(),
+            predicted_by_op: Vec::new(),
         }
     }
 
@@ -224,7 +236,7 @@ impl PlanReport {
 
     /// One JSON object with every field (byte counts as integers), and `arena_over_load`; under
     /// a budget, `fits_budget`; if priced, `predicted_step_ms`, `cost_model`, `budget`, `chosen`
-    /// and `weighed`.
+    /// `weighed` and `predicted_by_op`.
     pub fn to_json(&self) -> String {
         #[derive(Serialize)]
         struct Priced<'a> {
@@ -233,6 +245,7 @@ impl PlanReport {
             budget: &'a str,
             chosen: &'a str,
             weighed: &'a [String],
+            predicted_by_op: &'a [OpTime],
         }
         #[derive(Serialize)]
         struct Json<'a> {
@@ -252,6 +265,7 @@ impl PlanReport {
             budget: &self.budget,
             chosen: &self.chosen,
             weighed: &self.weighed,
+            predicted_by_op: &self.predicted_by_op,
         });
         serde_json::to_string(&Json { report: self, arena_over_load: self.ratio(), fits_budget, priced })
             .unwrap_or_default()
@@ -356,6 +370,21 @@ impl fmt::Display for PlanReport {
             }
             for w in &self.weighed {
                 writeln!(f, "    weighed   {w}")?;
+            }
+            // The ops that take most of it (the rest summed).
+            const SHOWN: usize = 6;
+            let mut by_op: Vec<String> = self
+                .predicted_by_op
+                .iter()
+                .take(SHOWN)
+                .map(|t| format!("{} {:.2} ({})", t.op, t.ms, t.nodes))
+                .collect();
+            if self.predicted_by_op.len() > SHOWN {
+                let rest: f64 = self.predicted_by_op[SHOWN..].iter().map(|t| t.ms).sum();
+                by_op.push(format!("{} others {rest:.2}", self.predicted_by_op.len() - SHOWN));
+            }
+            if !by_op.is_empty() {
+                writeln!(f, "  by op (ms)  {}", by_op.join(", "))?;
             }
         }
         if let Some(budget) = self.budget_bytes {
