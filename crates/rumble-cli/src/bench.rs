@@ -187,6 +187,7 @@ pub fn run_resolved(a: &BenchArgs, r: Resolved, emit: &mut dyn FnMut(serde_json:
             if let Some(ms) = s.predicted_step_ms {
                 line["predicted_step_ms"] = json!(round3(ms));
                 line["chosen"] = json!(s.chosen);
+                line["weighed"] = json!(s.weighed);
                 line["memory_budget"] = json!(a.memory_budget.to_string());
             }
         }

@@ -67,6 +67,9 @@ pub struct ExecStats {
     /// What `compile` chose (the loss's chunk rows, recomputation), empty if nothing.
     #[serde(skip)]
     pub chosen: String,
+    /// Every variant `compile` weighed: its choices, predicted time and peak (empty if one).
+    #[serde(skip)]
+    pub weighed: Vec<String>,
 }
 
 /// What one shape bucket of a bucketed executor has done.

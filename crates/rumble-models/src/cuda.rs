@@ -242,5 +242,6 @@ pub(crate) fn cuda_stats(
         build_secs,
         predicted_step_ms: step.predicted_ms,
         chosen: step.chosen.clone(),
+        weighed: step.weighed.clone(),
     })
 }
