@@ -18,6 +18,12 @@
 //!   times), read from a file keyed by device, op, shapes and dtypes ([`matmul_key`],
 //!   [`node_key`]); the roofline answers for anything not measured.
 //!
+//! A device kept busy for long runs its tensor cores at lower clocks than one probed for
+//! milliseconds. A model that knows how much ([`CostModel::sustained`], `DeviceCost` measures
+//! it) has its node times stretched inside a step ([`step_node_times`]), by a slowdown scaled
+//! to the step's own tensor-core load: a step that drives them as hard as the measuring burn
+//! slows by all of it, a step that rarely uses them by little.
+//!
 //! The FLOP counts are `passes::remat::flops`'s.
 
 use std::collections::HashMap;
@@ -153,6 +159,42 @@ pub trait CostModel: Send + Sync + fmt::Debug {
     fn is_measured(&self) -> bool {
         false
     }
+    /// How the device's tensor cores slow under a long load, if known ([`step_node_times`]).
+    fn sustained(&self) -> Option<Sustained> {
+        None
+    }
+}
+
+/// How a device's tensor cores slow when kept busy (`DeviceCost`'s burn: a large bf16 matmul
+/// run back to back for seconds, timed before and after).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sustained {
+    /// The burn's time after over its time before (1 or more).
+    pub slowdown: f64,
+    /// The burn's bf16 FLOP rate before: what "as busy as the burn" means.
+    pub rate: f64,
+    /// The roofline whose tensor shares and FLOPs say how much of each node slows.
+    pub roofline: Roofline,
+}
+
+impl Sustained {
+    /// Each node's time of `times` (`node_times` of `trace`) inside the step: the step's load
+    /// (its bf16-equivalent tensor FLOPs over its time, over the burn's rate, at most 1) scales
+    /// the slowdown, and each node's tensor-core share (`Roofline::tensor_share`) is stretched
+    /// by that.
+    pub fn stretch(&self, trace: &Trace, times: &[f64]) -> Vec<f64> {
+        let (mut flops, mut shares) = (0.0, Vec::with_capacity(times.len()));
+        for n in &trace.nodes {
+            let a: Vec<&TensorType> = n.args.iter().map(|v| trace.ty(*v)).collect();
+            let o: Vec<&TensorType> = n.outs.iter().map(|v| trace.ty(*v)).collect();
+            flops += self.roofline.tensor_flops(&n.op, &a, &o);
+            shares.push(self.roofline.tensor_share(&n.op, &a, &o));
+        }
+        let total: f64 = times.iter().sum();
+        let load = if total > 0.0 && self.rate > 0.0 { (flops / total / self.rate).clamp(0.0, 1.0) } else { 0.0 };
+        let slowdown = 1.0 + (self.slowdown.max(1.0) - 1.0) * load;
+        times.iter().zip(shares).map(|(t, share)| t * (1.0 + (slowdown - 1.0) * share)).collect()
+    }
 }
 
 /// A shared cost model.
@@ -171,12 +213,22 @@ pub fn node_times(model: &dyn CostModel, trace: &Trace) -> Vec<f64> {
         .collect()
 }
 
-/// Predicted seconds of one step of `trace`: the sum over its nodes, but for collectives of
+/// Predicted seconds of every node of `trace` inside a step: [`node_times`], stretched where
+/// the model knows how the device slows under the step's load ([`Sustained::stretch`]).
+pub fn step_node_times(model: &dyn CostModel, trace: &Trace) -> Vec<f64> {
+    let times = node_times(model, trace);
+    match model.sustained() {
+        Some(s) => s.stretch(trace, &times),
+        None => times,
+    }
+}
+
+/// Predicted seconds of one step of `trace` ([`step_node_times`]): the sum over its nodes, but for collectives of
 /// several ranks, which run on a stream of their own from their node to their join
 /// (`ir::collective_joins`, one after another there): the step's stream waits at a join only
 /// for what of the collective the nodes between did not cover.
 pub fn trace_seconds(model: &dyn CostModel, trace: &Trace) -> f64 {
-    let times = node_times(model, trace);
+    let times = step_node_times(model, trace);
     let joins = crate::ir::collective_joins(trace);
     if joins.is_empty() {
         return times.iter().sum();
@@ -258,7 +310,7 @@ impl Roofline {
     /// the roofline prices them (tiles and waves for matmuls, `attention_efficiency` for
     /// attention) over the whole roofline time, for the ops that run on them (matmuls,
     /// attention, the fused loss); 0 for the others. A device whose clocks drop under a long
-    /// load slows this share of a node (`DeviceCost`'s sustained slowdown).
+    /// load slows this share of a node ([`Sustained::stretch`]).
     pub fn tensor_share(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
         let Some(a) = args.first() else { return 0.0 };
         let rate = self.rates.matmul_rate(a.dtype);
@@ -283,6 +335,26 @@ impl Roofline {
         };
         let share = compute / self.node_seconds(op, args, outs);
         if share.is_finite() { share.clamp(0.0, 1.0) } else { 0.0 }
+    }
+
+    /// A node's tensor-core FLOPs in bf16 equivalents (FLOPs of another dtype weighed by the
+    /// bf16 rate over theirs): the matmuls, attention and the fused loss; 0 for the others.
+    pub fn tensor_flops(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+        let Some(a) = args.first() else { return 0.0 };
+        match op {
+            Op::Matmul { .. }
+            | Op::MatmulPre { .. }
+            | Op::Attention { .. }
+            | Op::AttentionBackward { .. }
+            | Op::LinearCrossEntropy { .. }
+            | Op::LinearCrossEntropyBackward { .. }
+            | Op::LinearCrossEntropyGrad { .. } => {
+                let weight = self.rates.matmul_rate(DType::BF16) / self.rates.matmul_rate(a.dtype);
+                let f = flops(op, args, outs) as f64 * weight;
+                if f.is_finite() { f } else { 0.0 }
+            }
+            _ => 0.0,
+        }
     }
 
     /// Seconds of a kernel streaming `bytes` and doing `flops` on the vector units.
@@ -454,13 +526,13 @@ impl CostModel for Measured {
     }
 }
 
-/// The file of measured times for device `device` in folder `dir`: `times2-<device>.txt`, one
-/// `key<TAB>seconds` line each (the last line of a key wins). Version 2: a probe's time is
-/// what the node takes on a device kept busy (`DeviceCost`'s sustained slowdown applied), so
-/// the files of version 1, timed at the clocks of a device at rest, are not read.
+/// The file of measured times for device `device` in folder `dir`: `times3-<device>.txt`, one
+/// `key<TAB>seconds` line each (the last line of a key wins). Version 3: times as probed (a
+/// step's load stretches them, [`step_node_times`]), and the device's burn figures
+/// ([`Sustained`]); version 2 held times stretched node by node, and is not read.
 pub fn times_file(dir: &Path, device: &str) -> PathBuf {
     let name: String = device.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-    dir.join(format!("times2-{name}.txt"))
+    dir.join(format!("times3-{name}.txt"))
 }
 
 /// Appends measured times to `device`'s file in `dir` (one whole line per write, so
@@ -632,5 +704,76 @@ mod tests {
         let (o, lse) = (q.clone(), ty(DType::F32, &[1, 32, 4096]));
         let share = r.tensor_share(&att, &[&q, &q, &q], &[&o, &lse]);
         assert!(share > 0.9 && share <= 1.0, "{share}");
+    }
+
+    /// A step of `mms` 4096-square bf16 matmuls and `adds` elementwise adds of 64M f32.
+    fn load_step(mms: usize, adds: usize) -> Trace {
+        use crate::ir::{Graph, OutputRole};
+        let g = Graph::new("load");
+        let x = g.data("x", DType::BF16, &[4096, 4096]).unwrap();
+        let mut h = x.clone();
+        for _ in 0..mms {
+            h = h.matmul(&x).unwrap();
+        }
+        let v = g.data("v", DType::F32, &[1 << 26]).unwrap();
+        let mut a = v.clone();
+        for _ in 0..adds {
+            a = a.add(&v).unwrap();
+        }
+        g.output_with_role(&h, "h", OutputRole::Output).unwrap();
+        g.output_with_role(&a, "a", OutputRole::Output).unwrap();
+        g.finish().unwrap()
+    }
+
+    /// The roofline, and a device that slows by `slowdown` at the roofline's own bf16 rate.
+    #[derive(Debug)]
+    struct Hot(Roofline, f64);
+
+    impl CostModel for Hot {
+        fn node_seconds(&self, op: &Op, args: &[&TensorType], outs: &[&TensorType]) -> f64 {
+            self.0.node_seconds(op, args, outs)
+        }
+        fn describe(&self) -> String {
+            "hot".into()
+        }
+        fn sustained(&self) -> Option<Sustained> {
+            Some(Sustained { slowdown: self.1, rate: self.0.rates.matmul_rate(DType::BF16), roofline: self.0.clone() })
+        }
+    }
+
+    #[test]
+    fn a_step_slows_by_the_share_of_the_burn_its_own_tensor_load_reaches() {
+        let hot = Hot(Roofline::default(), 1.2);
+        let ratio = |t: &Trace| trace_seconds(&hot, t) / node_times(&hot, t).iter().sum::<f64>();
+        // Matmuls alone, at the roofline's rate: nearly all of the slowdown.
+        let mm = ratio(&load_step(8, 0));
+        assert!(mm > 1.17 && mm <= 1.2, "{mm}");
+        // The same matmuls in a step mostly of streaming adds: the load, and the share that
+        // slows, are both small.
+        let mixed = ratio(&load_step(8, 200));
+        assert!(mixed > 1.0 && mixed < 1.02, "{mixed}");
+        // No matmul: nothing slows.
+        assert_eq!(ratio(&load_step(0, 10)), 1.0);
+        // A model that knows no slowdown keeps its node times.
+        let t = load_step(8, 20);
+        let cool = Roofline::default();
+        assert_eq!(step_node_times(&cool, &t), node_times(&cool, &t));
+        // A slowdown below 1 (a faster device after the burn) is read as none.
+        let odd = Hot(Roofline::default(), 0.9);
+        assert_eq!(step_node_times(&odd, &t), node_times(&odd, &t));
+    }
+
+    #[test]
+    fn tensor_flops_count_the_tensor_core_ops_in_bf16_equivalents() {
+        let r = Roofline::default();
+        let mm = Op::Matmul { ta: false, tb: false, out: None, acc: crate::ir::Addend::None };
+        let (a, b) = (ty(DType::BF16, &[64, 128]), ty(DType::BF16, &[128, 32]));
+        let y = ty(DType::BF16, &[64, 32]);
+        assert_eq!(r.tensor_flops(&mm, &[&a, &b], &[&y]), (2 * 64 * 128 * 32) as f64);
+        // An f32 matmul's FLOPs weigh as much more as its rate is lower.
+        let (af, bf, yf) = (ty(DType::F32, &[64, 128]), ty(DType::F32, &[128, 32]), ty(DType::F32, &[64, 32]));
+        let w = r.rates.matmul_rate(DType::BF16) / r.rates.matmul_rate(DType::F32);
+        assert_eq!(r.tensor_flops(&mm, &[&af, &bf], &[&yf]), (2 * 64 * 128 * 32) as f64 * w);
+        assert_eq!(r.tensor_flops(&Op::Binary(crate::ir::BinaryOp::Add), &[&y, &y], &[&y]), 0.0);
     }
 }

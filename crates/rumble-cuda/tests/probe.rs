@@ -11,7 +11,7 @@ use common::{gpu, tiny_step};
 use rumble_core::compile::{CompileOptions, compile};
 use rumble_core::cost::{CostModel, DeviceRates, node_key, times_file};
 use rumble_core::ir::{DType, Op, Shape, TensorType};
-use rumble_cuda::{DeviceCost, MAX_SLOWDOWN, Program, SLOWDOWN_KEY};
+use rumble_cuda::{DeviceCost, MAX_SLOWDOWN, Program, RATE_KEY, SLOWDOWN_KEY};
 
 fn ty(dtype: DType, dims: &[usize]) -> TensorType {
     TensorType::new(dtype, Shape::from(dims))
@@ -53,22 +53,29 @@ fn a_node_is_probed_once_and_remembered() {
     assert_eq!(cost.node_seconds(&r, &[&x], &[&ty(DType::F32, &[1024, 4096])]), 0.0);
     assert_eq!(cost.probed(), 2);
 
-    // The file has both keys, and the device's sustained slowdown, measured before the first
-    // probe; a new model reads them instead of probing.
+    // The file has both keys, and the device's sustained slowdown and burn rate, measured
+    // with the first probe; a new model reads them instead of probing.
     let text = std::fs::read_to_string(times_file(&dir, &dev.name)).expect("times file");
     assert!(text.contains(&node_key(&mm, &[&a, &b], &[&out])), "{text}");
-    let slowdown: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{SLOWDOWN_KEY}\t")))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("the slowdown in the times file");
+    let read = |key: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}\t")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{key} in the times file"))
+    };
+    let (slowdown, rate) = (read(SLOWDOWN_KEY), read(RATE_KEY));
     assert!((1.0..=MAX_SLOWDOWN).contains(&slowdown), "{slowdown}");
+    // A bf16 matmul of 4096: tens to a few thousand TFLOP/s on any GPU this runs on.
+    assert!((1e13..5e15).contains(&rate), "{rate}");
+    let sustained = cost.sustained().expect("the model knows how the device slows");
+    assert_eq!((sustained.slowdown, sustained.rate), (slowdown, rate));
     let said = cost.describe();
     assert!(said.contains("sustained slowdown") && !said.contains("not measured"), "{said}");
     let later = DeviceCost::new(dev.clone(), rates);
     let s2 = later.node_seconds(&mm, &[&a, &b], &[&out]);
     assert_eq!(later.probed(), 0);
     assert!((s2 - s).abs() <= 1e-9 * s.max(1.0), "{s2} vs {s}");
+    assert!(later.sustained().is_some());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -127,13 +127,14 @@ impl CudaExecutor {
         &self.prog
     }
 
-    /// Each node's time as the cost model the compile weighed its choices by predicts it, in
-    /// node order (what it measured is in memory: nothing is probed again). Asked before a
+    /// Each node's time inside the step as the cost model the compile weighed its choices by
+    /// predicts it (`cost::step_node_times`), in node order (what it measured is in memory:
+    /// nothing is probed again). Asked before a
     /// profile, it shows which nodes the prediction misses (a profile records its own times for
     /// later models).
     pub fn predicted_node_seconds(&self) -> Result<Vec<f64>> {
         let cost = self.cost.as_ref().ok_or_else(|| ModelError::Usage("no cost model".into()))?;
-        Ok(rumble_core::cost::node_times(cost.as_ref(), &self.prog.trace))
+        Ok(rumble_core::cost::step_node_times(cost.as_ref(), &self.prog.trace))
     }
 
     /// One step timed launch by launch (device events around each kernel or matmul): `None` unless the

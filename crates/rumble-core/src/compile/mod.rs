@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 pub use choose::Budget;
 
-use crate::cost::{Cost, CostModel, Roofline, node_times};
+use crate::cost::{Cost, CostModel, Roofline, step_node_times};
 use crate::ir::{Trace, verify};
 use crate::passes::data_parallel::{DataParallel, data_parallel};
 use crate::passes::remat::{Remat, remat_costed};
@@ -176,7 +176,7 @@ pub fn compile(trace: &Trace, opts: &CompileOptions) -> Result<Compiled> {
 /// The cost model's time for `trace` by op, slowest first (ties by name).
 fn by_op(trace: &Trace, cost: &dyn CostModel) -> Vec<OpTime> {
     let mut ops: Vec<OpTime> = Vec::new();
-    for (n, s) in trace.nodes.iter().zip(node_times(cost, trace)) {
+    for (n, s) in trace.nodes.iter().zip(step_node_times(cost, trace)) {
         let op = n.op.name();
         match ops.iter_mut().find(|t| t.op == op) {
             Some(t) => {

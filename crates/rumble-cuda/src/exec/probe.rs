@@ -2,7 +2,7 @@
 //! compiler asks for it.
 //!
 //! [`DeviceCost`] answers `CostModel::node_seconds` from, in order: the times already measured
-//! on this device (`cost::Measured`, the `times2-<device>.txt` file in the kernel cache folder,
+//! on this device (`cost::Measured`, the `times3-<device>.txt` file in the kernel cache folder,
 //! written by earlier probes, `--profile` and the matmul tuner); a **probe**, which runs the node
 //! alone and records its time there; and the roofline, where a node cannot be probed (no cache
 //! folder to remember it in, the stream is capturing a graph, its buffers would take more than
@@ -23,16 +23,16 @@
 //! measured by events includes the device's own gap between launches, so nothing is added
 //! for launches (`cost::Measured` does the same).
 //!
-//! Fifty milliseconds of work is not a step's minute: a step keeps a large model's device at
-//! its power limit, and the clocks sink further. So once per device a large bf16 matmul is
-//! probed, run back to back for [`BURN_SECONDS`], and timed again ([`sustained_slowdown`],
-//! remembered in the times file); each probe's time is then stretched by that slowdown in
-//! proportion to its node's tensor-core share (`Roofline::tensor_share`: a matmul's nearly
-//! all, a norm's none), and recorded so. `--profile`'s times, measured inside a step, are
-//! recorded as measured; the matmul tuner's as it timed them (they price a matmul inside a node
-//! only where that node could not be probed). A process that cannot measure the slowdown (too
-//! little free memory) probes at rest and keeps those times to itself: the file holds
-//! sustained times only.
+//! Fifty milliseconds of work is not a step's minute: a step that drives the tensor cores hard
+//! keeps a device at its power limit, and the clocks sink further. So once per device a large
+//! bf16 matmul is probed, run back to back for [`BURN_SECONDS`], and timed again
+//! ([`sustained_slowdown`]); its slowdown and its FLOP rate before are remembered in the times
+//! file ([`SLOWDOWN_KEY`], [`RATE_KEY`]) and answer `CostModel::sustained`, so that
+//! `cost::step_node_times` stretches a step's nodes by the slowdown scaled to that step's own
+//! tensor-core load (a 7-8B step slows by nearly all of it, a small model's by little). Probes
+//! are recorded as timed; so are `--profile`'s times, measured in a step of a few hundred
+//! milliseconds, and the matmul tuner's (they price a matmul inside a node only where that node
+//! could not be probed).
 //!
 //! So the compiler weighs every variant (the fused loss's chunk rows, recomputation) by times
 //! measured on the device it runs on, and `rumble plan`/`bench` predict the step from them.
@@ -43,7 +43,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys};
-use rumble_core::cost::{CostModel, DeviceRates, Measured, Roofline, node_key, record};
+use rumble_core::cost::{CostModel, DeviceRates, Measured, Roofline, Sustained, node_key, record};
 use rumble_core::ir::{Addend, DType, InputRole, Op, OutputRole, Phase, TensorType, Trace, TraceInput, TraceOutput};
 use rumble_core::plan::plan_naive;
 
@@ -69,8 +69,10 @@ const BURN_LAUNCHES: usize = 20_000;
 /// operands.
 const SLOWDOWN_DIM: usize = 4096;
 pub const MAX_SLOWDOWN: f64 = 1.5;
-/// The key of the slowdown in the device's times file.
+/// The keys of the burn's slowdown and of its FLOP rate before it (FLOP/s), in the device's
+/// times file.
 pub const SLOWDOWN_KEY: &str = "sustained tensor-core slowdown";
+pub const RATE_KEY: &str = "sustained tensor-core rate";
 /// Bytes overwritten before each timed run (more than any current GPU's L2 cache).
 const SCRUB_BYTES: usize = 256 << 20;
 
@@ -87,7 +89,7 @@ struct State {
     probed: usize,
     scrub: Option<DeviceBuffer>,
     /// Measuring [`sustained_slowdown`] failed in this process (not retried). Once measured, it
-    /// is in `measured` under [`SLOWDOWN_KEY`], like any time.
+    /// is in `measured` under [`SLOWDOWN_KEY`] and [`RATE_KEY`], like any time.
     slowdown_failed: bool,
 }
 
@@ -168,28 +170,9 @@ impl CostModel for DeviceCost {
             None => DeviceBuffer::new(&self.dev, SCRUB_BYTES, "the cost probe's L2 scrub"),
         };
         let got = scrub.and_then(|b| {
-            let slowdown = match st.measured.get(SLOWDOWN_KEY) {
-                Some(f) => Some(f),
-                None if st.slowdown_failed => None,
-                None => {
-                    // Measured once per device and remembered. A failure (too little free
-                    // memory, say) is not retried in this process, whose probes then go
-                    // unstretched and unrecorded: the file holds sustained times only.
-                    let f = sustained_slowdown(&self.dev, &b).ok();
-                    match f {
-                        Some(f) => {
-                            st.measured.times.insert(SLOWDOWN_KEY.to_string(), f);
-                            if let Some(dir) = self.dev.knobs().cache {
-                                let _ = record(&dir, &self.dev.name, &[(SLOWDOWN_KEY.to_string(), f)]);
-                            }
-                        }
-                        None => st.slowdown_failed = true,
-                    }
-                    f
-                }
-            };
-            let share = st.measured.roofline.tensor_share(op, args, outs);
-            let r = probe(&self.dev, op, args, outs, &b).map(|s| sustained(s, share, slowdown.unwrap_or(1.0)));
+            // Measured once per device, with the first probe, and remembered.
+            self.burn(&mut st, &b);
+            let r = probe(&self.dev, op, args, outs, &b);
             st.scrub = Some(b);
             r
         });
@@ -197,7 +180,7 @@ impl CostModel for DeviceCost {
             Ok(s) => {
                 st.probed += 1;
                 st.measured.times.insert(key.clone(), s);
-                if let Some(dir) = self.dev.knobs().cache.filter(|_| !st.slowdown_failed) {
+                if let Some(dir) = self.dev.knobs().cache {
                     // A cache that cannot be written only loses the measurement.
                     let _ = record(&dir, &self.dev.name, &[(key, s)]);
                 }
@@ -228,6 +211,33 @@ impl CostModel for DeviceCost {
 
     fn is_measured(&self) -> bool {
         true
+    }
+
+    fn sustained(&self) -> Option<Sustained> {
+        let st = self.state.lock().ok()?;
+        let (slowdown, rate) = (st.measured.get(SLOWDOWN_KEY)?, st.measured.get(RATE_KEY)?);
+        Some(Sustained { slowdown, rate, roofline: st.measured.roofline.clone() })
+    }
+}
+
+impl DeviceCost {
+    /// Measures the device's sustained slowdown and burn rate ([`sustained_slowdown`]) unless
+    /// they are known or failed here before, and records them. A failure (too little free
+    /// memory, say) is not retried in this process, whose steps are then not stretched.
+    fn burn(&self, st: &mut State, scrub: &DeviceBuffer) {
+        if st.slowdown_failed || (st.measured.get(SLOWDOWN_KEY).is_some() && st.measured.get(RATE_KEY).is_some()) {
+            return;
+        }
+        match sustained_slowdown(&self.dev, scrub) {
+            Ok((slowdown, rate)) => {
+                let lines = [(SLOWDOWN_KEY.to_string(), slowdown), (RATE_KEY.to_string(), rate)];
+                st.measured.times.extend(lines.iter().cloned());
+                if let Some(dir) = self.dev.knobs().cache {
+                    let _ = record(&dir, &self.dev.name, &lines);
+                }
+            }
+            Err(_) => st.slowdown_failed = true,
+        }
     }
 }
 
@@ -277,12 +287,13 @@ pub fn probe(
 }
 
 /// How much slower the tensor cores run on a device kept busy for `BURN_SECONDS` than in a
-/// probe, 1 to [`MAX_SLOWDOWN`]: a large bf16 matmul probed, run back to back for that long,
-/// then timed again the probe's way. A step holds a large model's device at its power limit
-/// for as long as it runs, and its clocks sink below those a probe of tens of milliseconds
-/// sees (on an H100 the suite's 7-8B steps ran 6-12% longer than their probed nodes summed,
-/// the matmuls and attention 5-16% longer, the memory-bound kernels as probed).
-fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<f64> {
+/// probe, 1 to [`MAX_SLOWDOWN`], and the FLOP rate of that probe: a large bf16 matmul probed,
+/// run back to back for that long, then timed again the probe's way. A step that drives the
+/// tensor cores hard holds the device at its power limit for as long as it runs, and its clocks
+/// sink below those a probe of tens of milliseconds sees (on an H100 the suite's 7-8B steps ran
+/// 6-12% longer than their probed nodes summed, the matmuls and attention 5-16% longer, the
+/// memory-bound kernels as probed).
+fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<(f64, f64)> {
     let t = TensorType::new(DType::BF16, [SLOWDOWN_DIM, SLOWDOWN_DIM]);
     let op = Op::Matmul { ta: false, tb: false, out: None, acc: Addend::None };
     let placed = probe_program(dev, &op, &[&t, &t], &[&t])?;
@@ -291,13 +302,8 @@ fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<f64> {
         placed.launch(0..1)?;
     }
     let hot = timed(dev, &placed, scrub)?;
-    Ok((hot / cold).clamp(1.0, MAX_SLOWDOWN))
-}
-
-/// A probe's time `seconds` of a node whose tensor-core share is `share`
-/// (`Roofline::tensor_share`) on a device `slowdown` times slower under a long load.
-fn sustained(seconds: f64, share: f64, slowdown: f64) -> f64 {
-    seconds * (1.0 + (slowdown - 1.0) * share)
+    let flops = 2.0 * (SLOWDOWN_DIM as f64).powi(3);
+    Ok(((hot / cold).clamp(1.0, MAX_SLOWDOWN), flops / cold.max(1e-9)))
 }
 
 /// `op` as a one-node program placed in an arena, its operands filled (module doc).
@@ -372,17 +378,4 @@ fn timed(dev: &Device, placed: &Placed, scrub: &DeviceBuffer) -> Result<f64> {
     placed.check()?;
     runs.sort_by(f64::total_cmp);
     Ok(runs[runs.len() / 2])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::sustained;
-
-    #[test]
-    fn the_slowdown_stretches_a_node_by_its_tensor_core_share() {
-        assert_eq!(sustained(2.0, 0.0, 1.2), 2.0);
-        assert!((sustained(2.0, 1.0, 1.2) - 2.4).abs() < 1e-12);
-        assert!((sustained(2.0, 0.5, 1.2) - 2.2).abs() < 1e-12);
-        assert_eq!(sustained(2.0, 1.0, 1.0), 2.0);
-    }
 }
