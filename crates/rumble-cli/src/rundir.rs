@@ -341,6 +341,20 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
+    /// `RunDir::open` once the lock is free: a process another test spawns in parallel holds a
+    /// copy of every open descriptor from its fork to its exec, the lock's too, for a moment.
+    fn reopen(d: &Path, mode: Mode) -> RunDir {
+        for _ in 0..200 {
+            match RunDir::open(d, mode, None) {
+                Err(e) if e.to_string().contains("another rumble run") => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                r => return r.unwrap(),
+            }
+        }
+        panic!("{}: the lock stayed held", d.display())
+    }
+
     #[test]
     fn the_lock_keeps_a_second_run_out_and_stale_temps_go() {
         let d = tmp("lock");
@@ -357,12 +371,12 @@ mod tests {
         drop(run);
         // Resume trims a cut line and appends.
         std::fs::OpenOptions::new().append(true).open(d.join("loss.jsonl")).unwrap().write_all(b"{\"ste").unwrap();
-        let mut run = RunDir::open(&d, Mode::Resume, None).unwrap();
+        let mut run = reopen(&d, Mode::Resume);
         run.log.line("{\"step\": 2}").unwrap();
         assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap(), "{\"step\": 1}\n{\"step\": 2}\n");
         drop(run);
         // A resume from step 1 drops the lines of later steps, keeping lines without a step.
-        let mut run = RunDir::open(&d, Mode::Resume, None).unwrap();
+        let mut run = reopen(&d, Mode::Resume);
         run.log.line("{\"event\": \"note\"}").unwrap();
         run.log.keep_through(1).unwrap();
         run.log.line("{\"step\": 2}").unwrap();
@@ -372,7 +386,7 @@ mod tests {
         );
         drop(run);
         // Overwrite keeps the old log until the first new line.
-        let mut run = RunDir::open(&d, Mode::Overwrite, None).unwrap();
+        let mut run = reopen(&d, Mode::Overwrite);
         assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap().lines().count(), 3);
         run.log.line("{\"step\": 1}").unwrap();
         assert_eq!(std::fs::read_to_string(d.join("loss.jsonl")).unwrap(), "{\"step\": 1}\n");
