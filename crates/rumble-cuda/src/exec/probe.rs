@@ -273,8 +273,8 @@ fn fill_small(dev: &Device, p: sys::CUdeviceptr, dtype: rumble_core::ir::DType, 
 }
 
 /// Seconds one run of `op` on operands of types `args` giving `outs` takes on `dev` (the
-/// median of [`PROBE_RUNS`] runs; see the module doc), at the clocks of the probe: multiply by
-/// `sustained` for a node inside a step.
+/// median of [`PROBE_RUNS`] runs; see the module doc), at the clocks of the probe
+/// (`cost::step_node_times` stretches it for a node inside a step).
 pub fn probe(
     dev: &Arc<Device>,
     op: &Op,
