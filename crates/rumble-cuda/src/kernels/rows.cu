@@ -2,9 +2,10 @@
 // cross-entropy (+ backward). One block per row; statistics in the arithmetic type (f32, f64
 // for f64) with fixed-order block reductions, so results are deterministic.
 
-// RMSNorm and its backward: one warp per row (rows of a few thousand at most: no block-wide
-// synchronisation), 16-byte loads and stores where the row width and the pointers allow
-// (`vec16`, vec16.cuh), statistics reduced by the warp's fixed-order shuffles.
+// RMSNorm: one warp per row (rows of a few thousand at most: no block-wide synchronisation),
+// 16-byte loads and stores where the row width and the pointers allow (`vec16`, vec16.cuh),
+// statistics reduced by the warp's fixed-order shuffles. Its backward: a block per row group
+// (below).
 #define WARP_ROWS(row, rows)                                                                            \
   for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;                 \
        row += (i64)gridDim.x * (blockDim.x >> 5))
@@ -82,116 +83,134 @@ __device__ void rms_norm_block(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
-// dx = r*w*dy - x*r^3/D*sum(w*dy*x) (+ add, with ACC: the addend joins before the one
-// rounding; dx may be written over add, each element read before it is written by the same
-// thread, so neither is __restrict__). Writes r of each row to rstd[row] for the dw pass.
-template <typename T, bool ACC>
-__device__ void rms_norm_bwd_dx(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
-                                const T* add, T* dx, typename Acc<T>::t* rstd, i64 rows, i64 d, double eps) {
+// RMSNorm backward in one pass over the rows. Block b of the grid takes rows [b*per, (b+1)*per)
+// one after another; thread t holds the K 16-byte chunks c = (t + k*blockDim.x)*N of a row (the
+// recipe sizes the block so that K chunks a thread cover the width). Per row it loads x and dy
+// once, reduces sum(x^2) and sum(w*dy*x) over the block (fixed order; two buffers, alternate
+// rows, so one row's reads never race the next row's writes), writes
+// dx = r*w*dy - x*r^3/D*sum(w*dy*x) (+ add, with ACC: the addend joins before the one rounding)
+// and adds dy*x*r to its columns' dw partials, which go to part[b*d + c] after its last row.
+// dx may be written over add (each element read before it is written by the same thread).
+// Rows of up to 1024 chunks take K = 1 (`rms_norm_backward_*`), wider ones K = RMS_BWD_WIDE
+// (`rms_norm_backward_wide_*`, at most 1024 threads).
+#define RMS_BWD_WIDE 4
+template <typename T, bool ACC, int K>
+__device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
+                             const T* add, T* dx, typename Acc<T>::t* __restrict__ part, i64 rows, i64 d, double eps) {
   typedef typename Acc<T>::t A;
   constexpr int N = Vec16<T>::n;
-  const int lane = threadIdx.x & 31;
+  __shared__ A buf[2][2][32];
   const bool vec = vec16<T>(d, x, w, dy, dx) && (!ACC || ((unsigned long long)add & 15) == 0);
-  WARP_ROWS(row, rows) {
-    const T* xr = x + row * d;
-    const T* gr = dy + row * d;
-    A ss = 0, dot = 0;
-    if (vec) {
-      for (i64 c = lane * N; c < d; c += 32 * N) {
-        A a[N], g[N], q[N];
-        ld16(xr + c, a);
-        ld16(w + c, q);
-        ld16(gr + c, g);
+  const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  const i64 per = (rows + gridDim.x - 1) / gridDim.x;
+  const i64 r0 = (i64)blockIdx.x * per, r1 = r0 + per < rows ? r0 + per : rows;
+  // chunk k's first column; the chunk's elements at c + i < d are the thread's.
+  i64 col[K];
+  A acc[K][N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-          ss += a[i] * a[i];
-          dot += q[i] * g[i] * a[i];
-        }
+  for (int k = 0; k < K; ++k) {
+    col[k] = ((i64)threadIdx.x + (i64)k * blockDim.x) * N;
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[k][i] = 0;
+  }
+  // Loads chunk k of row p (zeros past the width).
+  auto load = [&](const T* p, int k, A* v) {
+    const i64 c = col[k];
+    if (vec) {
+      if (c < d) {
+        ld16(p + c, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = 0;
       }
     } else {
-      for (i64 c = lane; c < d; c += 32) {
-        A v = ldf(xr[c]);
-        ss += v * v;
-        dot += ldf(w[c]) * ldf(gr[c]) * v;
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = c + i < d ? ldf(p[c + i]) : (A)0;
+    }
+  };
+  int par = 0;
+  for (i64 row = r0; row < r1; ++row, par ^= 1) {
+    A a[K][N], g[K][N];
+    A ss = 0, dot = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      A q[N];
+      load(x + row * d, k, a[k]);
+      load(dy + row * d, k, g[k]);
+      load(w, k, q);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        ss += a[k][i] * a[k][i];
+        dot += q[i] * g[k][i] * a[k][i];
       }
     }
     ss = warp_sum(ss);
     dot = warp_sum(dot);
+    if (lane == 0) {
+      buf[par][0][wi] = ss;
+      buf[par][1][wi] = dot;
+    }
+    __syncthreads();
+    ss = lane < nw ? buf[par][0][lane] : (A)0;
+    dot = lane < nw ? buf[par][1][lane] : (A)0;
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
     const A r = (A)(1.0 / sqrt((double)ss / (double)d + eps));
-    const A k = r * r * r * dot / (A)d;
-    if (vec) {
-      for (i64 c = lane * N; c < d; c += 32 * N) {
-        A a[N], g[N], q[N];
-        ld16(xr + c, a);
-        ld16(w + c, q);
-        ld16(gr + c, g);
+    const A kk = r * r * r * dot / (A)d;
 #pragma unroll
-        for (int i = 0; i < N; ++i) a[i] = r * q[i] * g[i] - a[i] * k;
-        if (ACC) {
-          ld16(add + row * d + c, g);
+    for (int k = 0; k < K; ++k) {
+      const i64 c = col[k];
+      if (c >= d) continue;
+      A q[N], o[N];
+      load(w, k, q);
 #pragma unroll
-          for (int i = 0; i < N; ++i) a[i] += g[i];
-        }
-        st16(dx + row * d + c, a);
+      for (int i = 0; i < N; ++i) {
+        o[i] = r * q[i] * g[k][i] - a[k][i] * kk;
+        acc[k][i] += g[k][i] * a[k][i] * r;
       }
-    } else {
-      for (i64 c = lane; c < d; c += 32) {
-        A v = r * ldf(w[c]) * ldf(gr[c]) - ldf(xr[c]) * k;
-        if (ACC) v += ldf(add[row * d + c]);
-        stf(&dx[row * d + c], v);
+      if (ACC) {
+        A s[N];
+        load(add + row * d, k, s);
+#pragma unroll
+        for (int i = 0; i < N; ++i) o[i] += s[i];
+      }
+      if (vec) {
+        st16(dx + row * d + c, o);
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          if (c + i < d) stf(&dx[row * d + c + i], o[i]);
       }
     }
-    if (lane == 0) rstd[row] = r;
-  }
-}
-
-// Partial dw over row group blockIdx.y: part[g * d + c] = sum over its rows of dy*x*r, in row
-// order; a thread takes Vec16 neighbouring columns (16-byte loads where `vec16` allows).
-template <typename T>
-__device__ void rms_norm_bwd_dw_part(const T* __restrict__ x, const T* __restrict__ dy, const typename Acc<T>::t* rstd,
-                                     typename Acc<T>::t* part, i64 rows, i64 d) {
-  typedef typename Acc<T>::t A;
-  constexpr int N = Vec16<T>::n;
-  const i64 c0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * N;
-  i64 groups = gridDim.y, g = blockIdx.y;
-  i64 per = (rows + groups - 1) / groups;
-  i64 r0 = g * per, r1 = r0 + per < rows ? r0 + per : rows;
-  if (c0 >= d) return;
-  A acc[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] = 0;
-  if (vec16<T>(d, x, dy, x, dy)) {
-#pragma unroll 2
-    for (i64 row = r0; row < r1; ++row) {
-      A a[N], b[N];
-      ld16(dy + row * d + c0, a);
-      ld16(x + row * d + c0, b);
-      const A r = rstd[row];
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] += a[i] * b[i] * r;
-    }
-  } else {
-    for (i64 row = r0; row < r1; ++row)
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-        if (c0 + i < d) acc[i] += ldf(dy[row * d + c0 + i]) * ldf(x[row * d + c0 + i]) * rstd[row];
   }
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (c0 + i < d) part[g * d + c0 + i] = acc[i];
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (col[k] + i < d) part[(i64)blockIdx.x * d + col[k] + i] = acc[k][i];
 }
 
-// dw[c] = the sum over the groups' partials: one warp per column, lanes over the groups, then
-// the warp's fixed-order reduction.
+// dw[c] = the sum over the row groups' partials, in a fixed order: a block takes 32 columns,
+// lane = column (a warp's reads are 32 neighbouring values), its warps the groups in turn; then
+// the first warp sums the warps' totals.
 template <typename T>
-__device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* part, T* __restrict__ dw, i64 groups, i64 d) {
+__device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* __restrict__ part, T* __restrict__ dw, i64 groups,
+                                    i64 d) {
   typedef typename Acc<T>::t A;
-  const int lane = threadIdx.x & 31;
-  WARP_ROWS(c, d) {
-    A acc = 0;
-    for (i64 g = lane; g < groups; g += 32) acc += part[g * d + c];
-    acc = warp_sum(acc);
-    if (lane == 0) stf(&dw[c], acc);
+  __shared__ A s[32][33];
+  const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const i64 c = (i64)blockIdx.x * 32 + lane;
+  A acc = 0;
+  if (c < d) {
+#pragma unroll 4
+    for (i64 g = wi; g < groups; g += nw) acc += part[g * d + c];
+  }
+  s[wi][lane] = acc;
+  __syncthreads();
+  if (wi == 0) {
+    A t = 0;
+    for (int j = 0; j < nw; ++j) t += s[j][lane];
+    if (c < d) stf(&dw[c], t);
   }
 }
 
@@ -549,20 +568,25 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
     pdl_enter();                                                                                               \
     rms_norm_block<T>(x, w, y, rows, d, eps);                                                                   \
   }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_dx_##SUF(const T* x, const T* w, const T* dy, T* dx,             \
-                                                        Acc<T>::t* rstd, i64 rows, i64 d, double eps) {         \
+  extern "C" __global__ void rms_norm_backward_##SUF(const T* x, const T* w, const T* dy, T* dx,                \
+                                                     Acc<T>::t* part, i64 rows, i64 d, double eps) {            \
     pdl_enter();                                                                                                \
-    rms_norm_bwd_dx<T, false>(x, w, dy, nullptr, dx, rstd, rows, d, eps);                                       \
+    rms_norm_bwd<T, false, 1>(x, w, dy, nullptr, dx, part, rows, d, eps);                                       \
   }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_dx_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,  \
-                                                            T* dx, Acc<T>::t* rstd, i64 rows, i64 d, double eps) { \
-    pdl_enter();                                                                                                   \
-    rms_norm_bwd_dx<T, true>(x, w, dy, add, dx, rstd, rows, d, eps);                                            \
-  }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_dw_part_##SUF(const T* x, const T* dy, const Acc<T>::t* rstd,   \
-                                                             Acc<T>::t* part, i64 rows, i64 d) {                \
+  extern "C" __global__ void rms_norm_backward_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,     \
+                                                         T* dx, Acc<T>::t* part, i64 rows, i64 d, double eps) { \
     pdl_enter();                                                                                                \
-    rms_norm_bwd_dw_part<T>(x, dy, rstd, part, rows, d);                                                        \
+    rms_norm_bwd<T, true, 1>(x, w, dy, add, dx, part, rows, d, eps);                                            \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_backward_wide_##SUF(const T* x, const T* w, const T* dy, T* dx,           \
+                                                          Acc<T>::t* part, i64 rows, i64 d, double eps) {       \
+    pdl_enter();                                                                                                \
+    rms_norm_bwd<T, false, RMS_BWD_WIDE>(x, w, dy, nullptr, dx, part, rows, d, eps);                            \
+  }                                                                                                             \
+  extern "C" __global__ void rms_norm_backward_wide_acc_##SUF(const T* x, const T* w, const T* dy, const T* add, \
+                                                              T* dx, Acc<T>::t* part, i64 rows, i64 d, double eps) { \
+    pdl_enter();                                                                                                \
+    rms_norm_bwd<T, true, RMS_BWD_WIDE>(x, w, dy, add, dx, part, rows, d, eps);                                 \
   }                                                                                                             \
   extern "C" __global__ void rms_norm_backward_dw_sum_##SUF(const Acc<T>::t* part, T* dw, i64 groups, i64 d) {  \
     pdl_enter();                                                                                                \

@@ -33,6 +33,9 @@ pub(super) fn swiglu_packed(b: &mut Builder, dt: DType, rows: usize, f: usize, y
     b.k(KernelFile::Rows, format!("swiglu_packed_{}", sfx(dt)), grid_for(b.dev, rows * f, 256), 256, 0, args)
 }
 
+/// The 16-byte chunks a thread of `rms_norm_backward_wide_*` takes (rows.cu's RMS_BWD_WIDE).
+const RMS_BWD_WIDE: usize = 4;
+
 /// The steps of a row-wise op (`dt`: its first operand's dtype).
 pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -> Result<()> {
     let dev = b.dev;
@@ -49,42 +52,43 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
         Op::RmsNormBackward { eps, acc: add } => {
             let d = at[0].shape.last();
             let rows = at[0].numel() / d.max(1);
+            if d == 0 {
+                return Ok(());
+            }
             let acc = if dt == DType::F64 { 8 } else { 4 };
-            // Row groups of at least 32 rows for the dw partials, enough of them to fill the GPU.
-            let groups = rows.div_ceil(32).clamp(1, 256);
-            let rstd = b.scratch(rows * acc);
+            // One pass (rows.cu's rms_norm_bwd): a block per row group, a thread per 16-byte
+            // chunk of the width (RMS_BWD_WIDE chunks a thread past 1024 of them).
+            let chunks = d.div_ceil(16 / dt.size_in_bytes());
+            let (wide, per_thread) = if chunks <= 1024 { ("", 1) } else { ("_wide", RMS_BWD_WIDE) };
+            if chunks > 1024 * per_thread {
+                return Err(CudaError::Unsupported(format!(
+                    "rms_norm_backward on CUDA: rows of {d} {dt:?} elements (at most {} in one block)",
+                    1024 * per_thread * (16 / dt.size_in_bytes())
+                )));
+            }
+            let threads = chunks.div_ceil(per_thread).next_multiple_of(32);
+            // Row groups: a resident wave of blocks (about 1024 threads a multiprocessor), each
+            // of at least 8 rows, so that the dw partials stay a few percent of the bytes.
+            let wave = dev.multiprocessors.max(1) * (1024 / threads).max(1);
+            let groups = rows.div_ceil(8).min(wave).max(1);
             let part = b.scratch(groups * d * acc);
             let s = sfx(dt);
             let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
             // With an addend (`fold_norm_addends`), dx = the gradient + operand 3.
-            let (name, ins) = if *add {
-                ("rms_norm_backward_dx_acc", &[0, 1, 2, 3][..])
-            } else {
-                ("rms_norm_backward_dx", &[0, 1, 2][..])
-            };
+            let (name, ins) = if *add { ("_acc", &[0, 1, 2, 3][..]) } else { ("", &[0, 1, 2][..]) };
             b.k(
                 KernelFile::Rows,
-                format!("{name}_{s}"),
-                warp_rows_grid(dev, rows),
-                256,
+                format!("rms_norm_backward{wide}{name}_{s}"),
+                (groups as u32, 1, 1),
+                threads as u32,
                 0,
-                [Arg::ins(ins), vec![Arg::Out(0), Arg::Scratch(rstd), r.clone(), dd.clone(), Arg::F64(*eps)]].concat(),
-            )?;
-            // A thread of dw_part takes 16 bytes of neighbouring columns.
-            let cols = d.div_ceil(128 * (16 / dt.size_in_bytes())) as u32;
-            b.k(
-                KernelFile::Rows,
-                format!("rms_norm_backward_dw_part_{s}"),
-                (cols, groups as u32, 1),
-                128,
-                0,
-                vec![Arg::In(0), Arg::In(2), Arg::Scratch(rstd), Arg::Scratch(part), r, dd.clone()],
+                [Arg::ins(ins), vec![Arg::Out(0), Arg::Scratch(part), r, dd.clone(), Arg::F64(*eps)]].concat(),
             )?;
             b.k(
                 KernelFile::Rows,
                 format!("rms_norm_backward_dw_sum_{s}"),
-                warp_rows_grid(dev, d),
-                256,
+                (d.div_ceil(32) as u32, 1, 1),
+                1024,
                 0,
                 vec![Arg::Scratch(part), Arg::Out(1), Arg::I64(groups as i64), dd],
             )?;
