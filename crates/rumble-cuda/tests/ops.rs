@@ -305,10 +305,12 @@ fn matmul_and_composite_ops_match_cpu() {
             cases.push(case(Op::RmsNorm { eps: 1e-6 }, vec![randn(x.clone(), r), randn(w.clone(), r)]));
             let norm_bwd = |eps| Op::RmsNormBackward { eps, acc: false };
             cases.push(case(norm_bwd(1e-5), vec![randn(x.clone(), r), randn(w, r), randn(x, r)]));
-            // Rows wider than one block of dw columns (16-byte loads), and a width they do not
-            // divide; with an addend (`fold_norm_addends`), read beside dy.
-            for width in [1536, 1030] {
-                let (x, w) = (t(d, &[300, width]), t(d, &[width]));
+            // Several rows a block of the one-pass backward (300 rows: a group of 8 or more
+            // each), 16-byte loads and a width they do not divide; rows of more than 1024 chunks
+            // in f32 and f64 (the `_wide` kernels, four chunks a thread), again 16-byte loads and
+            // not; with an addend (`fold_norm_addends`), read beside dy.
+            for (rows, width) in [(300, 1536), (300, 1030), (40, 4104), (40, 4099)] {
+                let (x, w) = (t(d, &[rows, width]), t(d, &[width]));
                 cases.push(case(norm_bwd(1e-6), vec![randn(x.clone(), r), randn(w.clone(), r), randn(x.clone(), r)]));
                 let args = vec![randn(x.clone(), r), randn(w, r), randn(x.clone(), r), randn(x, r)];
                 cases.push(case(Op::RmsNormBackward { eps: 1e-6, acc: true }, args));
