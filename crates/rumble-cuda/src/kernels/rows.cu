@@ -202,7 +202,7 @@ __device__ void rms_norm_bwd_dw_sum(const typename Acc<T>::t* __restrict__ part,
   const i64 c = (i64)blockIdx.x * 32 + lane;
   A acc = 0;
   if (c < d) {
-#pragma unroll 4
+#pragma unroll 8
     for (i64 g = wi; g < groups; g += nw) acc += part[g * d + c];
   }
   s[wi][lane] = acc;

@@ -68,9 +68,11 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             }
             let threads = chunks.div_ceil(per_thread).next_multiple_of(32);
             // Row groups: a resident wave of blocks (about 1024 threads a multiprocessor), each
-            // of at least 8 rows, so that the dw partials stay a few percent of the bytes.
+            // of at least 8 rows, so that the dw partials stay a few percent of the bytes; at
+            // most 1024, so that a thread of the sum (32 warps a block of columns) reads at
+            // most 32 of them, its loads a few rounds of eight in flight.
             let wave = dev.multiprocessors.max(1) * (1024 / threads).max(1);
-            let groups = rows.div_ceil(8).min(wave).max(1);
+            let groups = rows.div_ceil(8).min(wave).min(1024).max(1);
             let part = b.scratch(groups * d * acc);
             let s = sfx(dt);
             let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
