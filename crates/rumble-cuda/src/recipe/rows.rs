@@ -72,7 +72,7 @@ pub(super) fn prepare(b: &mut Builder, op: &Op, at: &[&TensorType], dt: DType) -
             // most 1024, so that a thread of the sum (32 warps a block of columns) reads at
             // most 32 of them, its loads a few rounds of eight in flight.
             let wave = dev.multiprocessors.max(1) * (1024 / threads).max(1);
-            let groups = rows.div_ceil(8).min(wave).min(1024).max(1);
+            let groups = rows.div_ceil(8).min(wave).clamp(1, 1024);
             let part = b.scratch(groups * d * acc);
             let s = sfx(dt);
             let (r, dd) = (Arg::I64(rows as i64), Arg::I64(d as i64));
