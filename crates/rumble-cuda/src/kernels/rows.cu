@@ -85,14 +85,17 @@ __device__ void rms_norm_block(const T* __restrict__ x, const T* __restrict__ w,
 
 // RMSNorm backward in one pass over the rows. Block b of the grid takes rows [b*per, (b+1)*per)
 // one after another; thread t holds the K 16-byte chunks c = (t + k*blockDim.x)*N of a row (the
-// recipe sizes the block so that K chunks a thread cover the width). Per row it loads x and dy
-// once, reduces sum(x^2) and sum(w*dy*x) over the block (fixed order; two buffers, alternate
-// rows, so one row's reads never race the next row's writes), writes
+// recipe sizes the block so that K chunks a thread cover the width). Per row it loads x, dy (and
+// the addend) once, reduces sum(x^2) and sum(w*dy*x) over the block (fixed order; two buffers,
+// alternate rows, so one row's reads never race the next row's writes), writes
 // dx = r*w*dy - x*r^3/D*sum(w*dy*x) (+ add, with ACC: the addend joins before the one rounding)
 // and adds dy*x*r to its columns' dw partials, which go to part[b*d + c] after its last row.
 // dx may be written over add (each element read before it is written by the same thread).
+// With one chunk a thread and 16-byte loads (the common case), the next row's chunks are loaded
+// before this row's reductions, so a block always has a row's loads in flight (one row at a
+// time, a block waits a full memory latency per row: H100 probes of that ran at 1 TB/s).
 // Rows of up to 1024 chunks take K = 1 (`rms_norm_backward_*`), wider ones K = RMS_BWD_WIDE
-// (`rms_norm_backward_wide_*`, at most 1024 threads).
+// (`rms_norm_backward_wide_*`); at most 1024 threads.
 #define RMS_BWD_WIDE 4
 template <typename T, bool ACC, int K>
 __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ dy,
@@ -128,15 +131,13 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ w, c
       for (int i = 0; i < N; ++i) v[i] = c + i < d ? ldf(p[c + i]) : (A)0;
     }
   };
-  int par = 0;
-  for (i64 row = r0; row < r1; ++row, par ^= 1) {
-    A a[K][N], g[K][N];
+  // One row from its chunks of x (a), dy (g) and the addend (s): the reductions, dx, the dw
+  // partials.
+  auto finish = [&](i64 row, A(&a)[K][N], A(&g)[K][N], A(&s)[K][N], int par) {
     A ss = 0, dot = 0;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       A q[N];
-      load(x + row * d, k, a[k]);
-      load(dy + row * d, k, g[k]);
       load(w, k, q);
 #pragma unroll
       for (int i = 0; i < N; ++i) {
@@ -166,13 +167,8 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ w, c
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         o[i] = r * q[i] * g[k][i] - a[k][i] * kk;
+        if (ACC) o[i] += s[k][i];
         acc[k][i] += g[k][i] * a[k][i] * r;
-      }
-      if (ACC) {
-        A s[N];
-        load(add + row * d, k, s);
-#pragma unroll
-        for (int i = 0; i < N; ++i) o[i] += s[i];
       }
       if (vec) {
         st16(dx + row * d + c, o);
@@ -181,6 +177,43 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ w, c
         for (int i = 0; i < N; ++i)
           if (c + i < d) stf(&dx[row * d + c + i], o[i]);
       }
+    }
+  };
+  int par = 0;
+  if (K == 1 && vec) {
+    const i64 c = col[0];
+    const bool on = c < d;
+    // The next row's chunks, as stored.
+    Pack16<T> px, pg, ps;
+    auto fetch = [&](i64 row) {
+      if (on && row < r1) {
+        px.u = *reinterpret_cast<const uint4*>(x + row * d + c);
+        pg.u = *reinterpret_cast<const uint4*>(dy + row * d + c);
+        if (ACC) ps.u = *reinterpret_cast<const uint4*>(add + row * d + c);
+      }
+    };
+    fetch(r0);
+    for (i64 row = r0; row < r1; ++row, par ^= 1) {
+      A a[K][N], g[K][N], s[K][N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        a[0][i] = on ? ldf(px.e[i]) : (A)0;
+        g[0][i] = on ? ldf(pg.e[i]) : (A)0;
+        s[0][i] = on && ACC ? ldf(ps.e[i]) : (A)0;
+      }
+      fetch(row + 1);
+      finish(row, a, g, s, par);
+    }
+  } else {
+    for (i64 row = r0; row < r1; ++row, par ^= 1) {
+      A a[K][N], g[K][N], s[K][N];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        load(x + row * d, k, a[k]);
+        load(dy + row * d, k, g[k]);
+        if (ACC) load(add + row * d, k, s[k]);
+      }
+      finish(row, a, g, s, par);
     }
   }
 #pragma unroll
@@ -568,22 +601,22 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
     pdl_enter();                                                                                               \
     rms_norm_block<T>(x, w, y, rows, d, eps);                                                                   \
   }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_##SUF(const T* x, const T* w, const T* dy, T* dx,                \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_##SUF(const T* x, const T* w, const T* dy, T* dx,                \
                                                      Acc<T>::t* part, i64 rows, i64 d, double eps) {            \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, false, 1>(x, w, dy, nullptr, dx, part, rows, d, eps);                                       \
   }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,     \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,     \
                                                          T* dx, Acc<T>::t* part, i64 rows, i64 d, double eps) { \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, true, 1>(x, w, dy, add, dx, part, rows, d, eps);                                            \
   }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_wide_##SUF(const T* x, const T* w, const T* dy, T* dx,           \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_wide_##SUF(const T* x, const T* w, const T* dy, T* dx,           \
                                                           Acc<T>::t* part, i64 rows, i64 d, double eps) {       \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, false, RMS_BWD_WIDE>(x, w, dy, nullptr, dx, part, rows, d, eps);                            \
   }                                                                                                             \
-  extern "C" __global__ void rms_norm_backward_wide_acc_##SUF(const T* x, const T* w, const T* dy, const T* add, \
+  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_wide_acc_##SUF(const T* x, const T* w, const T* dy, const T* add, \
                                                               T* dx, Acc<T>::t* part, i64 rows, i64 d, double eps) { \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, true, RMS_BWD_WIDE>(x, w, dy, add, dx, part, rows, d, eps);                                 \
