@@ -22,7 +22,8 @@
 //! milliseconds. A model that knows how much ([`CostModel::sustained`], `DeviceCost` measures
 //! it) has its node times stretched inside a step ([`step_node_times`]), by a slowdown scaled
 //! to the step's own tensor-core load: a step that drives them as hard as the measuring burn
-//! slows by all of it, a step that rarely uses them by little.
+//! slows by all of it, a step that rarely uses them by little, interpolated through a burn at
+//! part load where one was measured ([`Sustained::slowdown_at`]).
 //!
 //! The FLOP counts are `passes::remat::flops`'s.
 
@@ -173,6 +174,10 @@ pub struct Sustained {
     pub slowdown: f64,
     /// The burn's bf16 FLOP rate before: what "as busy as the burn" means.
     pub rate: f64,
+    /// The burn at part load, where measured: the tensor load of its pattern (0 to 1: the
+    /// matmul alternating with memory-bound work) and the matmul's slowdown in it. A device
+    /// whose power limit such a load does not reach slows by little there.
+    pub part: Option<(f64, f64)>,
     /// The roofline whose tensor shares and FLOPs say how much of each node slows.
     pub roofline: Roofline,
 }
@@ -192,8 +197,23 @@ impl Sustained {
         }
         let total: f64 = times.iter().sum();
         let load = if total > 0.0 && self.rate > 0.0 { (flops / total / self.rate).clamp(0.0, 1.0) } else { 0.0 };
-        let slowdown = 1.0 + (self.slowdown.max(1.0) - 1.0) * load;
+        let slowdown = self.slowdown_at(load);
         times.iter().zip(shares).map(|(t, share)| t * (1.0 + (slowdown - 1.0) * share)).collect()
+    }
+
+    /// The slowdown of a step whose tensor load is `load` (0 to 1): none at rest, the burn's at
+    /// the burn's load, and between them linear through the part-load measurement where there
+    /// is one (its slowdown held between 1 and the burn's), else linear.
+    pub fn slowdown_at(&self, load: f64) -> f64 {
+        let full = self.slowdown.max(1.0);
+        let load = load.clamp(0.0, 1.0);
+        match self.part {
+            Some((at, s)) if at > 0.0 && at < 1.0 => {
+                let s = s.clamp(1.0, full);
+                if load <= at { 1.0 + (s - 1.0) * load / at } else { s + (full - s) * (load - at) / (1.0 - at) }
+            }
+            _ => 1.0 + (full - 1.0) * load,
+        }
     }
 }
 
@@ -737,8 +757,40 @@ mod tests {
             "hot".into()
         }
         fn sustained(&self) -> Option<Sustained> {
-            Some(Sustained { slowdown: self.1, rate: self.0.rates.matmul_rate(DType::BF16), roofline: self.0.clone() })
+            Some(Sustained {
+                slowdown: self.1,
+                rate: self.0.rates.matmul_rate(DType::BF16),
+                part: None,
+                roofline: self.0.clone(),
+            })
         }
+    }
+
+    #[test]
+    fn the_slowdown_follows_the_part_load_measurement_between_rest_and_the_burn() {
+        let at = |part| Sustained { slowdown: 1.2, rate: 1e15, part, roofline: Roofline::default() };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        // Without it: linear from none to the burn's.
+        let linear = at(None);
+        assert!(close(linear.slowdown_at(0.0), 1.0) && close(linear.slowdown_at(0.5), 1.1));
+        assert!(close(linear.slowdown_at(1.0), 1.2) && close(linear.slowdown_at(2.0), 1.2));
+        // A device that does not slow at half load: nothing below it, then rising to the burn's.
+        let late = at(Some((0.5, 1.0)));
+        assert!(close(late.slowdown_at(0.3), 1.0) && close(late.slowdown_at(0.5), 1.0));
+        assert!(close(late.slowdown_at(0.75), 1.1) && close(late.slowdown_at(1.0), 1.2));
+        // One that slows early: most of it by half load.
+        let early = at(Some((0.5, 1.15)));
+        assert!(close(early.slowdown_at(0.25), 1.075) && close(early.slowdown_at(0.75), 1.175));
+        // A part-load slowdown past the burn's (noise) is held to it, below 1 to none; a load
+        // of 0 or 1 (no pattern measured) is ignored.
+        assert!(close(at(Some((0.5, 1.4))).slowdown_at(0.5), 1.2));
+        assert!(close(at(Some((0.5, 0.9))).slowdown_at(0.25), 1.0));
+        assert!(close(at(Some((0.0, 1.1))).slowdown_at(0.5), 1.1));
+        // In a step: a small model's load below the part load's stretches nothing.
+        let t = load_step(8, 200);
+        let hot = at(Some((0.9, 1.0)));
+        let times = node_times(&Roofline::default(), &t);
+        assert_eq!(hot.stretch(&t, &times), times);
     }
 
     #[test]

@@ -38,5 +38,5 @@ pub use error::{CudaError, Result};
 
 pub use exec::{
     BucketedGraphs, DeviceCost, EagerExecutor, Executor, GraphMode, GraphedExecutor, MAX_SLOWDOWN, MemoryStats,
-    PlannedExecutor, Program, RATE_KEY, SLOWDOWN_KEY,
+    PART_LOAD_KEY, PART_SLOWDOWN_KEY, PlannedExecutor, Program, RATE_KEY, SLOWDOWN_KEY,
 };

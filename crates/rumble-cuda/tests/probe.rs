@@ -11,7 +11,7 @@ use common::{gpu, tiny_step};
 use rumble_core::compile::{CompileOptions, compile};
 use rumble_core::cost::{CostModel, DeviceRates, node_key, times_file};
 use rumble_core::ir::{DType, Op, Shape, TensorType};
-use rumble_cuda::{DeviceCost, MAX_SLOWDOWN, Program, RATE_KEY, SLOWDOWN_KEY};
+use rumble_cuda::{DeviceCost, MAX_SLOWDOWN, PART_LOAD_KEY, PART_SLOWDOWN_KEY, Program, RATE_KEY, SLOWDOWN_KEY};
 
 fn ty(dtype: DType, dims: &[usize]) -> TensorType {
     TensorType::new(dtype, Shape::from(dims))
@@ -53,7 +53,7 @@ fn a_node_is_probed_once_and_remembered() {
     assert_eq!(cost.node_seconds(&r, &[&x], &[&ty(DType::F32, &[1024, 4096])]), 0.0);
     assert_eq!(cost.probed(), 2);
 
-    // The file has both keys, and the device's sustained slowdown and burn rate, measured
+    // The file has both keys, and the device's sustained slowdown, burn rate and part-load burn, measured
     // with the first probe; a new model reads them instead of probing.
     let text = std::fs::read_to_string(times_file(&dir, &dev.name)).expect("times file");
     assert!(text.contains(&node_key(&mm, &[&a, &b], &[&out])), "{text}");
@@ -67,8 +67,13 @@ fn a_node_is_probed_once_and_remembered() {
     assert!((1.0..=MAX_SLOWDOWN).contains(&slowdown), "{slowdown}");
     // A bf16 matmul of 4096: tens to a few thousand TFLOP/s on any GPU this runs on.
     assert!((1e13..5e15).contains(&rate), "{rate}");
+    // The burn at part load: a load strictly between rest and the burn's, a slowdown in range.
+    let (part_load, part_slowdown) = (read(PART_LOAD_KEY), read(PART_SLOWDOWN_KEY));
+    assert!(part_load > 0.05 && part_load < 0.95, "{part_load}");
+    assert!((1.0..=MAX_SLOWDOWN).contains(&part_slowdown), "{part_slowdown}");
     let sustained = cost.sustained().expect("the model knows how the device slows");
     assert_eq!((sustained.slowdown, sustained.rate), (slowdown, rate));
+    assert_eq!(sustained.part, Some((part_load, part_slowdown)));
     let said = cost.describe();
     assert!(said.contains("sustained slowdown") && !said.contains("not measured"), "{said}");
     let later = DeviceCost::new(dev.clone(), rates);

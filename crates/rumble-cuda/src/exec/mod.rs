@@ -75,7 +75,10 @@ pub use buckets::{BucketedGraphs, bucket_taking, check_shared_layout, check_step
 pub use eager::EagerExecutor;
 pub use graphed::{GraphMode, GraphedExecutor};
 pub use planned::PlannedExecutor;
-pub use probe::{DeviceCost, MAX_SLOWDOWN, PROBE_MEMORY_FRACTION, PROBE_RUNS, RATE_KEY, SLOWDOWN_KEY, probe};
+pub use probe::{
+    DeviceCost, MAX_SLOWDOWN, PART_LOAD_KEY, PART_SLOWDOWN_KEY, PROBE_MEMORY_FRACTION, PROBE_RUNS, RATE_KEY,
+    SLOWDOWN_KEY, probe,
+};
 pub use side::SideStream;
 
 // The one executor trait and its figures live in rumble-core; every executor here implements it.

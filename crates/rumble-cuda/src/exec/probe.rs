@@ -26,10 +26,14 @@
 //! Fifty milliseconds of work is not a step's minute: a step that drives the tensor cores hard
 //! keeps a device at its power limit, and the clocks sink further. So once per device a large
 //! bf16 matmul is probed, run back to back for [`BURN_SECONDS`], and timed again
-//! ([`sustained_slowdown`]); its slowdown and its FLOP rate before are remembered in the times
-//! file ([`SLOWDOWN_KEY`], [`RATE_KEY`]) and answer `CostModel::sustained`, so that
-//! `cost::step_node_times` stretches a step's nodes by the slowdown scaled to that step's own
-//! tensor-core load (a 7-8B step slows by nearly all of it, a small model's by little). Probes
+//! ([`sustained_slowdown`]); before that the same matmul alternates with memory-bound work for
+//! as long, as a step's matmuls alternate with its norms, and is timed in that pattern
+//! ([`part_load`]). The slowdowns, the burn's FLOP rate at rest and the pattern's load are
+//! remembered in the times file ([`SLOWDOWN_KEY`], [`RATE_KEY`], [`PART_SLOWDOWN_KEY`],
+//! [`PART_LOAD_KEY`]) and answer `CostModel::sustained`, so that `cost::step_node_times`
+//! stretches a step's nodes by the slowdown at that step's own tensor-core load (a 7-8B step
+//! slows by nearly all of it; a small model's, below the load at which the power limit bites,
+//! by the part-load measurement's share). Probes
 //! are recorded as timed; so are `--profile`'s times, measured in a step of a few hundred
 //! milliseconds, and the matmul tuner's (they price a matmul inside a node only where that node
 //! could not be probed).
@@ -73,6 +77,14 @@ pub const MAX_SLOWDOWN: f64 = 1.5;
 /// times file.
 pub const SLOWDOWN_KEY: &str = "sustained tensor-core slowdown";
 pub const RATE_KEY: &str = "sustained tensor-core rate";
+/// The keys of the burn at part load: the matmul's slowdown while it alternates with
+/// memory-bound work, and that pattern's tensor load (the burn's FLOP rate at rest over the
+/// pattern's, 0 to 1).
+pub const PART_SLOWDOWN_KEY: &str = "sustained tensor-core slowdown at part load";
+pub const PART_LOAD_KEY: &str = "sustained tensor-core part load";
+/// The part-load burn's memory-bound work: an f32 add of this many elements (three 64 MiB
+/// operands, past any current L2 cache), repeated for about as long as the matmul takes.
+const FILLER_ELEMENTS: usize = 1 << 24;
 /// Bytes overwritten before each timed run (more than any current GPU's L2 cache).
 const SCRUB_BYTES: usize = 256 << 20;
 
@@ -216,7 +228,8 @@ impl CostModel for DeviceCost {
     fn sustained(&self) -> Option<Sustained> {
         let st = self.state.lock().ok()?;
         let (slowdown, rate) = (st.measured.get(SLOWDOWN_KEY)?, st.measured.get(RATE_KEY)?);
-        Some(Sustained { slowdown, rate, roofline: st.measured.roofline.clone() })
+        let part = st.measured.get(PART_LOAD_KEY).zip(st.measured.get(PART_SLOWDOWN_KEY));
+        Some(Sustained { slowdown, rate, part, roofline: st.measured.roofline.clone() })
     }
 }
 
@@ -225,12 +238,18 @@ impl DeviceCost {
     /// they are known or failed here before, and records them. A failure (too little free
     /// memory, say) is not retried in this process, whose steps are then not stretched.
     fn burn(&self, st: &mut State, scrub: &DeviceBuffer) {
-        if st.slowdown_failed || (st.measured.get(SLOWDOWN_KEY).is_some() && st.measured.get(RATE_KEY).is_some()) {
+        let keys = [SLOWDOWN_KEY, RATE_KEY, PART_SLOWDOWN_KEY, PART_LOAD_KEY];
+        if st.slowdown_failed || keys.iter().all(|k| st.measured.get(k).is_some()) {
             return;
         }
         match sustained_slowdown(&self.dev, scrub) {
-            Ok((slowdown, rate)) => {
-                let lines = [(SLOWDOWN_KEY.to_string(), slowdown), (RATE_KEY.to_string(), rate)];
+            Ok(b) => {
+                let lines = [
+                    (SLOWDOWN_KEY.to_string(), b.slowdown),
+                    (RATE_KEY.to_string(), b.rate),
+                    (PART_SLOWDOWN_KEY.to_string(), b.part_slowdown),
+                    (PART_LOAD_KEY.to_string(), b.part_load),
+                ];
                 st.measured.times.extend(lines.iter().cloned());
                 if let Some(dir) = self.dev.knobs().cache {
                     let _ = record(&dir, &self.dev.name, &lines);
@@ -293,17 +312,61 @@ pub fn probe(
 /// sink below those a probe of tens of milliseconds sees (on an H100 the suite's 7-8B steps ran
 /// 6-12% longer than their probed nodes summed, the matmuls and attention 5-16% longer, the
 /// memory-bound kernels as probed).
-fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<(f64, f64)> {
+fn sustained_slowdown(dev: &Arc<Device>, scrub: &DeviceBuffer) -> Result<Burn> {
     let t = TensorType::new(DType::BF16, [SLOWDOWN_DIM, SLOWDOWN_DIM]);
     let op = Op::Matmul { ta: false, tb: false, out: None, acc: Addend::None };
     let placed = probe_program(dev, &op, &[&t, &t], &[&t])?;
     let cold = timed(dev, &placed, scrub)?;
+    let (part_load, part_slowdown) = part_load(dev, &placed, cold, scrub)?;
     for _ in 0..((BURN_SECONDS / cold.max(1e-6)) as usize).min(BURN_LAUNCHES) {
         placed.launch(0..1)?;
     }
     let hot = timed(dev, &placed, scrub)?;
     let flops = 2.0 * (SLOWDOWN_DIM as f64).powi(3);
-    Ok(((hot / cold).clamp(1.0, MAX_SLOWDOWN), flops / cold.max(1e-9)))
+    Ok(Burn { slowdown: (hot / cold).clamp(1.0, MAX_SLOWDOWN), rate: flops / cold.max(1e-9), part_load, part_slowdown })
+}
+
+/// What [`sustained_slowdown`] measures: the burn's slowdown and FLOP rate at rest, and at
+/// part load the pattern's load and the matmul's slowdown in it.
+struct Burn {
+    slowdown: f64,
+    rate: f64,
+    part_load: f64,
+    part_slowdown: f64,
+}
+
+/// The burn at part load: the matmul of `placed` (`cold` seconds at rest) alternating with
+/// about as long of memory-bound work (an f32 add, [`FILLER_ELEMENTS`]), as a step alternates
+/// its matmuls with norms and elementwise kernels, for [`BURN_SECONDS`]; then the matmul timed
+/// inside the pattern. Returns the pattern's tensor load (`cold` over a cycle's time) and the
+/// matmul's slowdown (at least 1, at most [`MAX_SLOWDOWN`]). A device whose power limit a half
+/// load does not reach slows by little here, however much it slows under the full burn.
+fn part_load(dev: &Arc<Device>, placed: &Placed, cold: f64, scrub: &DeviceBuffer) -> Result<(f64, f64)> {
+    let x = TensorType::new(DType::F32, [FILLER_ELEMENTS]);
+    let add = Op::Binary(rumble_core::ir::BinaryOp::Add);
+    let filler = probe_program(dev, &add, &[&x, &x], &[&x])?;
+    let fill = timed(dev, &filler, scrub)?;
+    let reps = (cold / fill.max(1e-9)).round().max(1.0) as usize;
+    let cycle = cold + reps as f64 * fill;
+    for _ in 0..((BURN_SECONDS / cycle.max(1e-6)) as usize).min(BURN_LAUNCHES) {
+        placed.launch(0..1)?;
+        for _ in 0..reps {
+            filler.launch(0..1)?;
+        }
+    }
+    let mut runs = Vec::with_capacity(PROBE_RUNS);
+    for _ in 0..PROBE_RUNS {
+        for _ in 0..reps {
+            filler.launch(0..1)?;
+        }
+        runs.push(placed.launch_timed(0..1)?.iter().map(|x| x.2).sum::<f64>() / 1e3);
+    }
+    placed.check()?;
+    filler.check()?;
+    runs.sort_by(f64::total_cmp);
+    let mm = runs[runs.len() / 2];
+    let load = (cold / (mm + reps as f64 * fill).max(1e-9)).clamp(0.0, 1.0);
+    Ok((load, (mm / cold.max(1e-9)).clamp(1.0, MAX_SLOWDOWN)))
 }
 
 /// `op` as a one-node program placed in an arena, its operands filled (module doc).
