@@ -234,9 +234,10 @@ impl CostModel for DeviceCost {
 }
 
 impl DeviceCost {
-    /// Measures the device's sustained slowdown and burn rate ([`sustained_slowdown`]) unless
-    /// they are known or failed here before, and records them. A failure (too little free
-    /// memory, say) is not retried in this process, whose steps are then not stretched.
+    /// Measures the device's slowdowns at full and part load and its burn rate
+    /// ([`sustained_slowdown`]) unless all four figures are known or failed here before, and
+    /// records them. A failure (too little free memory, say) is not retried in this process,
+    /// whose steps are then not stretched.
     fn burn(&self, st: &mut State, scrub: &DeviceBuffer) {
         let keys = [SLOWDOWN_KEY, RATE_KEY, PART_SLOWDOWN_KEY, PART_LOAD_KEY];
         if st.slowdown_failed || keys.iter().all(|k| st.measured.get(k).is_some()) {
