@@ -100,8 +100,9 @@ struct State {
     failed: HashSet<String>,
     probed: usize,
     scrub: Option<DeviceBuffer>,
-    /// Measuring [`sustained_slowdown`] failed in this process (not retried). Once measured, it
-    /// is in `measured` under [`SLOWDOWN_KEY`] and [`RATE_KEY`], like any time.
+    /// Measuring [`sustained_slowdown`] failed in this process (not retried). Once measured, its
+    /// figures are in `measured` under [`SLOWDOWN_KEY`], [`RATE_KEY`], [`PART_SLOWDOWN_KEY`]
+    /// and [`PART_LOAD_KEY`], like any time.
     slowdown_failed: bool,
 }
 
@@ -308,7 +309,8 @@ pub fn probe(
 
 /// How much slower the tensor cores run on a device kept busy for `BURN_SECONDS` than in a
 /// probe, 1 to [`MAX_SLOWDOWN`], and the FLOP rate of that probe: a large bf16 matmul probed,
-/// run back to back for that long, then timed again the probe's way. A step that drives the
+/// timed at part load first ([`part_load`]), run back to back for that long, then timed again
+/// the probe's way. A step that drives the
 /// tensor cores hard holds the device at its power limit for as long as it runs, and its clocks
 /// sink below those a probe of tens of milliseconds sees (on an H100 the suite's 7-8B steps ran
 /// 6-12% longer than their probed nodes summed, the matmuls and attention 5-16% longer, the

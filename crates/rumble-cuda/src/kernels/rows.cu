@@ -86,8 +86,9 @@ __device__ void rms_norm_block(const T* __restrict__ x, const T* __restrict__ w,
 // RMSNorm backward in one pass over the rows. Block b of the grid takes rows [b*per, (b+1)*per)
 // one after another; thread t holds the K 16-byte chunks c = (t + k*blockDim.x)*N of a row (the
 // recipe sizes the block so that K chunks a thread cover the width). Per row it loads x, dy (and
-// the addend) once, reduces sum(x^2) and sum(w*dy*x) over the block (fixed order; two buffers,
-// alternate rows, so one row's reads never race the next row's writes), writes
+// the addend) once, reduces sum(x^2) and sum(w*dy*x) over the block (fixed order, both behind
+// one barrier a row where two block_sum calls would take six: two buffers, alternate rows, so
+// one row's reads never race the next row's writes), writes
 // dx = r*w*dy - x*r^3/D*sum(w*dy*x) (+ add, with ACC: the addend joins before the one rounding)
 // and adds dy*x*r to its columns' dw partials, which go to part[b*d + c] after its last row.
 // dx may be written over add (each element read before it is written by the same thread).

@@ -9,7 +9,6 @@
 #include "../flash_emu/prelude_emu.h"
 #include <random>
 #include <string>
-inline float warp_sum(float v) { for (int o = 16; o > 0; o >>= 1) v += shfl_xor(v, o); return v; }
 inline float warp_max(float v) { for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o)); return v; }
 // Blocks run one after another here: an atomic is a plain update, a fence nothing, and a
 // load through L2 a load.

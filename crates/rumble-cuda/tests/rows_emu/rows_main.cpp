@@ -11,10 +11,6 @@
 #include "../flash_emu/prelude_emu.h"
 #include <random>
 #include <string>
-inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 #include "rows.cuh"
 
 template <typename T, int K>
