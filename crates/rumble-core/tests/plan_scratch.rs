@@ -314,3 +314,26 @@ fn per_node_scratch_beats_a_whole_step_workspace_on_a_training_step() {
     assert!(p.trace.inputs.iter().zip(&trace.inputs).all(|(a, b)| a.name == b.name && a.role == b.role));
     assert!(p.trace.inputs.iter().any(|i| i.role == InputRole::Param));
 }
+
+/// The fused loss's chunk buffers: the logits in the statistics dtype (f32 for bf16 operands),
+/// their gradient in the operands' dtype (what the matmuls after it read), nothing wider.
+#[test]
+fn linear_cross_entropy_scratch_holds_the_gradient_in_the_operand_dtype() {
+    let a = |n: usize| n.div_ceil(256) * 256;
+    let (n, c, v, chunk) = (64, 32, 1000, 16);
+    for (dt, tsz, ssz) in [(DType::BF16, 2, 4), (DType::F32, 4, 4), (DType::F64, 8, 8)] {
+        let x = TensorType::new(dt, vec![n, c]);
+        let w = TensorType::new(dt, vec![v, c]);
+        let tg = TensorType::new(DType::I64, vec![n]);
+        let dloss = TensorType::scalar(if dt == DType::F64 { DType::F64 } else { DType::F32 });
+        let (logits, grad) = (a(chunk * v * ssz), a(chunk * v * tsz));
+        let fwd = Op::LinearCrossEntropy { ignore_index: -100, chunk };
+        assert_eq!(fwd.scratch_bytes(&[&x, &w, &tg]), logits + a(n * 8) + a(n * 4), "{dt:?} forward");
+        let lse = TensorType::new(dloss.dtype, vec![n]);
+        let bwd = Op::LinearCrossEntropyBackward { ignore_index: -100, chunk };
+        assert_eq!(bwd.scratch_bytes(&[&x, &w, &tg, &lse, &dloss]), logits + grad + a(4), "{dt:?} backward");
+        let both = Op::LinearCrossEntropyGrad { ignore_index: -100, chunk };
+        let want = logits + grad + a(4) + a(n * 8) + a(n * 4) + a(n * ssz);
+        assert_eq!(both.scratch_bytes(&[&x, &w, &tg, &dloss]), want, "{dt:?} fused gradient");
+    }
+}

@@ -469,20 +469,22 @@ impl Op {
     pub fn scratch_bytes(&self, args: &[&TensorType]) -> usize {
         match self {
             // One chunk of logits in the statistics dtype, per-row losses (8 bytes) and flags
-            // (4 bytes); the backward holds the chunk's logits and their gradient, and a count;
-            // the fused gradient all of these and each row's log-sum-exp. Each piece 256-byte
-            // aligned, in this order (the CUDA recipe lays it out so).
+            // (4 bytes); the backward holds the chunk's logits and their gradient (in the
+            // operands' dtype, as the matmuls after it read it), and a count; the fused
+            // gradient all of these and each row's log-sum-exp. Each piece 256-byte aligned, in
+            // this order (the CUDA recipe lays it out so).
             Op::LinearCrossEntropy { chunk, .. }
             | Op::LinearCrossEntropyBackward { chunk, .. }
             | Op::LinearCrossEntropyGrad { chunk, .. } => {
                 let a = |n: usize| n.div_ceil(256) * 256;
                 let (n, v) = (args[0].dims()[0], args[1].dims()[0]);
-                let ssz = stat_dtype(args[0].dtype).size_in_bytes();
-                let logits = a((*chunk).clamp(1, n.max(1)) * v * ssz);
+                let (tsz, ssz) = (args[0].dtype.size_in_bytes(), stat_dtype(args[0].dtype).size_in_bytes());
+                let rows = (*chunk).clamp(1, n.max(1));
+                let (logits, grad) = (a(rows * v * ssz), a(rows * v * tsz));
                 match self {
                     Op::LinearCrossEntropy { .. } => logits + a(n * 8) + a(n * 4),
-                    Op::LinearCrossEntropyBackward { .. } => 2 * logits + a(4),
-                    _ => 2 * logits + a(4) + a(n * 8) + a(n * 4) + a(n * ssz),
+                    Op::LinearCrossEntropyBackward { .. } => logits + grad + a(4),
+                    _ => logits + grad + a(4) + a(n * 8) + a(n * 4) + a(n * ssz),
                 }
             }
             // The prologue's rows, where a backend makes them before a library matmul.

@@ -248,11 +248,11 @@ fn linear_ce(b: &mut Builder, at: &[&TensorType], ignore: i64, chunk: usize, pas
         b.matmul(k, Arg::InAt(0, r0 * c * tsz), Arg::In(1), Arg::Node(logits), ws, 0.0);
     };
     // Node scratch in Op::scratch_bytes's order: the logits; the backward's logit gradient
-    // (written straight in the operand dtype: its slot is sized for the f32 logits) and count
-    // of targets; the forward's per-row losses and flags; both passes' log-sum-exp.
+    // (written straight in the operand dtype, which the matmuls after it read) and count of
+    // targets; the forward's per-row losses and flags; both passes' log-sum-exp.
     let (mut dl, mut count) = (0, 0);
     if backward {
-        dl = b.node(chunk * v * ssz);
+        dl = b.node(chunk * v * tsz);
         count = b.node(4);
         let args = vec![Arg::In(2), Arg::Node(count), Arg::I64(n as i64), Arg::I64(ignore)];
         b.k(KernelFile::Rows, format!("cross_entropy_count_{i_name}"), (1, 1, 1), 256, 0, args)?;
