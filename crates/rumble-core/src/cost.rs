@@ -295,8 +295,9 @@ impl Roofline {
     /// Seconds of one matmul: the tensor cores' time at the tile-and-wave efficiency of its
     /// shape, or the time to stream its operands and result, whichever is longer, plus a
     /// launch. A dimension smaller than the tile gets a tile cut to it (in steps of 16, as
-    /// libraries keep narrow tiles for skinny shapes); too few tiles to fill the device split
-    /// `k` over the idle multiprocessors (split-K, at least 256 of `k` each).
+    /// libraries keep narrow tiles for skinny shapes); a last wave of tiles that leaves
+    /// multiprocessors idle is filled by splitting `k` (split-K or stream-K: of the splits up to
+    /// 16, at least 256 of `k` each, the one that wastes the fewest tile slots).
     pub fn matmul_seconds(&self, s: &MatmulShape) -> f64 {
         let r = &self.rates;
         if s.m == 0 || s.n == 0 || s.batch == 0 {
@@ -319,9 +320,13 @@ impl Roofline {
         let tn = r.tile.1.clamp(1, s.n.next_multiple_of(16));
         let sms = r.multiprocessors.max(1);
         let tiles = s.batch * s.m.div_ceil(tm) * s.n.div_ceil(tn);
-        let split = if tiles < sms { (sms / tiles).min(s.k / 256).max(1) } else { 1 };
-        let slots = (tiles * split).div_ceil(sms) * sms * tm * tn;
-        let efficiency = ((s.batch * s.m * s.n * split) as f64 / slots as f64).min(1.0);
+        // Split-K (or stream-K) over the deep dimension fills a last partial wave: the split of
+        // at most 16 (and 256 of k a split) that wastes the fewest tile slots.
+        let eff = |split: usize| {
+            let slots = (tiles * split).div_ceil(sms) * sms * tm * tn;
+            ((s.batch * s.m * s.n * split) as f64 / slots as f64).min(1.0)
+        };
+        let efficiency = (1..=(s.k / 256).clamp(1, 16)).map(eff).fold(0.0, f64::max);
         let flops = 2.0 * (s.batch * s.m * s.n * s.k) as f64;
         flops / (r.matmul_rate(s.dtype) * efficiency)
     }
@@ -654,6 +659,30 @@ mod tests {
         };
         let rate = 2.0 * 8192f64.powi(3) / r.matmul_seconds(&s);
         assert!(rate > 0.9 * 790e12 && rate <= 790e12, "{rate:e}");
+    }
+
+    #[test]
+    fn a_deep_matmuls_last_partial_wave_is_filled_by_splitting_k() {
+        // The loss's dx matmul of Mistral-Nemo's shape (k = the vocabulary): a few waves of
+        // tiles, the last one partial, at any chunk of rows; split-K (or stream-K) fills it, so
+        // no chunk is priced far below the tensor cores' rate (a step where the tiles first
+        // reach the multiprocessors' count would make chunk choices of it).
+        let r = Roofline::default();
+        for m in [128, 256, 384, 512, 1024, 2048] {
+            let s = MatmulShape {
+                dtype: DType::BF16,
+                out: DType::BF16,
+                ta: false,
+                tb: false,
+                batch: 1,
+                m,
+                n: 5120,
+                k: 131072,
+            };
+            let rate = 2.0 * (m * 5120 * 131072) as f64 / r.matmul_compute_seconds(&s);
+            let peak = r.rates.matmul_rate(DType::BF16);
+            assert!(rate >= 0.9 * peak && rate <= peak * (1.0 + 1e-12), "{m} rows: {:.3} of the rate", rate / peak);
+        }
     }
 
     #[test]

@@ -16,11 +16,14 @@
 //!   cost model measures on the device: `CostModel::is_measured`), the fastest of those within
 //!   [`PEAK_TOLERANCE`] of their smallest peak;
 //! - [`Budget::Bytes`]: the fastest plan whose peak fits, recomputing where that is what
-//!   makes it fit; an error naming the smallest feasible peak if none does;
+//!   makes it fit; where none of those fits, `Min`'s plan if it does (recomputing as much as
+//!   lowers the peak can fit where recomputing just what the model priced as enough did not);
+//!   an error naming the smallest feasible peak if none does;
 //! - [`Budget::Auto`]: `Bytes` of the device's free memory less [`AUTO_MARGIN`] of it, or
 //!   `Fastest` where the free memory is not known (the CPU);
-//! - [`Budget::Min`]: the smallest peak (every recomputation that lowers it), the fastest
-//!   among peaks within [`PEAK_TOLERANCE`] of it.
+//! - [`Budget::Min`]: the smallest peak (the recomputations that lower it most, as planned:
+//!   `remat_costed` plans prefixes of its takes where taking them all measures higher), the
+//!   fastest among peaks within [`PEAK_TOLERANCE`] of it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -247,7 +250,13 @@ pub fn choose(alts: &[Alternative], opts: &CompileOptions, cost: &dyn CostModel)
         }
         None => {
             // The smallest feasible peak (the `min` plan is within PEAK_TOLERANCE of it).
-            let (least, _) = min_peak(alts, opts, cost)?;
+            let (mut least, least_lines) = min_peak(alts, opts, cost)?;
+            // Recomputing everything that lowers the peak can fit where recomputing just
+            // enough (as the model predicted it) did not.
+            if least.peak() <= b {
+                least.planned.report.budget_bytes = Some(b);
+                return Ok((least, lines.into_iter().chain(least_lines).collect()));
+            }
             Err(Error::Plan(format!(
                 "the memory budget of {} cannot be met: the smallest feasible peak is {} ({} bytes{}{})",
                 fmt_bytes(b),

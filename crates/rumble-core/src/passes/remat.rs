@@ -147,6 +147,10 @@ fn is_recomputable(op: &Op) -> bool {
     )
 }
 
+/// How many evenly spaced prefixes of a round's takes [`remat_costed`] plans where the whole
+/// sequence misses its target.
+const PREFIXES: usize = 16;
+
 /// [`remat`], with `cost` pricing each candidate in a budget (and letting the budget recompute
 /// matmuls); `None` prices by FLOPs and keeps to cheap ops.
 pub fn remat_costed(
@@ -184,7 +188,27 @@ pub fn remat_costed(
         let mut model = Model::new(trace, &lt, cost);
         candidates = model.cands.len();
         let chosen = model.choose(goal, price);
-        let round = apply(trace, &model, &chosen, opts)?;
+        let mut round = apply(trace, &model, &chosen, opts)?;
+        // The model's LOAD falls with every take, the measured one need not: where the whole
+        // sequence misses the target, a shorter prefix of it (the takes a higher goal would
+        // make) may measure lower. Try a few: the shortest that meets the target (the fewest
+        // recomputations), else the lowest.
+        if round.load > target && mode != Remat::Auto && chosen.len() > 1 {
+            for i in 1..PREFIXES {
+                let k = chosen.len() * i / PREFIXES;
+                if k == 0 {
+                    continue;
+                }
+                let r = apply(trace, &model, &chosen[..k], opts)?;
+                if r.load <= target {
+                    round = r;
+                    break;
+                }
+                if r.load < round.load {
+                    round = r;
+                }
+            }
+        }
         let after = round.load;
         let better = best.as_ref().is_none_or(|b| after < b.load);
         let done = after <= target || chosen.len() == candidates || mode == Remat::Auto;
