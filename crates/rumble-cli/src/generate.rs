@@ -111,9 +111,20 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if let Some(e) = failed {
         return Err(e);
     }
+    // Ids the tokenizer has no text for, said once a sequence (after its text).
+    let notes = || {
+        for (i, generated) in done.tokens.iter().enumerate() {
+            if let Some(past) = tokens::past_vocabulary(&tok, generated) {
+                let which = if texts.len() > 1 { format!(" (prompt {})", i + 1) } else { String::new() };
+                eprintln!("{}{which}", tokens::past_vocabulary_note(&tok, past));
+            }
+        }
+    };
     if stream {
         let _ = out.write_all(&detok.finish()?);
         let _ = writeln!(out);
+        let _ = out.flush();
+        notes();
         eprintln!(
             "{} tokens on {}: first after {:.1} ms, then {:.1} tokens/s",
             done.tokens[0].len(),
@@ -129,6 +140,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                           "first_token_ms": done.first_token_s * 1e3, "device": g.device().to_string()});
         let _ = writeln!(out, "{line}");
     }
+    let _ = out.flush();
+    notes();
     Ok(())
 }
 

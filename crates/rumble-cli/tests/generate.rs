@@ -2,7 +2,7 @@
 //! few steps), generation streams the prompt and its continuation, agrees with the JSON form,
 //! decodes a JSONL batch, and refuses bad input with a one-line error; a Hugging Face folder
 //! (sharded, with a tokenizer.json) generates through its tokenizer, text streamed as whole
-//! characters; `--bench` reports no bandwidth when no decode step ran, and `--profile` is
+//! characters; ids past a byte-level run's 256 show as U+FFFD with a note; `--bench` reports no bandwidth when no decode step ran, and `--profile` is
 //! refused on the CPU.
 
 mod common;
@@ -78,6 +78,51 @@ fn train_then_generate_streams_and_batches() {
     std::fs::write(&file, "{\"text\": 1}\n").unwrap();
     let (ok, _, stderr) = rumble(&["generate", "--model", o, "--prompts", file.to_str().unwrap(), "--device", "cpu"]);
     assert!(!ok && stderr.contains("prompts.jsonl:1: needs a \"prompt\" string"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A byte-level run of a model configured with more than 256 ids: the ids past the bytes print
+/// as U+FFFD, and a note says how many there were.
+#[test]
+fn ids_past_the_byte_vocabulary_show_and_are_noted() {
+    let dir = tmp("cli", "generate-past");
+    let o = dir.join("run");
+    let config = dir.join("config.json");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        &config,
+        r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let (c, o) = (config.to_str().unwrap(), o.to_str().unwrap());
+    let (ok, _, stderr) =
+        rumble(&["train", "--config", c, "--steps", "1", "--batch", "1", "--seq", "16", "--out", o, "--device", "cpu"]);
+    assert!(ok, "{stderr}");
+    let base =
+        ["generate", "--model", o, "--prompt", "ab", "--max-new-tokens", "32", "--temperature", "1", "--device", "cpu"];
+    let (ok, js, stderr) = rumble(&[&base[..], &["--json"]].concat());
+    assert!(ok, "{stderr}");
+    let line = &lines(&js)[0];
+    let ids: Vec<u64> = line["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let past = ids.iter().filter(|&&t| t >= 256).count();
+    assert!(past > 0, "random weights over 512 ids sample some past the bytes: {line}");
+    // Each id its byte, or the replacement character's three.
+    let mut want = Vec::new();
+    for &t in &ids {
+        match u8::try_from(t) {
+            Ok(b) => want.push(b),
+            Err(_) => want.extend("\u{FFFD}".as_bytes()),
+        }
+    }
+    let completion = String::from_utf8_lossy(&want);
+    assert_eq!(line["completion"].as_str().unwrap(), completion);
+    assert!(stderr.contains(&format!("note: {past} generated id(s)")) && stderr.contains("256 byte ids"), "{stderr}");
+    let (ok, streamed, stderr) = rumble(&base);
+    assert!(ok, "{stderr}");
+    assert_eq!(streamed, format!("ab{completion}\n"), "the stream shows them too");
+    assert!(stderr.contains("no tokenizer.json"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -62,7 +62,9 @@ pub fn eos_ids(dir: &Path) -> Result<Vec<i64>> {
 const CONTEXT: usize = 5;
 
 /// Turns a sequence's generated ids into the bytes to print, as they come. Byte-level ids are
-/// their bytes. Otherwise the ids are decoded together with a few tokens before them, and the
+/// their bytes, and an id past them (a model whose vocabulary is larger than the 256 bytes it
+/// was trained on) prints as U+FFFD, the replacement character, so that it shows; callers say
+/// so ([`past_vocabulary`]). Otherwise the ids are decoded together with a few tokens before them, and the
 /// text is held back while it ends in an incomplete character (a byte-fallback or byte-level
 /// token may carry part of one); special tokens are left out.
 pub struct Detokenizer<'a> {
@@ -84,7 +86,7 @@ impl<'a> Detokenizer<'a> {
     /// The bytes new token `id` completes (maybe none yet).
     pub fn push(&mut self, id: i64) -> Result<Vec<u8>> {
         if self.tok.is_bytes() {
-            return Ok(u8::try_from(id).map(|b| vec![b]).unwrap_or_default());
+            return Ok(u8::try_from(id).map(|b| vec![b]).unwrap_or_else(|_| REPLACEMENT.as_bytes().to_vec()));
         }
         self.ids.push(id as u32);
         self.emit(false)
@@ -110,6 +112,27 @@ impl<'a> Detokenizer<'a> {
         self.read = self.ids.len();
         Ok(out)
     }
+}
+
+/// What a byte-level [`Detokenizer`] prints for an id that is not a byte.
+const REPLACEMENT: &str = "\u{FFFD}";
+
+/// How many of `generated` lie past the ids `tok` can produce, and the first of them: a note
+/// for the user where there are any (a byte-level run of a model configured with a larger
+/// vocabulary samples them until it has learnt not to).
+pub fn past_vocabulary(tok: &Tokenizer, generated: &[i64]) -> Option<(usize, i64)> {
+    let n = tok.vocab_size() as i64;
+    let past: Vec<i64> = generated.iter().copied().filter(|&id| id >= n).collect();
+    past.first().map(|&first| (past.len(), first))
+}
+
+/// The note [`past_vocabulary`]'s count and first id make.
+pub fn past_vocabulary_note(tok: &Tokenizer, (count, first): (usize, i64)) -> String {
+    let what = match tok.file() {
+        None => "the 256 byte ids (the folder has no tokenizer.json); they print as U+FFFD".to_string(),
+        Some(f) => format!("the {} ids of {}; the tokenizer leaves them out", tok.vocab_size(), f.display()),
+    };
+    format!("note: {count} generated id(s) (the first {first}) lie past {what}")
 }
 
 /// The text of a sequence's generated ids after `prompt`, as a [`Detokenizer`] streams it.
