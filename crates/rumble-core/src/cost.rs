@@ -583,6 +583,11 @@ mod tests {
         TensorType::new(dtype, Shape::from(dims))
     }
 
+    /// A bf16 `m x k` by `k x n` matmul with a bf16 result.
+    fn bf16_nn(m: usize, n: usize, k: usize) -> MatmulShape {
+        MatmulShape { dtype: DType::BF16, out: DType::BF16, ta: false, tb: false, batch: 1, m, n, k }
+    }
+
     #[test]
     fn a_collective_costs_the_step_only_what_the_nodes_before_its_join_do_not_cover() {
         use crate::ir::{Graph, OutputRole};
@@ -647,17 +652,7 @@ mod tests {
         let thin: f64 = (0..32).map(|_| r.matmul_seconds(&at(128))).sum();
         assert!(thin > 1.3 * wide, "32 thin matmuls {thin:e} s vs one wide {wide:e} s");
         // A big square matmul runs near the bf16 rate.
-        let s = MatmulShape {
-            dtype: DType::BF16,
-            out: DType::BF16,
-            ta: false,
-            tb: false,
-            batch: 1,
-            m: 8192,
-            n: 8192,
-            k: 8192,
-        };
-        let rate = 2.0 * 8192f64.powi(3) / r.matmul_seconds(&s);
+        let rate = 2.0 * 8192f64.powi(3) / r.matmul_seconds(&bf16_nn(8192, 8192, 8192));
         assert!(rate > 0.9 * 790e12 && rate <= 790e12, "{rate:e}");
     }
 
@@ -669,17 +664,7 @@ mod tests {
         // reach the multiprocessors' count would make chunk choices of it).
         let r = Roofline::default();
         for m in [128, 256, 384, 512, 1024, 2048] {
-            let s = MatmulShape {
-                dtype: DType::BF16,
-                out: DType::BF16,
-                ta: false,
-                tb: false,
-                batch: 1,
-                m,
-                n: 5120,
-                k: 131072,
-            };
-            let rate = 2.0 * (m * 5120 * 131072) as f64 / r.matmul_compute_seconds(&s);
+            let rate = 2.0 * (m * 5120 * 131072) as f64 / r.matmul_compute_seconds(&bf16_nn(m, 5120, 131072));
             let peak = r.rates.matmul_rate(DType::BF16);
             assert!(rate >= 0.9 * peak && rate <= peak * (1.0 + 1e-12), "{m} rows: {:.3} of the rate", rate / peak);
         }
