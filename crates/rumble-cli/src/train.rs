@@ -367,6 +367,13 @@ fn train(a: TrainArgs, device: DeviceChoice, launch: &crate::launch::Launch) -> 
     // The data is read (and its windows checked) before anything is allocated for the step.
     let mut data = DataSource::new(&a, &tokenizer, cfg.vocab_size, longest, &r.name)?;
     data.check_window(longest)?;
+    if longest > cfg.max_position_embeddings {
+        note!(
+            "note: sequences of {longest} tokens are longer than the model's max_position_embeddings ({}): it meets \
+             positions it was not trained on (RoPE extrapolates)",
+            cfg.max_position_embeddings
+        );
+    }
     rumble_models::trainer::check_hyper(&step_cfg, &schedule)?;
     crate::common::check_weights_fit(&r.name, &cfg, &step_cfg)?;
     crate::common::check_step_fits(&r, true)?;

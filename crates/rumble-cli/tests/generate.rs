@@ -82,7 +82,8 @@ fn train_then_generate_streams_and_batches() {
 }
 
 /// A byte-level run of a model configured with more than 256 ids: the ids past the bytes print
-/// as U+FFFD, and a note says how many there were.
+/// as U+FFFD, and a note says how many there were. (Its training, on sequences longer than
+/// `max_position_embeddings`, notes that too.)
 #[test]
 fn ids_past_the_byte_vocabulary_show_and_are_noted() {
     let dir = tmp("cli", "generate-past");
@@ -93,13 +94,14 @@ fn ids_past_the_byte_vocabulary_show_and_are_noted() {
         &config,
         r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 32,
             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+            "max_position_embeddings": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
     )
     .unwrap();
     let (c, o) = (config.to_str().unwrap(), o.to_str().unwrap());
     let (ok, _, stderr) =
         rumble(&["train", "--config", c, "--steps", "1", "--batch", "1", "--seq", "16", "--out", o, "--device", "cpu"]);
     assert!(ok, "{stderr}");
+    assert!(stderr.contains("longer than the model's max_position_embeddings (8)"), "{stderr}");
     let base =
         ["generate", "--model", o, "--prompt", "ab", "--max-new-tokens", "32", "--temperature", "1", "--device", "cpu"];
     let (ok, js, stderr) = rumble(&[&base[..], &["--json"]].concat());
