@@ -2,8 +2,8 @@
 //! few steps), generation streams the prompt and its continuation, agrees with the JSON form,
 //! decodes a JSONL batch, and refuses bad input with a one-line error; a Hugging Face folder
 //! (sharded, with a tokenizer.json) generates through its tokenizer, text streamed as whole
-//! characters; ids past a byte-level run's 256 show as U+FFFD with a note; `--bench` reports no bandwidth when no decode step ran, and `--profile` is
-//! refused on the CPU.
+//! characters; ids past a byte-level run's 256 show as U+FFFD with a note; `--bench` reports
+//! no bandwidth when no decode step ran, and `--profile` is refused on the CPU.
 
 mod common;
 

@@ -602,23 +602,27 @@ CE_SPLIT_BWD(double, f64, double, f64, i64, i64)
     pdl_enter();                                                                                               \
     rms_norm_block<T>(x, w, y, rows, d, eps);                                                                   \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_##SUF(const T* x, const T* w, const T* dy, T* dx,                \
-                                                     Acc<T>::t* part, i64 rows, i64 d, double eps) {            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                            \
+      rms_norm_backward_##SUF(const T* x, const T* w, const T* dy, T* dx,                                       \
+          Acc<T>::t* part, i64 rows, i64 d, double eps) {                                                       \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, false, 1>(x, w, dy, nullptr, dx, part, rows, d, eps);                                       \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_acc_##SUF(const T* x, const T* w, const T* dy, const T* add,     \
-                                                         T* dx, Acc<T>::t* part, i64 rows, i64 d, double eps) { \
+  extern "C" __global__ void __launch_bounds__(1024)                                                            \
+      rms_norm_backward_acc_##SUF(const T* x, const T* w, const T* dy, const T* add, T* dx,                     \
+          Acc<T>::t* part, i64 rows, i64 d, double eps) {                                                       \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, true, 1>(x, w, dy, add, dx, part, rows, d, eps);                                            \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_wide_##SUF(const T* x, const T* w, const T* dy, T* dx,           \
-                                                          Acc<T>::t* part, i64 rows, i64 d, double eps) {       \
+  extern "C" __global__ void __launch_bounds__(1024)                                                            \
+      rms_norm_backward_wide_##SUF(const T* x, const T* w, const T* dy, T* dx,                                  \
+          Acc<T>::t* part, i64 rows, i64 d, double eps) {                                                       \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, false, RMS_BWD_WIDE>(x, w, dy, nullptr, dx, part, rows, d, eps);                            \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(1024) rms_norm_backward_wide_acc_##SUF(const T* x, const T* w, const T* dy, const T* add, \
-                                                              T* dx, Acc<T>::t* part, i64 rows, i64 d, double eps) { \
+  extern "C" __global__ void __launch_bounds__(1024)                                                            \
+      rms_norm_backward_wide_acc_##SUF(const T* x, const T* w, const T* dy, const T* add, T* dx,                \
+          Acc<T>::t* part, i64 rows, i64 d, double eps) {                                                       \
     pdl_enter();                                                                                                \
     rms_norm_bwd<T, true, RMS_BWD_WIDE>(x, w, dy, add, dx, part, rows, d, eps);                                 \
   }                                                                                                             \

@@ -122,8 +122,8 @@ const REPLACEMENT: &str = "\u{FFFD}";
 /// vocabulary samples them until it has learnt not to).
 pub fn past_vocabulary(tok: &Tokenizer, generated: &[i64]) -> Option<(usize, i64)> {
     let n = tok.vocab_size() as i64;
-    let past: Vec<i64> = generated.iter().copied().filter(|&id| id >= n).collect();
-    past.first().map(|&first| (past.len(), first))
+    let first = generated.iter().copied().find(|&id| id >= n)?;
+    Some((generated.iter().filter(|&&id| id >= n).count(), first))
 }
 
 /// The note [`past_vocabulary`]'s count and first id make.
